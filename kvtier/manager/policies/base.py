@@ -1,0 +1,68 @@
+"""Eviction policy plug-in contract and registry.
+
+A policy only orders keys; it never decides *whether* a key may go (pins, in-flight state):
+the manager passes ``evictable`` and the policy skips what it refuses. Every method must be
+O(1) amortised per key: no scan, sort or heap rebuild proportional to the cache size on the
+request path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Iterable
+
+from kvtier.manager.specs import BlockKey
+
+Evictable = Callable[[BlockKey], bool]
+
+
+class EvictionPolicy(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
+        """``key`` became resident. ``parent`` is the previous block of its prefix, if known."""
+
+    @abstractmethod
+    def access(self, key: BlockKey) -> None:
+        """``key`` was hit or touched."""
+
+    @abstractmethod
+    def remove(self, key: BlockKey) -> None:
+        """``key`` left the tier (evicted or invalidated). Unknown keys are ignored."""
+
+    @abstractmethod
+    def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
+        """Up to ``n`` resident keys to evict, best victim first, all passing ``evictable``.
+        The keys stay resident until ``remove`` is called for them."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    def keys(self) -> Iterable[BlockKey]:  # pragma: no cover - optional, for stats/tests
+        return ()
+
+
+_REGISTRY: dict[str, Callable[[int], EvictionPolicy]] = {}
+
+
+def register_policy(name: str, factory: Callable[[int], EvictionPolicy]) -> None:
+    """Register ``factory(capacity_blocks) -> EvictionPolicy`` under ``name``."""
+    _REGISTRY[name] = factory
+
+
+def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; allowed: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+    return factory(capacity_blocks)
+
+
+def policy_names() -> list[str]:
+    return sorted(_REGISTRY)

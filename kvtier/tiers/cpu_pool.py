@@ -1,0 +1,130 @@
+"""The CPU tier's memory: a pool of fixed-size slots, pinned when CUDA is present.
+
+Pinning a large pool (hundreds of GiB) takes minutes (vLLM #42632), so the pool is made of
+chunks allocated by a background thread, lowest slots first. Start-up returns at once; a copy
+into a slot whose chunk is not ready yet waits for that chunk (on the transfer thread, never
+on the engine thread), and the log reports allocation progress. The manager hands out the
+lowest free slot ids first, so early traffic lands in the first chunks.
+
+This module owns bytes only. Which slot holds which block is the manager's business; the
+slot lifecycle (free -> writing -> ready -> loading) lives there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from kvtier.tiers.layout import BlockGeometry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+class CpuBlockPool:
+    def __init__(
+        self,
+        geometry: BlockGeometry,
+        num_slots: int,
+        *,
+        pin: bool | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        background: bool = True,
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"CPU pool needs at least one slot, got {num_slots}")
+        self.geometry = geometry
+        self.num_slots = num_slots
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.slots_per_chunk = max(1, chunk_bytes // geometry.block_bytes)
+        n_chunks = -(-num_slots // self.slots_per_chunk)
+        self._chunks: list[torch.Tensor | None] = [None] * n_chunks
+        self._ready = [threading.Event() for _ in range(n_chunks)]
+        self._error: BaseException | None = None
+        self.allocated_bytes = 0
+        if background and n_chunks > 1:
+            self._allocate_chunk(0)
+            self._thread = threading.Thread(
+                target=self._allocate_rest, name="kvtier-cpu-pool-alloc", daemon=True
+            )
+            self._thread.start()
+        else:
+            for i in range(n_chunks):
+                self._allocate_chunk(i)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.geometry.block_bytes
+
+    def _chunk_slots(self, index: int) -> int:
+        return min(self.slots_per_chunk, self.num_slots - index * self.slots_per_chunk)
+
+    def _allocate_chunk(self, index: int) -> None:
+        n = self._chunk_slots(index)
+        t = torch.empty((n, self.geometry.block_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        self._chunks[index] = t
+        self.allocated_bytes += t.numel()
+        self._ready[index].set()
+
+    def _allocate_rest(self) -> None:
+        start = time.monotonic()
+        total = len(self._chunks)
+        try:
+            for i in range(1, total):
+                self._allocate_chunk(i)
+                if i % 16 == 0 or i == total - 1:
+                    log.info(
+                        "kvtier CPU pool: %d/%d chunks (%.1f GiB%s) after %.1fs",
+                        i + 1, total, self.allocated_bytes / 2**30,
+                        ", pinned" if self.pin else "", time.monotonic() - start,
+                    )
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiter
+            self._error = exc
+            log.error("kvtier CPU pool allocation failed: %s", exc)
+            for ev in self._ready:
+                ev.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every chunk is allocated (tests and benchmarks)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ev in self._ready:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not ev.wait(left):
+                return False
+        if self._error:
+            raise RuntimeError("CPU pool allocation failed") from self._error
+        return True
+
+    def _chunk(self, index: int) -> torch.Tensor:
+        self._ready[index].wait()
+        chunk = self._chunks[index]
+        if chunk is None:
+            raise RuntimeError("CPU pool allocation failed") from self._error
+        return chunk
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """Flat uint8 bytes of one slot (a view, no copy)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        c, i = divmod(slot, self.slots_per_chunk)
+        return self._chunk(c)[i]
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """One slot as ``[layer, kv_part, engine_block, page_bytes]``."""
+        return self.slot(slot).view(self.geometry.slot_shape)
+
+    def group_by_chunk(self, slots: list[int]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """Split slot ids by chunk: ``(chunk tensor, positions in ``slots``, rows in chunk)``."""
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, s in enumerate(slots):
+            if not 0 <= s < self.num_slots:
+                raise IndexError(f"slot {s} out of range [0, {self.num_slots})")
+            c, i = divmod(s, self.slots_per_chunk)
+            g = groups.setdefault(c, ([], []))
+            g[0].append(pos)
+            g[1].append(i)
+        return [(self._chunk(c), pos, rows) for c, (pos, rows) in sorted(groups.items())]
