@@ -1,0 +1,30 @@
+"""kvtier settings: YAML / dict / environment in, validated frozen dataclasses out."""
+
+from kvtier.config.errors import ConfigError
+from kvtier.config.env import ENV_OVERRIDES
+from kvtier.config.loader import load_config
+from kvtier.config.schema import (
+    COMPRESSIONS,
+    EVICTION_POLICIES,
+    AdmissionConfig,
+    CpuTierConfig,
+    DiskTierConfig,
+    KvtierConfig,
+    StatsConfig,
+)
+from kvtier.config.sizes import format_size, parse_size
+
+__all__ = [
+    "COMPRESSIONS",
+    "ENV_OVERRIDES",
+    "EVICTION_POLICIES",
+    "AdmissionConfig",
+    "ConfigError",
+    "CpuTierConfig",
+    "DiskTierConfig",
+    "KvtierConfig",
+    "StatsConfig",
+    "format_size",
+    "load_config",
+    "parse_size",
+]

@@ -64,6 +64,7 @@ class RequestContext:
     offload_ratio: float | None = None  # per-request override of admission.offload_ratio
     max_offload_tokens: int | None = None
     block_tokens: int = 0
+    parent_key: BlockKey | None = None  # block before the first key of this call, if any
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,238 @@
+"""Offline replay of a request trace against eviction/admission plug-ins (no tensors, no I/O).
+
+One cache of ``capacity`` blocks with prefix semantics: a request hits the longest resident
+prefix of its keys; the rest is then stored, admission permitting, evicting through the policy
+when full. The plug-ins are driven through exactly the calls the real manager makes
+(``record_lookup``/``on_hit``/``on_evict``/``admit`` and ``insert(key, parent)``/``access``/
+``remove``/``victims(n, evictable)``), so a policy that wins here wins there.
+
+Replay conventions (the manager should follow the same ones):
+
+- hits are touched last-to-first, so a prefix's first block ends up the most recent
+  (vLLM's ``touch`` does the same: a root is needed whenever any of its descendants is);
+- new blocks are stored in prompt order after the hits were touched;
+- storing stops at the first block admission refuses: under prefix semantics the blocks behind a
+  missing one are unreachable until it is stored, so writing them wastes bandwidth;
+- the request's own hit blocks are pinned (being loaded) while room is made.
+
+Run ``python -m kvtier.bench.policy_sim --help`` for the comparison table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from kvtier.bench.trace import TraceRequest, load_trace
+from kvtier.manager.admission import AdmissionPolicy, make_admission
+from kvtier.manager.policies import EvictionPolicy, make_policy
+
+
+@dataclass
+class SimResult:
+    policy: str
+    capacity: int
+    blocks: int = 0  # blocks looked up
+    hit_blocks: int = 0
+    tokens: int = 0
+    hit_tokens: int = 0
+    written: int = 0  # blocks stored into the cache
+    wasted: int = 0  # written blocks evicted before their first hit
+    evicted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hit_rate=self.hit_rate, token_hit_rate=self.token_hit_rate)
+        return d
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``"eviction[+admission]"`` -> names; admission defaults to ``all``."""
+    eviction, _, admission = spec.partition("+")
+    return eviction.strip(), (admission.strip() or "all")
+
+
+class _Cache:
+    """The replayed tier: residency, hit bookkeeping, and the two plug-ins."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy, admission: AdmissionPolicy) -> None:
+        self.capacity = capacity
+        self.policy = policy
+        self.admission = admission
+        self.hits_since_store: dict[int, int] = {}  # resident key -> hits since written
+
+    def evict(self, n: int, pinned: set[int], res: SimResult) -> int:
+        victims = self.policy.victims(n, lambda k: k not in pinned) if n > 0 else []
+        for v in victims:
+            if v not in self.hits_since_store or v in pinned:
+                raise RuntimeError(f"policy {self.policy.name!r} offered a non-evictable key {v!r}")
+            if self.hits_since_store.pop(v) == 0:
+                res.wasted += 1
+            self.policy.remove(v)
+            self.admission.on_evict(v)
+        res.evicted += len(victims)
+        return len(victims)
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    capacity: int,
+    spec: str = "lru",
+    policy: EvictionPolicy | None = None,
+    admission: AdmissionPolicy | None = None,
+) -> SimResult:
+    """Replay ``trace`` through one tier of ``capacity`` blocks using the plug-ins named by
+    ``spec`` (or the given instances)."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+    ev_name, adm_name = parse_spec(spec)
+    if policy is None:
+        policy = make_policy(ev_name, capacity)
+    if admission is None:
+        admission = make_admission(adm_name, threshold=2, capacity_blocks=capacity)
+    cache = _Cache(capacity, policy, admission)
+    resident = cache.hits_since_store
+    res = SimResult(spec, capacity)
+    t0 = time.perf_counter()
+    for req in trace:
+        keys = req.hash_ids
+        n = len(keys)
+        res.blocks += n
+        res.tokens += req.input_length
+        admission.record_lookup(keys)
+        k = 0
+        while k < n and keys[k] in resident:
+            k += 1
+        for i in range(k - 1, -1, -1):
+            key = keys[i]
+            resident[key] += 1
+            admission.on_hit(key)
+            policy.access(key)
+            res.hit_tokens += req.block_tokens(i)
+        res.hit_blocks += k
+        if k == n:
+            continue
+        to_store: list[int] = []
+        for i in range(k, n):
+            key = keys[i]
+            if key in resident:  # resident behind a gap: keep it, it becomes reachable again
+                policy.access(key)
+                continue
+            if not admission.admit(key):
+                break
+            to_store.append(i)
+        if not to_store:
+            continue
+        pinned = set(keys[:k])
+        need = len(resident) + len(to_store) - capacity
+        if need > 0:
+            got = cache.evict(need, pinned, res)
+            if got < need:  # too little evictable room: store the leading part that fits
+                del to_store[len(to_store) - (need - got):]
+        for i in to_store:
+            key = keys[i]
+            resident[key] = 0
+            policy.insert(key, keys[i - 1] if i else None)
+        res.written += len(to_store)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def infinite(trace: Sequence[TraceRequest]) -> SimResult:
+    """Hit rate of an unbounded cache (the ceiling of every policy)."""
+    seen: set[int] = set()
+    res = SimResult("infinite", 0)
+    for req in trace:
+        keys = req.hash_ids
+        k = 0
+        while k < len(keys) and keys[k] in seen:
+            res.hit_tokens += req.block_tokens(k)
+            k += 1
+        res.hit_blocks += k
+        res.blocks += len(keys)
+        res.tokens += req.input_length
+        res.written += sum(1 for key in keys[k:] if key not in seen)
+        seen.update(keys)
+    return res
+
+
+def gap_closed(res: SimResult, lru: SimResult, best: SimResult) -> float | None:
+    """Share of the LRU -> Belady hit-rate gap that ``res`` closes (None if there is no gap)."""
+    gap = best.hit_rate - lru.hit_rate
+    return None if gap <= 1e-12 else (res.hit_rate - lru.hit_rate) / gap
+
+
+def compare(trace: Sequence[TraceRequest], capacities: Sequence[int], specs: Sequence[str]) -> list[SimResult]:
+    from kvtier.bench.belady import belady
+
+    out: list[SimResult] = []
+    for c in capacities:
+        for spec in specs:
+            out.append(simulate(trace, c, spec))
+        out.append(belady(trace, c, skip_unused=False))
+        out.append(belady(trace, c, skip_unused=True))
+    return out
+
+
+def format_table(results: Sequence[SimResult], ceiling: SimResult | None = None) -> str:
+    """Markdown: one row per (capacity, policy); gap closed is relative to LRU and Belady."""
+    rows = [
+        "| C | policy | block hit | token hit | written | wasted | gap closed | writes vs LRU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by_c: dict[int, list[SimResult]] = {}
+    for r in results:
+        by_c.setdefault(r.capacity, []).append(r)
+    for c, rs in by_c.items():
+        lru = next((r for r in rs if r.policy == "lru"), None)
+        best = next((r for r in rs if r.policy.startswith("belady")), None)
+        for r in rs:
+            gap = gap_closed(r, lru, best) if lru and best else None
+            wr = f"{r.written / lru.written:.0%}" if lru and lru.written else "-"
+            rows.append(
+                f"| {c:,} | {r.policy} | {r.hit_rate:.1%} | {r.token_hit_rate:.1%} | "
+                f"{r.written / 1000:.1f}k | {r.wasted / 1000:.1f}k | "
+                f"{'-' if gap is None else f'{gap:.0%}'} | {wr} |"
+            )
+    if ceiling is not None:
+        rows.append(f"| inf | infinite | {ceiling.hit_rate:.1%} | {ceiling.token_hit_rate:.1%} | "
+                    f"{ceiling.written / 1000:.1f}k | - | - | - |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trace", required=True, help="Mooncake jsonl trace")
+    ap.add_argument("--capacity-blocks", default="1000,4000,16000")
+    ap.add_argument("--policies", default="lru,arc", help="comma list of eviction[+admission]")
+    ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    trace = load_trace(args.trace, args.limit)
+    caps = [int(c) for c in args.capacity_blocks.split(",") if c.strip()]
+    specs = [s for s in args.policies.split(",") if s.strip()]
+    results = compare(trace, caps, specs)
+    ceiling = infinite(trace)
+    if args.json:
+        json.dump([r.as_dict() for r in results + [ceiling]], sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(results, ceiling))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

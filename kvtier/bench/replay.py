@@ -1,0 +1,272 @@
+"""``kvtier bench``: replay a request trace through the real manager, transfer engine and tiers.
+
+Each trace block (512 tokens) is one kvtier block of synthetic KV bytes (bf16 noise seeded by
+the block's key, so every load can be checked byte for byte). A simulated engine keeps an LRU
+prefix cache of ``gpu_blocks`` engine blocks in front of kvtier (the "GPU" is host memory on a
+machine without CUDA: GPU<->CPU figures are then memcpy figures). Per request:
+
+1. the longest prefix already in the engine cache is a GPU hit;
+2. the next run is looked up in kvtier and loaded (CPU hit, or disk hit promoted via CPU);
+3. the rest is "computed" (written into engine blocks) and offered to kvtier for storing.
+
+Stores, demotions and deletions run asynchronously, as in the engine; loads are waited for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import xxhash
+
+from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from kvtier.config import KvtierConfig
+from kvtier.manager.factory import build_manager
+from kvtier.manager.specs import Medium, RequestContext
+from kvtier.runtime.snapshot import SnapshotWriter
+from kvtier.runtime.worker import WorkerRuntime
+from kvtier.tiers.gpu_view import GpuKvView
+from kvtier.tiers.layout import BlockGeometry
+
+BENCH_LAYERS = 4
+
+
+def bench_geometry(block_bytes: int) -> BlockGeometry:
+    page = block_bytes // (BENCH_LAYERS * 2)
+    if page <= 0 or page * BENCH_LAYERS * 2 != block_bytes or page % 2:
+        raise ValueError(f"block size must be a multiple of {BENCH_LAYERS * 4} bytes, got {block_bytes}")
+    return BlockGeometry(num_layers=BENCH_LAYERS, kv_parts=2, engine_blocks_per_block=1,
+                         page_bytes=page, dtype="bfloat16", model="kvtier-bench-synthetic")
+
+
+def block_key(hash_id: int) -> bytes:
+    return hash_id.to_bytes(8, "little")
+
+
+def synth_block(key: bytes, block_bytes: int) -> torch.Tensor:
+    """Deterministic KV-like bytes for ``key`` (bf16 noise: compresses like real KV)."""
+    g = torch.Generator().manual_seed(xxhash.xxh64_intdigest(key) & (2**63 - 1))
+    return torch.randn(block_bytes // 2, generator=g, dtype=torch.float32).to(torch.bfloat16).view(torch.uint8)
+
+
+@dataclass
+class BenchResult:
+    requests: int = 0
+    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("GPU", "CPU", "DISK", "MISS"), 0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("GPU", "CPU", "DISK", "MISS"), 0))
+    wrong_blocks: int = 0
+    failed_loads: int = 0
+    failed_jobs: int = 0
+    seconds: float = 0.0
+
+    def rates(self, what: dict[str, int]) -> dict[str, float]:
+        total = sum(what.values()) or 1
+        return {k: v / total for k, v in what.items()}
+
+
+class EngineCache:
+    """The simulated engine's own prefix cache: LRU over engine block ids, with pins."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.lru: OrderedDict[bytes, int] = OrderedDict()
+        self.free = list(range(num_blocks))
+        self.pins: dict[int, int] = {}
+
+    def prefix_hits(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self.lru:
+                break
+            self.lru.move_to_end(key)
+            n += 1
+        return n
+
+    def allocate(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Engine blocks for ``keys``, returned pinned (the caller unpins); None if every
+        candidate is pinned by an in-flight transfer (the caller waits and retries)."""
+        ids: list[int] = []
+        for key in keys:
+            block = self.lru.get(key)
+            if block is None:  # not resident further along the prompt: take a block
+                if not self.free:
+                    victim = next((k for k, b in self.lru.items() if not self.pins.get(b)), None)
+                    if victim is None:
+                        self.pin(ids, -1)
+                        return None
+                    self.free.append(self.lru.pop(victim))
+                block = self.free.pop()
+                self.lru[key] = block
+            self.lru.move_to_end(key)
+            self.pin([block], 1)
+            ids.append(block)
+        return ids
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            block = self.lru.pop(key, None)
+            if block is not None:
+                self.free.append(block)
+
+    def pin(self, ids: Sequence[int], delta: int) -> None:
+        for b in ids:
+            self.pins[b] = self.pins.get(b, 0) + delta
+
+
+class Replay:
+    def __init__(self, config: KvtierConfig, block_bytes: int, gpu_blocks: int) -> None:
+        self.geometry = bench_geometry(block_bytes)
+        g = self.geometry
+        self.gpu = {f"layer.{i}": torch.zeros((2, gpu_blocks, g.page_bytes), dtype=torch.uint8)
+                    for i in range(g.num_layers)}
+        self.view = GpuKvView(self.gpu, layout="kv_first")
+        self.worker = WorkerRuntime.create(config, self.view, g)
+        self.manager = build_manager(config, g.block_bytes, self.worker.disk_keys())
+        self.engine_cache = EngineCache(gpu_blocks)
+        self.result = BenchResult()
+        self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
+        self._background: dict[int, int] = {}
+        path = config.snapshot_path()
+        self.snapshot = SnapshotWriter(path, self.live_stats, config.stats.interval_s) if path else None
+
+    def live_stats(self) -> dict:
+        """What ``kvtier stats`` shows for this running instance."""
+        return {
+            "manager": self.manager.stats.snapshot(),
+            "usage": self.manager.usage(),
+            "transfers": {k: v.to_dict() for k, v in self.worker.engine.stats().items()},
+        }
+
+    # -- the simulated engine's side of the data
+    def _write_gpu(self, key: bytes, block: int) -> None:
+        data = synth_block(key, self.geometry.block_bytes).view(self.geometry.num_layers, 2, -1)
+        for layer, t in enumerate(self.gpu.values()):
+            t[:, block] = data[layer]
+
+    def _gpu_matches(self, key: bytes, block: int) -> bool:
+        data = synth_block(key, self.geometry.block_bytes).view(self.geometry.num_layers, 2, -1)
+        return all(torch.equal(t[:, block], data[layer]) for layer, t in enumerate(self.gpu.values()))
+
+    # -- asynchronous completions
+    def pump(self) -> None:
+        for t in self.manager.take_background_transfers():
+            self._background[self.worker.submit_background(t)] = t.id
+        for res in self.worker.poll():
+            self.result.failed_jobs += not res.ok
+            if res.job_id in self._stores:
+                keys, ids = self._stores.pop(res.job_id)
+                self.manager.complete_store(keys, res.ok)
+                self.engine_cache.pin(ids, -1)
+            elif res.job_id in self._background:
+                self.manager.complete_background(self._background.pop(res.job_id), res.ok)
+
+    def drain(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self._stores or self._background or self.worker.engine.pending():
+            self.pump()
+            if time.monotonic() > deadline:
+                raise TimeoutError("transfers did not finish")
+            time.sleep(0.001)
+        self.pump()
+
+    def _allocate(self, keys: Sequence[bytes]) -> list[int]:
+        ids = self.engine_cache.allocate(keys)
+        if ids is None:  # every engine block is held by an in-flight store: let them finish
+            self.drain()
+            ids = self.engine_cache.allocate(keys)
+            if ids is None:
+                raise RuntimeError(f"engine cache of {len(self.engine_cache.free)} free blocks "
+                                   f"cannot hold a {len(keys)}-block request; raise --gpu-blocks")
+        return ids
+
+    def _count(self, tier: str, req: TraceRequest, first: int, n: int) -> None:
+        self.result.blocks[tier] += n
+        self.result.tokens[tier] += sum(req.block_tokens(i) for i in range(first, first + n))
+
+    def run_request(self, req: TraceRequest) -> None:
+        keys = [block_key(h) for h in req.hash_ids]
+        n_gpu = self.engine_cache.prefix_hits(keys)
+        self._count("GPU", req, 0, n_gpu)
+        rest = keys[n_gpu:]
+        loaded = 0
+        if rest:
+            hits = self.manager.lookup(rest).num_hits
+            plan = self.manager.prepare_load(rest[:hits]) if hits else None
+            if plan is not None and plan.keys:
+                ids = self._allocate(plan.keys)
+                res = self.worker.engine.wait([self.worker.submit_load(plan, ids)])[0]
+                self.engine_cache.pin(ids, -1)
+                failed = set(res.failed_keys) if res.error is None else set(plan.keys)
+                self.manager.complete_load(plan.keys, failed)
+                self.result.failed_loads += len(failed)
+                good = 0
+                for key, block, from_disk in zip(plan.keys, ids, plan.from_disk):
+                    if key in failed:
+                        break
+                    self.result.wrong_blocks += not self._gpu_matches(key, block)
+                    self._count("DISK" if from_disk else "CPU", req, n_gpu + good, 1)
+                    good += 1
+                loaded = good
+                self.engine_cache.release(plan.keys[good:])  # recomputed below
+        first_miss = n_gpu + loaded
+        misses = keys[first_miss:]
+        self._count("MISS", req, first_miss, len(misses))
+        if misses:
+            ids = self._allocate(misses)
+            for key, block in zip(misses, ids):
+                self._write_gpu(key, block)
+            ctx = RequestContext(first_block_index=first_miss, num_prompt_blocks=len(keys),
+                                 block_tokens=TRACE_BLOCK_TOKENS,
+                                 parent_key=keys[first_miss - 1] if first_miss else None)
+            plan = self.manager.prepare_store(misses, ctx)
+            if plan.keys:
+                by_key = dict(zip(misses, ids))
+                store_ids = [by_key[k] for k in plan.keys]
+                self.engine_cache.pin(store_ids, 1)
+                self._stores[self.worker.submit_store(plan, store_ids)] = (plan.keys, store_ids)
+            self.engine_cache.pin(ids, -1)
+        self.result.requests += 1
+        self.pump()
+
+    def run(self, trace: Sequence[TraceRequest], progress: Callable[[int], None] | None = None) -> BenchResult:
+        start = time.perf_counter()
+        for i, req in enumerate(trace):
+            self.run_request(req)
+            if progress is not None:
+                progress(i + 1)
+        self.drain()
+        self.result.seconds = time.perf_counter() - start
+        return self.result
+
+    def report(self) -> dict:
+        r = self.result
+        engine_stats = {k: v.to_dict() for k, v in self.worker.engine.stats().items()}
+        out = {
+            "requests": r.requests,
+            "seconds": round(r.seconds, 3),
+            "block_bytes": self.geometry.block_bytes,
+            "blocks": r.blocks,
+            "tokens": r.tokens,
+            "block_hit_rate": {k: round(v, 4) for k, v in r.rates(r.blocks).items()},
+            "token_hit_rate": {k: round(v, 4) for k, v in r.rates(r.tokens).items()},
+            "transfers": engine_stats,
+            "manager": self.manager.stats.snapshot(),
+            "usage": self.manager.usage(),
+            "wrong_blocks": r.wrong_blocks,
+            "failed_loads": r.failed_loads,
+            "failed_jobs": r.failed_jobs,
+            "gpu_is_simulated": self.view.device.type != "cuda",
+        }
+        if self.worker.store is not None:
+            out["disk"] = self.worker.store.stats().to_dict()
+        return out
+
+    def close(self) -> None:
+        if self.snapshot is not None:
+            self.snapshot.close()
+        self.worker.close()
+
+
+__all__ = ["Replay", "BenchResult", "bench_geometry", "block_key", "synth_block", "Medium"]

@@ -1,0 +1,102 @@
+"""Mooncake-format request traces: one JSON object per line.
+
+``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [ints]}``;
+each hash id names one 512-token block of the prompt, and equal prefixes of hash ids mean equal
+prompt prefixes. Parsing is strict: a bad line is an error naming the file, the line and the
+field (a trace is input from users; silently skipping lines would skew every hit rate).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+TRACE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace line that is not a valid request; the message names file, line and field."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def block_tokens(self, i: int, block_tokens: int = TRACE_BLOCK_TOKENS) -> int:
+        """Tokens of the prompt covered by block ``i`` (the last one may be partial)."""
+        return max(0, min(block_tokens, self.input_length - i * block_tokens))
+
+
+def _int_field(obj: dict, name: str, where: str, minimum: int = 0) -> int:
+    value = obj.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceError(f"{where}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_line(line: str, where: str) -> TraceRequest | None:
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    ts = obj.get("timestamp", 0)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+        raise TraceError(f"{where}: field 'timestamp' must be a number >= 0, got {ts!r}")
+    input_length = _int_field(obj, "input_length", where, 1)
+    output_length = _int_field(obj, "output_length", where, 0)
+    hash_ids = obj.get("hash_ids")
+    if not isinstance(hash_ids, list) or not hash_ids:
+        raise TraceError(f"{where}: field 'hash_ids' must be a non-empty list of integers")
+    for h in hash_ids:
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise TraceError(f"{where}: 'hash_ids' holds {h!r}; only integers >= 0 are allowed")
+    max_blocks = -(-input_length // TRACE_BLOCK_TOKENS)
+    if len(hash_ids) > max_blocks:
+        raise TraceError(
+            f"{where}: {len(hash_ids)} hash_ids for input_length {input_length} "
+            f"(at most {max_blocks} blocks of {TRACE_BLOCK_TOKENS} tokens)"
+        )
+    return TraceRequest(float(ts), input_length, output_length, tuple(hash_ids))
+
+
+def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
+    path = Path(path)
+    try:
+        fh = path.open("r", encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot open trace ({exc.strerror})") from None
+    with fh:
+        try:
+            for lineno, line in enumerate(fh, 1):
+                req = parse_line(line, f"{path}:{lineno}")
+                if req is not None:
+                    yield req
+        except UnicodeDecodeError:
+            raise TraceError(f"{path}: not a UTF-8 text file") from None
+
+
+def load_trace(path: str | Path | None = None, limit: int | None = None) -> list[TraceRequest]:
+    """Read a trace; ``None`` reads the small sample bundled with kvtier."""
+    if path is None:
+        ref = resources.files("kvtier.data").joinpath("sample_trace.jsonl")
+        with resources.as_file(ref) as p:
+            return load_trace(p, limit)
+    out: list[TraceRequest] = []
+    for req in iter_trace(path):
+        out.append(req)
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise TraceError(f"{path}: trace holds no requests")
+    return out

@@ -1,0 +1,29 @@
+"""User errors (bad config, bad trace, bad directory) end with one line and status 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from kvtier.bench.trace import TraceError
+from kvtier.config import ConfigError
+from kvtier.tiers.disk import DiskLayoutMismatch
+
+USER_ERRORS = (ConfigError, TraceError, DiskLayoutMismatch)
+EXIT_USAGE = 2
+
+
+def user_errors(fn):
+    """Print a user error as ``kvtier: error: ...`` and exit 2, with no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            click.echo(f"kvtier: error: {exc}", err=True)
+            sys.exit(EXIT_USAGE)
+
+    return wrapper

@@ -1,0 +1,46 @@
+"""Environment overrides: ``KVTIER_*`` variables that win over the file or dict.
+
+Deployments (containers, vLLM launch scripts) often cannot edit the YAML, so the few settings
+people tune per host can be set from the environment. Values arrive as strings; each parser
+converts what it can and passes anything else through unchanged, so the loader's normal
+validation reports it, naming the variable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def _env_int(text: str) -> Any:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return text  # validation then reports it, naming the variable
+
+
+def _env_float(text: str) -> Any:
+    try:
+        return float(text.strip())
+    except ValueError:
+        return text
+
+
+def _env_bool(text: str) -> Any:
+    return {"1": True, "true": True, "yes": True, "on": True,
+            "0": False, "false": False, "no": False, "off": False}.get(text.strip().lower(), text)
+
+
+ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "KVTIER_BLOCK_TOKENS": ("block_tokens", _env_int),
+    "KVTIER_CPU_CAPACITY": ("tiers.cpu.capacity", str),
+    "KVTIER_CPU_EVICTION": ("tiers.cpu.eviction", str),
+    "KVTIER_DISK_PATH": ("tiers.disk.path", str),
+    "KVTIER_DISK_CAPACITY": ("tiers.disk.capacity", str),
+    "KVTIER_DISK_EVICTION": ("tiers.disk.eviction", str),
+    "KVTIER_DISK_COMPRESSION": ("tiers.disk.compression", str),
+    "KVTIER_DISK_FSYNC": ("tiers.disk.fsync", _env_bool),
+    "KVTIER_STORE_THRESHOLD": ("admission.store_threshold", _env_int),
+    "KVTIER_OFFLOAD_RATIO": ("admission.offload_ratio", _env_float),
+}
+"""Variable -> (config key, parser). Empty values count as unset. Any KVTIER_DISK_* enables
+the disk tier; KVTIER_DISK_PATH alone gives it the default capacity."""

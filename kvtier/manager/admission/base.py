@@ -1,0 +1,93 @@
+"""Admission plug-ins: whether a block is worth writing into a tier at all.
+
+On real traces most offloaded KV is never read again; writing it costs PCIe/disk bandwidth and
+SSD wear. An admission policy sees every lookup (sightings of keys), hits and evictions of its
+tier, and answers ``admit(key)`` when the tier is about to write a block. It never moves data and
+never evicts. Policies are chosen by name per tier (``store_threshold`` in the YAML maps to
+"threshold").
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Callable, Sequence
+
+from kvtier.manager.specs import BlockKey
+
+
+class AdmissionPolicy(ABC):
+    name: str = ""
+
+    def record_lookup(self, keys: Sequence[BlockKey]) -> None:
+        """``keys`` of a request were looked up (one sighting each)."""
+
+    def on_hit(self, key: BlockKey) -> None:
+        """``key`` was found resident in this tier."""
+
+    def on_evict(self, key: BlockKey) -> None:
+        """``key`` left this tier."""
+
+    @abstractmethod
+    def admit(self, key: BlockKey) -> bool:
+        """May ``key`` be written into this tier now?"""
+
+
+class AdmitAll(AdmissionPolicy):
+    name = "all"
+
+    def admit(self, key: BlockKey) -> bool:
+        return True
+
+
+class SightingThreshold(AdmissionPolicy):
+    """Admit a block once it has been seen in ``threshold`` lookups (vLLM's store_threshold,
+    KVBM's "seen twice before it goes to disk"). Counts live in a bounded LRU map so memory
+    stays proportional to the tier, not to the history."""
+
+    name = "threshold"
+
+    def __init__(self, threshold: int, max_tracked: int) -> None:
+        if threshold < 1:
+            raise ValueError(f"threshold must be >= 1, got {threshold}")
+        self.threshold = threshold
+        self.max_tracked = max(1024, max_tracked)
+        self._seen: OrderedDict[BlockKey, int] = OrderedDict()
+
+    def record_lookup(self, keys: Sequence[BlockKey]) -> None:
+        if self.threshold <= 1:
+            return
+        seen = self._seen
+        for k in keys:
+            seen[k] = seen.get(k, 0) + 1
+            seen.move_to_end(k)
+        while len(seen) > self.max_tracked:
+            seen.popitem(last=False)
+
+    def admit(self, key: BlockKey) -> bool:
+        return self.threshold <= 1 or self._seen.get(key, 0) >= self.threshold
+
+
+_REGISTRY: dict[str, Callable[..., AdmissionPolicy]] = {}
+
+
+def register_admission(name: str, factory: Callable[..., AdmissionPolicy]) -> None:
+    """``factory(threshold=int, capacity_blocks=int) -> AdmissionPolicy``."""
+    _REGISTRY[name] = factory
+
+
+def make_admission(name: str, *, threshold: int = 1, capacity_blocks: int = 0) -> AdmissionPolicy:
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown admission policy {name!r}; allowed: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+    return factory(threshold=threshold, capacity_blocks=capacity_blocks)
+
+
+register_admission("all", lambda threshold=1, capacity_blocks=0: AdmitAll())
+register_admission(
+    "threshold",
+    lambda threshold=1, capacity_blocks=0: SightingThreshold(threshold, 4 * capacity_blocks),
+)

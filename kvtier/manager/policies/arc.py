@@ -1,0 +1,135 @@
+"""Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) as an eviction plug-in.
+
+ARC keeps two resident lists, T1 (seen once recently) and T2 (seen at least twice), and two
+ghost lists B1/B2 of keys recently evicted from each. A re-inserted key found in a ghost list
+tells which list was too small, and the target size ``p`` of T1 moves towards it. This makes
+ARC resistant to one-time scans (they only churn T1) while still following recency shifts.
+
+In kvtier the manager, not the policy, decides when to evict: ``victims`` only *proposes* keys
+following ARC's REPLACE rule, and a key enters a ghost list when ``remove`` is called. Every
+operation is O(1) amortised (ordered dicts; ghost trimming pops each ghost at most once).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Iterator
+
+from kvtier.manager.policies.base import Evictable, EvictionPolicy, register_policy
+from kvtier.manager.specs import BlockKey
+
+
+class ARCPolicy(EvictionPolicy):
+    name = "arc"
+
+    def __init__(self, capacity_blocks: int = 0) -> None:
+        if capacity_blocks < 0:
+            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
+        # 0 = unknown: the capacity is then taken as the largest resident count seen.
+        self._fixed_capacity = capacity_blocks
+        self._peak = 0
+        self.p = 0.0  # target size of T1
+        self._t1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._t2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+
+    @property
+    def capacity(self) -> int:
+        return self._fixed_capacity or max(1, self._peak)
+
+    # -- contract --------------------------------------------------------------------------
+    def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
+        if key in self._t1 or key in self._t2:
+            self.access(key)
+            return
+        c = self.capacity
+        if key in self._b1:  # T1 was too small: grow its target
+            delta = max(len(self._b2) / len(self._b1), 1.0)
+            self.p = min(float(c), self.p + delta)
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:  # T2 was too small: shrink T1's target
+            delta = max(len(self._b1) / len(self._b2), 1.0)
+            self.p = max(0.0, self.p - delta)
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+        self._peak = max(self._peak, len(self._t1) + len(self._t2))
+        self._trim_ghosts()
+
+    def access(self, key: BlockKey) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: BlockKey) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._b1[key] = None
+        elif key in self._t2:
+            del self._t2[key]
+            self._b2[key] = None
+        else:
+            return
+        self._trim_ghosts()
+
+    def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
+        out: list[BlockKey] = []
+        if n <= 0:
+            return out
+        from_t1 = _evictable_iter(self._t1, evictable)
+        from_t2 = _evictable_iter(self._t2, evictable)
+        t1_left = len(self._t1)  # T1's size as if the victims so far were already gone
+        while len(out) < n:
+            # REPLACE: take T1's LRU while T1 exceeds its target, else T2's LRU; when the
+            # preferred list has nothing evictable left, fall back to the other one.
+            order = (from_t1, from_t2) if t1_left > self.p else (from_t2, from_t1)
+            key = None
+            for source in order:
+                key = next(source, None)
+                if key is not None:
+                    break
+            if key is None:
+                break
+            if source is from_t1:
+                t1_left -= 1
+            out.append(key)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def keys(self) -> Iterable[BlockKey]:
+        yield from self._t1
+        yield from self._t2
+
+    # -- internals -------------------------------------------------------------------------
+    def ghost_size(self) -> int:
+        return len(self._b1) + len(self._b2)
+
+    def _trim_ghosts(self) -> None:
+        """Keep ARC's invariants |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c."""
+        c = self.capacity
+        while self._b1 and len(self._t1) + len(self._b1) > c:
+            self._b1.popitem(last=False)
+        while self._b2 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
+            self._b2.popitem(last=False)
+        while self._b1 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
+            self._b1.popitem(last=False)
+
+
+def _evictable_iter(order: OrderedDict[BlockKey, None], evictable: Evictable) -> Iterator[BlockKey]:
+    """LRU-first keys of ``order`` that pass ``evictable`` (pinned keys are rare: short walk)."""
+    for key in order:
+        if evictable(key):
+            yield key
+
+
+register_policy("arc", ARCPolicy)

@@ -1,0 +1,32 @@
+"""Counters the manager keeps: what operators and ``kvtier stats`` read.
+
+Plain integers updated on the scheduler thread; ``snapshot()`` copies them into a JSON-able
+dict so another thread (the snapshot writer, a metrics exporter) never sees a torn update of
+a single field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+def _per_tier() -> dict[str, int]:
+    return {"CPU": 0, "DISK": 0}
+
+
+@dataclass
+class ManagerStats:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: dict[str, int] = field(default_factory=_per_tier)  # counted at prepare_load
+    stored_blocks: dict[str, int] = field(default_factory=_per_tier)
+    evicted_blocks: dict[str, int] = field(default_factory=_per_tier)
+    admission_rejected: dict[str, int] = field(default_factory=_per_tier)
+    store_skipped_no_space: int = 0
+    load_truncated_no_space: int = 0
+    failed_loads: int = 0
+    failed_stores: dict[str, int] = field(default_factory=_per_tier)
+    protocol_errors: int = 0  # complete_* for something never prepared (caller bug), ignored
+
+    def snapshot(self) -> dict:
+        return asdict(self)

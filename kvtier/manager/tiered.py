@@ -1,0 +1,369 @@
+"""The tiered manager: GPU -> CPU -> disk placement decisions, no bytes touched.
+
+* New blocks go to CPU slots. A CPU block is *dirty* until a copy of it is on disk.
+* Write-back demotion: the coldest ``flush_reserve`` CPU blocks are copied to disk ahead of
+  need (when the disk tier admits them), so that evicting them later costs nothing and a
+  store never waits on the disk. Eviction only takes clean blocks, or dirty ones the disk
+  does not want (those are dropped). A store that finds no evictable slot is cut short
+  (backpressure, counted) instead of blocking.
+* A disk hit is promoted: ``prepare_load`` reserves a CPU slot for it; the worker runs
+  DISK -> CPU then CPU -> GPU; ``complete_load`` publishes the CPU copy.
+* Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
+  come out of ``take_background_transfers`` and are reported back through
+  ``complete_background``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Collection, Iterable, Sequence
+
+from kvtier.manager.abstract import OffloadingManager
+from kvtier.manager.admission import AdmissionPolicy, AdmitAll
+from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
+from kvtier.manager.policies import make_policy
+from kvtier.manager.specs import (
+    BackgroundTransfer,
+    BlockKey,
+    LoadPlan,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    RequestContext,
+    StorePlan,
+)
+from kvtier.manager.stats import ManagerStats
+from kvtier.manager.tier_index import BlockState, Entry, TierIndex
+
+log = logging.getLogger(__name__)
+
+
+class TieredOffloadingManager(OffloadingManager):
+    def __init__(
+        self,
+        *,
+        cpu_blocks: int,
+        cpu_eviction: str = "lru",
+        disk_blocks: int = 0,
+        disk_eviction: str = "lru",
+        cpu_admission: AdmissionPolicy | None = None,
+        disk_admission: AdmissionPolicy | None = None,
+        initial_disk_keys: Iterable[BlockKey] = (),
+        flush_reserve: int | None = None,
+    ) -> None:
+        self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
+        self.disk = (
+            TierIndex(Medium.DISK, disk_blocks, make_policy(disk_eviction, disk_blocks), False)
+            if disk_blocks > 0
+            else None
+        )
+        self.cpu_admission = cpu_admission or AdmitAll()
+        self.disk_admission = disk_admission or AdmitAll()
+        if flush_reserve is None:  # bounded: the flush walk runs on the request path
+            flush_reserve = min(cpu_blocks, max(8, min(256, cpu_blocks // 16)))
+        self.flush_reserve = max(1, flush_reserve)
+        self.stats = ManagerStats()
+        self.events = EventBus()
+        self._bg_ids = itertools.count(1)
+        self._bg_pending: dict[int, BackgroundTransfer] = {}
+        self._bg_ready: list[BackgroundTransfer] = []
+        self._pending_drops: dict[BlockKey, int] = {}  # key -> open DROP jobs
+        if self.disk is not None:
+            self._restore_disk(initial_disk_keys)
+
+    # ------------------------------------------------------------------ lookups and loads
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        self.stats.lookups += 1
+        self.stats.lookup_blocks += len(keys)
+        self.cpu_admission.record_lookup(keys)
+        if self.disk_admission is not self.cpu_admission:
+            self.disk_admission.record_lookup(keys)
+        tiers: list[Medium] = []
+        for key in keys:
+            if self.cpu.ready(key) is not None:
+                tiers.append(Medium.CPU)
+            elif self.disk is not None and self.disk.ready(key) is not None:
+                tiers.append(Medium.DISK)
+            else:
+                break
+        return LookupResult(tuple(tiers))
+
+    def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        out_keys: list[BlockKey] = []
+        slots: list[int] = []
+        from_disk: list[bool] = []
+        cpu_hits: list[BlockKey] = []
+        disk_hits: list[BlockKey] = []
+        for key in keys:
+            entry = self.cpu.ready(key)
+            if entry is not None:
+                entry.readers += 1
+                self.cpu.policy.access(key)
+                self.cpu_admission.on_hit(key)
+                cpu_hits.append(key)
+                out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
+                continue
+            d = self.disk.ready(key) if self.disk is not None else None
+            if d is None or key in self.cpu:  # miss, or a promotion of it already in flight
+                break
+            if not self._make_room(1):
+                self.stats.load_truncated_no_space += 1
+                break
+            d.readers += 1
+            self.disk.policy.access(key)
+            self.disk_admission.on_hit(key)
+            entry = self.cpu.add(key, BlockState.WRITING)
+            entry.promoted = entry.on_disk = True
+            disk_hits.append(key)
+            out_keys.append(key), slots.append(entry.slot), from_disk.append(True)
+        self.stats.hit_blocks["CPU"] += len(cpu_hits)
+        self.stats.hit_blocks["DISK"] += len(disk_hits)
+        self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
+        self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_hits)))
+        return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk))
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if key in self.cpu:
+                self.cpu.policy.access(key)
+            elif self.disk is not None and key in self.disk:
+                self.disk.policy.access(key)
+
+    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
+        failed = set(failed)
+        published: list[BlockKey] = []
+        for key in keys:
+            entry = self.cpu.get(key)
+            if entry is None:
+                self.stats.protocol_errors += 1
+                continue
+            if entry.promoted and entry.state is BlockState.WRITING:
+                self._release_disk_reader(key, bad=key in failed)
+                if key in failed:
+                    self.cpu.remove(key)
+                else:
+                    entry.state, entry.promoted = BlockState.READY, False
+                    published.append(key)
+            elif entry.readers > 0:
+                entry.readers -= 1
+                if key in failed:
+                    self._drop_cpu(key)
+            else:
+                self.stats.protocol_errors += 1
+        self.stats.failed_loads += len(failed)
+        self.events.emit(BlockStored(Medium.CPU, tuple(published)))
+        self._plan_flushes()
+
+    def _release_disk_reader(self, key: BlockKey, bad: bool) -> None:
+        d = self.disk.get(key) if self.disk is not None else None
+        if d is None or d.readers <= 0:
+            self.stats.protocol_errors += 1
+            return
+        d.readers -= 1
+        if bad:  # corrupt or missing on disk: forget it (the store already removed the record)
+            self.disk.remove(key)
+            self.events.emit(BlockRemoved(Medium.DISK, (key,)))
+            cpu = self.cpu.get(key)
+            if cpu is not None:
+                cpu.on_disk = False
+
+    # ------------------------------------------------------------------ stores
+    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
+        wanted: list[BlockKey] = []
+        for key in keys:
+            if key in self.cpu or key in wanted:
+                continue
+            if not self.cpu_admission.admit(key):
+                self.stats.admission_rejected["CPU"] += 1
+                continue
+            wanted.append(key)
+        evicted: list[BlockKey] = []
+        need = len(wanted) - self.cpu.free_count
+        if need > 0:
+            evicted = self._evict_cpu(need)
+        room = self.cpu.free_count
+        if room < len(wanted):
+            self.stats.store_skipped_no_space += len(wanted) - room
+            wanted = wanted[:room]
+        slots: list[int] = []
+        parents = self._parents(keys, ctx)
+        for key in wanted:
+            entry = self.cpu.add(key, BlockState.WRITING, parents.get(key))
+            d = self.disk.ready(key) if self.disk is not None else None
+            entry.on_disk = d is not None
+            slots.append(entry.slot)
+        self._plan_flushes()
+        return StorePlan(tuple(wanted), tuple(slots), {Medium.CPU: tuple(evicted)} if evicted else {})
+
+    @staticmethod
+    def _parents(keys: Sequence[BlockKey], ctx: RequestContext | None) -> dict[BlockKey, BlockKey | None]:
+        prev = ctx.parent_key if ctx is not None else None
+        out: dict[BlockKey, BlockKey | None] = {}
+        for key in keys:
+            out[key] = prev
+            prev = key
+        return out
+
+    def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
+        done: list[BlockKey] = []
+        for key in keys:
+            entry = self.cpu.get(key)
+            if entry is None or entry.state is not BlockState.WRITING or entry.promoted:
+                self.stats.protocol_errors += 1
+                continue
+            if success:
+                entry.state = BlockState.READY
+                done.append(key)
+            else:
+                self.cpu.remove(key)
+                self.stats.failed_stores["CPU"] += 1
+        self.stats.stored_blocks["CPU"] += len(done)
+        self.events.emit(BlockStored(Medium.CPU, tuple(done)))
+        self._plan_flushes()
+
+    # ------------------------------------------------------------------ eviction and flushes
+    def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
+        if entry.on_disk or entry.flush_failed or self.disk is None:
+            return True
+        return key in self._pending_drops or not self.disk_admission.admit(key)
+
+    def _evict_cpu(self, n: int) -> list[BlockKey]:
+        victims = self.cpu.victims(n, self._cpu_evictable)
+        for key in victims:
+            self._drop_cpu(key)
+        return victims
+
+    def _drop_cpu(self, key: BlockKey) -> None:
+        if self.cpu.remove(key) is not None:
+            self.stats.evicted_blocks["CPU"] += 1
+            self.cpu_admission.on_evict(key)
+            self.events.emit(BlockRemoved(Medium.CPU, (key,)))
+
+    def _make_room(self, n: int) -> bool:
+        if self.cpu.free_count < n:
+            self._evict_cpu(n - self.cpu.free_count)
+        return self.cpu.free_count >= n
+
+    def _plan_flushes(self) -> None:
+        """Copy the coldest dirty CPU blocks to disk before they are needed as victims."""
+        if self.disk is None or self.cpu.free_count >= self.flush_reserve:
+            return
+
+        def dirty(key: BlockKey, e: Entry) -> bool:
+            return not (e.on_disk or e.flush_failed) and key not in self._pending_drops
+
+        candidates = self.cpu.victims(self.flush_reserve, lambda k, e: True)
+        keys = [k for k in candidates if dirty(k, self.cpu.entries[k])]
+        admitted: list[BlockKey] = []
+        for key in keys:
+            if key in self.disk:  # already there (or being written): nothing to copy
+                self.cpu.entries[key].on_disk = self.disk.ready(key) is not None
+                continue
+            if not self.disk_admission.admit(key):
+                self.stats.admission_rejected["DISK"] += 1
+                continue
+            admitted.append(key)
+        if not admitted:
+            return
+        need = len(admitted) - self.disk.free_count
+        if need > 0:
+            self._evict_disk(need)
+        admitted = admitted[: max(0, self.disk.free_count)]
+        if not admitted:
+            return
+        slots = []
+        for key in admitted:
+            entry = self.cpu.entries[key]
+            entry.flushing = True
+            slots.append(entry.slot)
+            self.disk.add(key, BlockState.WRITING)
+        self._queue_bg(LoadStoreSpec.cpu(slots), LoadStoreSpec.disk(admitted), admitted)
+
+    def _evict_disk(self, n: int) -> None:
+        victims = self.disk.victims(n, lambda k, e: True)
+        for key in victims:
+            self.disk.remove(key)
+            self.disk_admission.on_evict(key)
+            cpu = self.cpu.get(key)
+            if cpu is not None:
+                cpu.on_disk = False
+            self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
+        if victims:
+            self.stats.evicted_blocks["DISK"] += len(victims)
+            self.events.emit(BlockRemoved(Medium.DISK, tuple(victims)))
+            self._queue_bg(LoadStoreSpec.disk(victims), LoadStoreSpec.drop(victims), victims)
+
+    def _queue_bg(self, src: LoadStoreSpec, dst: LoadStoreSpec, keys: Sequence[BlockKey]) -> None:
+        t = BackgroundTransfer(next(self._bg_ids), src, dst, tuple(keys))
+        self._bg_pending[t.id] = t
+        self._bg_ready.append(t)
+
+    def take_background_transfers(self) -> list[BackgroundTransfer]:
+        out, self._bg_ready = self._bg_ready, []
+        return out
+
+    def complete_background(self, transfer_id: int, success: bool = True) -> None:
+        t = self._bg_pending.pop(transfer_id, None)
+        if t is None:
+            self.stats.protocol_errors += 1
+            return
+        if t.dst.medium is Medium.DROP:
+            for key in t.keys:
+                left = self._pending_drops.get(key, 0) - 1
+                if left > 0:
+                    self._pending_drops[key] = left
+                else:
+                    self._pending_drops.pop(key, None)
+            return
+        stored: list[BlockKey] = []
+        for key in t.keys:
+            cpu = self.cpu.get(key)
+            if cpu is not None:
+                cpu.flushing = False
+                cpu.on_disk = success
+                cpu.flush_failed = not success
+            d = self.disk.get(key)
+            if d is None or d.state is not BlockState.WRITING:
+                continue
+            if success:
+                d.state = BlockState.READY
+                stored.append(key)
+            else:
+                self.disk.remove(key)
+        if success:
+            self.stats.stored_blocks["DISK"] += len(stored)
+            self.events.emit(BlockStored(Medium.DISK, tuple(stored)))
+        else:
+            self.stats.failed_stores["DISK"] += len(t.keys)
+            log.warning("kvtier: demotion of %d blocks to disk failed", len(t.keys))
+
+    def _restore_disk(self, keys_oldest_first: Iterable[BlockKey]) -> None:
+        keys = list(keys_oldest_first)
+        overflow = max(0, len(keys) - self.disk.capacity)
+        if overflow:
+            log.warning("kvtier: disk holds %d blocks over its capacity; evicting the oldest", overflow)
+        for key in keys[overflow:]:
+            self.disk.add(key, BlockState.READY)
+        if overflow:
+            dropped = keys[:overflow]
+            for key in dropped:
+                self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
+            self._queue_bg(LoadStoreSpec.disk(dropped), LoadStoreSpec.drop(dropped), dropped)
+
+    # ------------------------------------------------------------------ events and state
+    def take_events(self) -> list[Event]:
+        return self.events.take_events()
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        out = {"CPU": {"used_blocks": len(self.cpu), "capacity_blocks": self.cpu.capacity}}
+        if self.disk is not None:
+            out["DISK"] = {"used_blocks": len(self.disk), "capacity_blocks": self.disk.capacity}
+        return out
+
+    def pins(self) -> int:
+        """Outstanding pins across tiers (0 when nothing is in flight; tests check leaks)."""
+        n = sum(e.readers + e.flushing + (e.state is BlockState.WRITING) for e in self.cpu.entries.values())
+        if self.disk is not None:
+            n += sum(e.readers + (e.state is BlockState.WRITING) for e in self.disk.entries.values())
+        return n + len(self._bg_pending)

@@ -1,0 +1,85 @@
+"""The worker side of one process: CPU pool, disk store and transfer engine, wired from config.
+
+It turns the manager's plans into transfer jobs and hands back results; it decides nothing
+about placement. vLLM's worker process owns one of these (the scheduler process owns the
+manager); ``kvtier bench`` owns both in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvtier.config import KvtierConfig
+from kvtier.manager.specs import BackgroundTransfer, LoadPlan, LoadStoreSpec, StorePlan
+from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.disk import DiskStore
+from kvtier.tiers.gpu_view import GpuKvView
+from kvtier.tiers.layout import BlockGeometry
+from kvtier.transfer import JobResult, TransferEngine, TransferHandler
+from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
+from kvtier.transfer.disk_io import CpuToDiskHandler, DiskDropHandler, DiskToCpuHandler
+
+log = logging.getLogger(__name__)
+
+
+def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
+    """The fastest GPU<->CPU copiers available for ``view``'s device."""
+    if view.device.type == "cuda":
+        try:
+            from kvtier.transfer.cuda import cuda_handlers  # optional fast path
+        except ImportError as exc:
+            log.warning("kvtier: CUDA copy path unavailable (%s); using plain torch copies", exc)
+        else:
+            return list(cuda_handlers(view, pool))
+    return [GpuToCpuHandler(view, pool), CpuToGpuHandler(view, pool)]
+
+
+@dataclass
+class WorkerRuntime:
+    geometry: BlockGeometry
+    pool: CpuBlockPool
+    store: DiskStore | None
+    engine: TransferEngine
+
+    @classmethod
+    def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry) -> "WorkerRuntime":
+        config.check_block_bytes(geometry.block_bytes)
+        pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin)
+        store = None
+        handlers = gpu_handlers(view, pool)
+        if config.disk is not None:
+            d = config.disk
+            store = DiskStore(d.path, geometry, compression=d.compression, zstd_level=d.zstd_level,
+                              fsync=d.fsync, segment_bytes=d.segment_bytes)
+            handlers += [CpuToDiskHandler(pool, store), DiskToCpuHandler(pool, store),
+                         DiskDropHandler(store)]
+        return cls(geometry, pool, store, TransferEngine(handlers))
+
+    def disk_keys(self) -> list[bytes]:
+        """Blocks already on disk, oldest first (the manager's start-up state)."""
+        return self.store.keys_by_age() if self.store is not None else []
+
+    def submit_load(self, plan: LoadPlan, gpu_ids: Sequence[int], job_id: int | None = None) -> int:
+        """Bring ``plan``'s blocks into engine blocks ``gpu_ids`` (k per block), through CPU."""
+        hops = []
+        disk = plan.disk_hop()
+        if disk is not None:
+            hops.append(disk)
+        hops.append((LoadStoreSpec.cpu(plan.cpu_slots), LoadStoreSpec.gpu(gpu_ids)))
+        return self.engine.submit_chain(hops, job_id=job_id)
+
+    def submit_store(self, plan: StorePlan, gpu_ids: Sequence[int], job_id: int | None = None) -> int:
+        return self.engine.submit(LoadStoreSpec.gpu(gpu_ids), plan.dst, job_id=job_id)
+
+    def submit_background(self, transfer: BackgroundTransfer, job_id: int | None = None) -> int:
+        return self.engine.submit(transfer.src, transfer.dst, job_id=job_id)
+
+    def poll(self) -> list[JobResult]:
+        return self.engine.get_finished()
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,19 @@
+"""The disk tier: verified block records in append-only segment files behind an LMDB index."""
+
+from kvtier.tiers.disk.errors import (
+    DiskLayoutMismatch,
+    DiskStoreBusy,
+    DiskWriteError,
+    NotADiskStore,
+)
+from kvtier.tiers.disk.stats import DiskStats
+from kvtier.tiers.disk.store import DiskStore
+
+__all__ = [
+    "DiskLayoutMismatch",
+    "DiskStats",
+    "DiskStore",
+    "DiskStoreBusy",
+    "DiskWriteError",
+    "NotADiskStore",
+]

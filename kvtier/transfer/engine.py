@@ -1,0 +1,358 @@
+"""The transfer engine: a synchronous facade over one asyncio loop running one worker per direction.
+
+vLLM's worker thread must never block on a copy, so callers only ``submit`` (returns a job id at
+once) and later drain ``get_finished``. Behind that, one event loop in its own daemon thread runs
+one worker per (source medium, destination medium) route. Each route has its own queue, so a long
+CPU->DISK store never sits in front of a CPU->GPU load; within a route jobs *start* in submission
+order and up to ``handler.concurrency`` of them run at once.
+
+A chained job (DISK->CPU then CPU->GPU) is forwarded from route to route: after a hop finishes
+it joins the next hop's queue, so every hop obeys its own route's order and concurrency. A hop
+that raises ends the job; a hop that only reports ``failed_keys`` does not (the keys are reported
+and the caller treats them as errors), matching how the manager settles partial loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.transfer.handlers import TransferHandler
+from kvtier.transfer.jobs import (
+    DirectionStats,
+    Hop,
+    JobResult,
+    Route,
+    TransferOutcome,
+    route_name,
+    route_of,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    hops: tuple[Hop, ...]
+    next_hop: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failed_keys: list[BlockKey] = field(default_factory=list)
+    error: str | None = None
+    last_route: Route | None = None
+
+
+@dataclass
+class _Lane:
+    """One route's queue, worker and running hops (loop-thread state, except ``stats``)."""
+
+    route: Route
+    handler: TransferHandler
+    queue: asyncio.Queue
+    slots: asyncio.Semaphore
+    stats: DirectionStats = field(default_factory=DirectionStats)
+    active: int = 0
+    busy_since: float = 0.0
+    worker: asyncio.Task | None = None
+    running: set = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return route_name(self.route)
+
+
+def _check_handler(h: TransferHandler) -> Route:
+    try:
+        src, dst = h.direction
+        route = (Medium(src), Medium(dst))
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(
+            f"{type(h).__name__}.direction must be a (Medium, Medium) pair, "
+            f"got {getattr(h, 'direction', None)!r}"
+        ) from None
+    if not isinstance(h.concurrency, int) or h.concurrency < 1:
+        raise ValueError(f"{type(h).__name__}.concurrency must be an int >= 1, got {h.concurrency!r}")
+    return route
+
+
+class TransferEngine:
+    def __init__(self, handlers: Iterable[TransferHandler], *, name: str = "kvtier-transfer") -> None:
+        self._handlers: dict[Route, TransferHandler] = {}
+        for h in handlers:
+            route = _check_handler(h)
+            if route in self._handlers:
+                raise ValueError(f"two handlers for {route_name(route)}")
+            self._handlers[route] = h
+        if not self._handlers:
+            raise ValueError("TransferEngine needs at least one handler")
+        self.name = name
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._finished: dict[int, JobResult] = {}  # insertion order = completion order
+        self._live: set[int] = set()  # submitted and not yet handed to the caller
+        self._reserved: set[int] = set()  # ids a wait() call is collecting
+        self._pending = 0
+        self._next_id = 0
+        self._closed = False
+        self._stopped = False
+        self._lanes: dict[Route, _Lane] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self._start_lanes(), self._loop).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            raise
+
+    # ---- loop thread -------------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    async def _start_lanes(self) -> None:
+        for route, h in self._handlers.items():
+            lane = _Lane(route, h, asyncio.Queue(), asyncio.Semaphore(h.concurrency))
+            lane.worker = asyncio.ensure_future(self._worker(lane))
+            self._lanes[route] = lane
+
+    def _dispatch(self, job: _Job) -> None:
+        self._lanes[route_of(job.hops[job.next_hop])].queue.put_nowait(job)
+
+    async def _worker(self, lane: _Lane) -> None:
+        """Start the route's hops in queue order, at most ``concurrency`` at a time."""
+        while True:
+            # Take a free slot before taking a job, so a job is never held outside the queue
+            # while it waits (close() fails whatever is still queued).
+            await lane.slots.acquire()
+            try:
+                job = await lane.queue.get()
+            except BaseException:
+                lane.slots.release()
+                raise
+            task = asyncio.ensure_future(self._run_hop(lane, job))
+            lane.running.add(task)
+            task.add_done_callback(lane.running.discard)
+
+    async def _run_hop(self, lane: _Lane, job: _Job) -> None:
+        src, dst = job.hops[job.next_hop]
+        outcome = TransferOutcome()
+        error: str | None = None
+        with self._lock:
+            lane.active += 1
+            if lane.active == 1:
+                lane.busy_since = time.perf_counter()
+        t0 = time.perf_counter()
+        try:
+            outcome = await lane.handler.run(src, dst)
+            if not isinstance(outcome, TransferOutcome):
+                raise TypeError(f"handler returned {type(outcome).__name__}, not TransferOutcome")
+        except asyncio.CancelledError:
+            error = f"{lane.name}: cancelled because the engine was closed"
+            outcome = TransferOutcome()
+        except BaseException as exc:  # noqa: BLE001 - a failing job must never kill the worker
+            error = f"{lane.name}: {type(exc).__name__}: {exc}"
+            outcome = TransferOutcome()
+            log.warning("%s: job %d failed: %s", self.name, job.job_id, error)
+            log.debug("%s: job %d traceback", self.name, job.job_id, exc_info=exc)
+        finally:
+            now = time.perf_counter()
+            lane.slots.release()
+        with self._lock:
+            lane.active -= 1
+            if lane.active == 0:
+                lane.stats.seconds += now - lane.busy_since
+            lane.stats.jobs += 1
+            lane.stats.bytes += outcome.bytes
+            if error is not None or outcome.failed_keys:
+                lane.stats.failed_jobs += 1
+        job.bytes += outcome.bytes
+        job.seconds += now - t0
+        job.failed_keys.extend(outcome.failed_keys)
+        job.last_route = lane.route
+        job.error = error
+        if error is None and job.next_hop + 1 < len(job.hops):
+            job.next_hop += 1
+            self._dispatch(job)
+        else:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        failed = tuple(dict.fromkeys(job.failed_keys))
+        result = JobResult(
+            job_id=job.job_id,
+            ok=job.error is None and not failed,
+            error=job.error,
+            failed_keys=failed,
+            bytes=job.bytes,
+            seconds=job.seconds,
+            direction=job.last_route or route_of(job.hops[0]),
+        )
+        with self._cond:
+            self._finished[job.job_id] = result
+            self._pending -= 1
+            self._cond.notify_all()
+
+    async def _shutdown(self) -> None:
+        """Stop workers; fail whatever is still running or queued (only after a close timeout)."""
+        lanes = list(self._lanes.values())
+        for lane in lanes:
+            lane.worker.cancel()
+        await asyncio.gather(*(lane.worker for lane in lanes), return_exceptions=True)
+        running = [t for lane in lanes for t in lane.running]
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        for lane in lanes:
+            while not lane.queue.empty():
+                job = lane.queue.get_nowait()
+                job.error = f"{lane.name}: not run because the engine was closed"
+                self._finish(job)
+
+    # ---- caller side (any thread) -------------------------------------------------------------
+
+    def submit(self, src: LoadStoreSpec, dst: LoadStoreSpec, *, job_id: int | None = None) -> int:
+        """Queue ``src -> dst``; returns the job id at once. Thread-safe, never blocks on I/O."""
+        return self.submit_chain([(src, dst)], job_id=job_id)
+
+    def submit_chain(
+        self, hops: Sequence[tuple[LoadStoreSpec, LoadStoreSpec]], *, job_id: int | None = None
+    ) -> int:
+        """Queue hops that run in order as one job (see the module docstring for failures).
+
+        ``job_id``: the caller's id, which must not belong to a job whose result has not been
+        collected yet (``ValueError``); ``None`` picks the next free number.
+        """
+        hops = tuple((src, dst) for src, dst in hops)
+        if not hops:
+            raise ValueError("submit_chain needs at least one hop")
+        for src, dst in hops:
+            if not isinstance(src, LoadStoreSpec) or not isinstance(dst, LoadStoreSpec):
+                raise TypeError("hops must be (LoadStoreSpec, LoadStoreSpec) pairs")
+            if route_of((src, dst)) not in self._handlers:
+                known = ", ".join(route_name(r) for r in self._handlers)
+                raise ValueError(
+                    f"no transfer handler for {route_name(route_of((src, dst)))}; known: {known}"
+                )
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            if job_id is None:
+                while self._next_id in self._live:
+                    self._next_id += 1
+                jid = self._next_id
+                self._next_id += 1
+            else:
+                jid = int(job_id)
+                if jid in self._live:
+                    raise ValueError(f"job id {jid} is already in use")
+            self._live.add(jid)
+            self._pending += 1
+            self._loop.call_soon_threadsafe(self._dispatch, _Job(jid, hops))
+        return jid
+
+    def get_finished(self) -> list[JobResult]:
+        """Results completed since the last call, in completion order. Never waits for a job."""
+        with self._lock:
+            out = [r for jid, r in self._finished.items() if jid not in self._reserved]
+            for r in out:
+                del self._finished[r.job_id]
+                self._live.discard(r.job_id)
+        return out
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> list[JobResult]:
+        """Block until the given jobs finish; returns their results in the order asked. These
+        results are not returned again by ``get_finished``. ``TimeoutError`` leaves them there."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("wait() called from the transfer loop would deadlock")
+        ids = list(dict.fromkeys(int(i) for i in job_ids))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            unknown = [i for i in ids if i not in self._live]
+            if unknown:
+                raise ValueError(f"unknown or already collected job ids: {unknown[:10]}")
+            busy = [i for i in ids if i in self._reserved]
+            if busy:
+                raise ValueError(f"job ids already being waited for: {busy[:10]}")
+            self._reserved.update(ids)
+            try:
+                while True:
+                    missing = [i for i in ids if i not in self._finished]
+                    if not missing:
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(
+                            f"{len(missing)} of {len(ids)} jobs unfinished after {timeout}s"
+                        )
+                    self._cond.wait(left)
+                out = [self._finished.pop(i) for i in ids]
+                self._live.difference_update(ids)
+                return out
+            finally:
+                self._reserved.difference_update(ids)
+
+    def pending(self) -> int:
+        """Jobs submitted and not finished yet (queued or running)."""
+        with self._lock:
+            return self._pending
+
+    def stats(self) -> dict[str, DirectionStats]:
+        """A snapshot per route, keyed like ``"GPU->CPU"``; busy time includes hops running now."""
+        now = time.perf_counter()
+        with self._lock:
+            out = {}
+            for lane in self._lanes.values():
+                s = replace(lane.stats)
+                if lane.active:
+                    s.seconds += now - lane.busy_since
+                out[lane.name] = s
+        return out
+
+    @property
+    def routes(self) -> tuple[Route, ...]:
+        return tuple(self._handlers)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, let queued and running jobs finish (up to ``timeout`` seconds), then
+        stop the loop. Jobs still unfinished after the timeout complete as failed."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("close() called from the transfer loop would deadlock")
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closed = True
+            if self._stopped:
+                return
+            self._stopped = True
+            while self._pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            drained = self._pending == 0
+        if not drained:
+            log.warning("%s: closing with %d unfinished jobs (failed)", self.name, self.pending())
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+        for h in self._handlers.values():
+            h.close(wait=drained)
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

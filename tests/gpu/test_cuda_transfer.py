@@ -1,0 +1,209 @@
+"""CUDA transfer handlers on a real GPU: bit-exact round trips, concurrency, stream races.
+
+Skipped without CUDA (CI); run on the lent GPU machine. No timing assertions here: speed is
+measured by benchmarks/transfer_bandwidth.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
+from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402
+from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
+from kvtier.transfer.cuda import CudaCpuToGpuHandler, CudaGpuToCpuHandler  # noqa: E402
+from kvtier.transfer.cuda.page_movers import cupy_available  # noqa: E402
+from kvtier.transfer.engine import TransferEngine  # noqa: E402
+
+DEV = torch.device("cuda", 0)
+BACKENDS = ["cupy", "torch"] if cupy_available() else ["torch"]
+
+
+def random_bytes(shape, gen) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV, generator=gen)
+
+
+def make_caches(layout, layers, num_blocks, page_bytes, dtype, gen):
+    """Per-layer tensors at unrelated addresses (a spacer allocation between layers)."""
+    shape = {"kv_first": (2, num_blocks, page_bytes), "blocks_first": (num_blocks, 2, page_bytes),
+             "mla": (num_blocks, 1, page_bytes)}[layout]
+    caches, spacers = {}, []
+    for i in range(layers):
+        caches[f"model.layers.{i}.attn"] = random_bytes(shape, gen).view(dtype)
+        spacers.append(torch.empty(4096 * (i + 1) + 512, dtype=torch.uint8, device=DEV))
+    return caches
+
+
+def reference_slots(view: GpuKvView, ids: list[int], per: int) -> torch.Tensor:
+    """Expected slot bytes by torch indexing, ``[n, block_bytes]`` on the CPU."""
+    idx = torch.tensor(ids, device=DEV).view(-1, per)
+    rows = [torch.stack([layer.pages[:, b] for layer in view.layers]) for b in idx]
+    return torch.stack(rows).reshape(len(rows), -1).cpu()  # [n, L, K, E, P] flattened
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+CASES = [
+    # layout, dtype, page_bytes, layers, engine blocks per kvtier block
+    ("kv_first", torch.bfloat16, 32 << 10, 4, 1),
+    ("kv_first", torch.float16, 8 << 10, 3, 2),
+    ("blocks_first", torch.bfloat16, 8 << 10, 3, 1),
+    ("blocks_first", torch.float8_e4m3fn, 16 << 10, 2, 3),
+    ("mla", torch.bfloat16, 18 << 10, 3, 1),  # 576-dim latent x 16 tokens
+    ("mla", torch.uint8, 8 << 10 | 1, 2, 1),  # odd page size: byte-wide kernel path
+    ("kv_first", torch.bfloat16, 2 << 20, 2, 1),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout,dtype,page_bytes,layers,per", CASES)
+def test_round_trip_is_bit_exact(backend, layout, dtype, page_bytes, layers, per):
+    seed = hash((backend, layout, page_bytes, per)) & 0xFFFFF
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = 40 if page_bytes < (1 << 20) else 12
+    view = GpuKvView(make_caches(layout, layers, num_blocks, page_bytes, dtype, gen), layout=layout)
+    geo = view.geometry(per)
+    pool = CpuBlockPool(geo, num_slots=16, chunk_bytes=geo.block_bytes * 5)
+    pool.wait_ready()
+    # staging of a few pages (not a multiple of the block) so chunks straddle blocks and slots
+    staging = max(view.page_bytes, 3 * view.page_bytes + 7)
+    kw = dict(backend=backend, staging_bytes=staging, ring_slots=2, max_ctas=8)
+    store, load = CudaGpuToCpuHandler(view, pool, **kw), CudaCpuToGpuHandler(view, pool, **kw)
+    n = min(num_blocks // per // 2, 7)
+    ids = rng.sample(range(num_blocks), n * per)
+    slots = rng.sample(range(16), n)
+    slots[:3] = sorted(slots[:3])  # some neighbours, some not
+    want = reference_slots(view, ids, per)
+
+    out = run(store.run(LoadStoreSpec.gpu(ids), LoadStoreSpec.cpu(slots)))
+    assert out.bytes == n * geo.block_bytes
+    for i, s in enumerate(slots):
+        assert torch.equal(pool.slot(s), want[i]), f"stored slot {s} differs"
+
+    # load into other engine blocks, after scrambling them
+    free = [b for b in range(num_blocks) if b not in ids]
+    dst = rng.sample(free, n * per) if len(free) >= n * per else ids
+    for layer in view.layers:
+        layer.pages[:, dst] = random_bytes((view.kv_parts, len(dst), view.page_bytes), gen)
+    before = {b: [layer.pages[:, b].clone() for layer in view.layers]
+              for b in range(num_blocks) if b not in dst}
+    out = run(load.run(LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst)))
+    assert out.bytes == n * geo.block_bytes
+    # completion was reported only after the copy finished: read on another stream, no sync
+    assert torch.equal(reference_slots(view, dst, per), want)
+    for b, pages in before.items():  # nothing else was written
+        for layer, p in zip(view.layers, pages):
+            assert torch.equal(layer.pages[:, b], p), f"engine block {b} was overwritten"
+
+
+def test_backends_agree_and_empty_job_is_a_no_op():
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    view = GpuKvView(make_caches("kv_first", 2, 16, 4096, torch.bfloat16, gen), layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=8)
+    pool.wait_ready()
+    h = CudaGpuToCpuHandler(view, pool, backend=BACKENDS[0])
+    assert run(h.run(LoadStoreSpec.gpu([]), LoadStoreSpec.cpu([]))).bytes == 0
+    with pytest.raises(ValueError):
+        run(h.run(LoadStoreSpec.gpu([0, 99]), LoadStoreSpec.cpu([0, 1])))
+    with pytest.raises(ValueError):
+        run(h.run(LoadStoreSpec.cpu([0]), LoadStoreSpec.gpu([0])))  # wrong direction
+
+
+def test_concurrent_loads_and_stores_through_the_engine():
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    rng = random.Random(11)
+    layers, num_blocks, page = 8, 512, 32 << 10
+    view = GpuKvView(make_caches("kv_first", layers, num_blocks, page, torch.bfloat16, gen),
+                     layout="kv_first")
+    geo = view.geometry(1)
+    pool = CpuBlockPool(geo, num_slots=256, chunk_bytes=geo.block_bytes * 64)
+    pool.wait_ready()
+    store = CudaGpuToCpuHandler(view, pool, staging_bytes=1 << 20)
+    load = CudaCpuToGpuHandler(view, pool, staging_bytes=1 << 20)
+    # first half of the slots: filled by an initial store, then loaded back while the second
+    # half is being stored from other blocks
+    src_a = rng.sample(range(num_blocks), 128)
+    run(store.run(LoadStoreSpec.gpu(src_a), LoadStoreSpec.cpu(range(128))))
+    want_a = reference_slots(view, src_a, 1)
+    rest = [b for b in range(num_blocks) if b not in src_a]
+    src_b = rng.sample(rest, 128)
+    dst_a = [b for b in rest if b not in src_b][:128]
+    want_b = reference_slots(view, src_b, 1)
+    with TransferEngine([store, load]) as engine:
+        jobs = []
+        for j in range(16):  # 16 interleaved jobs per direction, 8 blocks each
+            sl = slice(8 * j, 8 * (j + 1))
+            jobs.append(engine.submit(LoadStoreSpec.gpu(src_b[sl]),
+                                      LoadStoreSpec.cpu(range(128 + 8 * j, 136 + 8 * j))))
+            jobs.append(engine.submit(LoadStoreSpec.cpu(range(8 * j, 8 * j + 8)),
+                                      LoadStoreSpec.gpu(dst_a[sl])))
+        results = engine.wait(jobs, timeout=60)
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert torch.equal(reference_slots(view, dst_a, 1), want_a)
+    for i in range(128):
+        assert torch.equal(pool.slot(128 + i), want_b[i])
+
+
+@pytest.mark.parametrize("hook", ["on_submit", "fallback"])
+def test_store_waits_for_the_compute_that_writes_its_blocks(hook):
+    """The model writes the blocks after a long kernel on the compute stream; the store is
+    submitted right away. It must copy the final values, not what was there before."""
+    gen = torch.Generator(device=DEV).manual_seed(13)
+    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=32)
+    pool.wait_ready()
+    compute = torch.cuda.Stream(DEV)
+    with torch.cuda.stream(compute):
+        store = CudaGpuToCpuHandler(view, pool, staging_bytes=1 << 20)  # fallback: this stream
+    ids = list(range(0, 64, 2))
+    final = random_bytes((len(view.layers), 2, len(ids), view.page_bytes), gen)
+    torch.cuda.synchronize()
+    src, dst = LoadStoreSpec.gpu(ids), LoadStoreSpec.cpu(range(32))
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the writes
+        for layer, new in zip(view.layers, final):
+            layer.pages[:, ids] = new
+        if hook == "on_submit":
+            store.on_submit(src, dst)
+    with TransferEngine([store]) as engine:
+        result = engine.wait([engine.submit(src, dst)], timeout=60)[0]
+    assert result.ok, result.error
+    want = final.permute(2, 0, 1, 3).reshape(len(ids), -1).cpu()
+    for i in range(len(ids)):
+        assert torch.equal(pool.slot(i), want[i]), f"slot {i} holds stale bytes"
+
+
+def test_load_waits_for_submit_event_before_overwriting_pages():
+    """Pages still read by earlier compute are overwritten only after that compute ran."""
+    gen = torch.Generator(device=DEV).manual_seed(17)
+    view = GpuKvView(make_caches("kv_first", 2, 16, 8 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=4)
+    pool.wait_ready()
+    load = CudaCpuToGpuHandler(view, pool)
+    for s in range(4):
+        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    ids = [3, 5, 7, 9]
+    compute = torch.cuda.Stream(DEV)
+    snapshot = torch.empty((2, 2, 4, view.page_bytes), dtype=torch.uint8, device=DEV)
+    old = torch.stack([layer.pages[:, ids] for layer in view.layers])
+    torch.cuda.synchronize()
+    src, dst = LoadStoreSpec.cpu(range(4)), LoadStoreSpec.gpu(ids)
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(200_000_000)
+        for i, layer in enumerate(view.layers):  # the "old" reader of those pages
+            snapshot[i] = layer.pages[:, ids]
+        load.on_submit(src, dst)
+    run(load.run(src, dst))
+    compute.synchronize()
+    assert torch.equal(snapshot, old), "load overwrote pages before earlier compute read them"
