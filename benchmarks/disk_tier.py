@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -85,25 +86,60 @@ def raw_read(path: Path, block_bytes: int, n: int) -> float:
         os.close(fd)
 
 
+def in_threads(n_threads: int, jobs: list, fn) -> float:
+    """Run ``fn(job)`` for every job on ``n_threads`` threads (like the transfer workers)."""
+    it = iter(jobs)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                job = next(it, None)
+            if job is None:
+                return
+            try:
+                fn(job)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t
+
+
 def store_run(root: Path, geo: BlockGeometry, data, keys, *, compression: str, level: int,
-              fsync: bool, batch: int) -> tuple[float, float, float]:
+              fsync: bool, batch: int, writers: int = 1, readers: int = 1
+              ) -> tuple[float, float, float]:
     """(write seconds, cold read seconds, compression ratio) for one fresh store."""
     shutil.rmtree(root, ignore_errors=True)
     with DiskStore(root, geo, compression=compression, zstd_level=level, fsync=fsync) as s:
-        t = time.perf_counter()
-        for i in range(0, len(data), batch):
-            s.put_many(list(zip(keys[i : i + batch], data[i : i + batch])))
-        tw = time.perf_counter() - t
+        tw = in_threads(
+            writers, list(range(0, len(data), batch)),
+            lambda i: s.put_many(list(zip(keys[i : i + batch], data[i : i + batch]))),
+        )
         for seg in (root / "segments").glob("*.seg"):
             drop_cache(seg)
-        out = memoryview(bytearray(geo.block_bytes))
-        t = time.perf_counter()
-        for k in keys:
-            if not s.get_into(k, out):
-                raise RuntimeError("DiskStore lost a block")
-        tr = time.perf_counter() - t
-        if out != data[-1]:
-            raise RuntimeError("DiskStore returned wrong bytes")
+        local = threading.local()
+
+        def read(i: int) -> None:
+            out = getattr(local, "out", None)
+            if out is None:
+                out = local.out = memoryview(bytearray(geo.block_bytes))
+            for j in range(i, min(i + batch, len(keys))):
+                if not s.get_into(keys[j], out):
+                    raise RuntimeError("DiskStore lost a block")
+            if out != data[min(i + batch, len(keys)) - 1]:
+                raise RuntimeError("DiskStore returned wrong bytes")
+
+        tr = in_threads(readers, list(range(0, len(keys), batch)), read)
         ratio = s.stats().compression_ratio
     shutil.rmtree(root, ignore_errors=True)
     return tw, tr, ratio
@@ -130,12 +166,14 @@ def bench_block(kib: int, args, work: Path) -> dict:
         add("raw_write_batch_sync", raw_write(raw, data, args.fsync, args.batch))
         raw.unlink()
         tw, tr, _ = store_run(work / "store", geo, data, keys, compression="none", level=0,
-                              fsync=args.fsync, batch=args.batch)
+                              fsync=args.fsync, batch=args.batch, writers=args.writers,
+                              readers=args.readers)
         add("store_write", tw)
         add("store_read", tr)
         if not args.skip_zstd:
             tw, tr, ratio = store_run(work / "store", geo, data, keys, compression="zstd",
-                                      level=args.zstd_level, fsync=args.fsync, batch=args.batch)
+                                      level=args.zstd_level, fsync=args.fsync, batch=args.batch,
+                                      writers=args.writers, readers=args.readers)
             add("zstd_write", tw)
             add("zstd_read", tr)
     med = {k: statistics.median(v) for k, v in samples.items()}
@@ -150,6 +188,7 @@ def bench_block(kib: int, args, work: Path) -> dict:
 def table(results: list[dict], args) -> str:
     lines = [
         f"disk tier vs raw, {args.total_mib} MiB per size, batch {args.batch} blocks, "
+        f"{args.writers} writer / {args.readers} reader thread(s), "
         f"fsync {'ON (one per batch; raw: one per file)' if args.fsync else 'OFF'}, "
         f"median of {args.repeats}, GB/s of block bytes",
         f"{'block':>7} | {'raw W':>6} {'rawW/b':>6} {'store W':>7} {'W/raw':>6} | "
@@ -175,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="directory on the disk to test (default: tmp)")
     p.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--batch", type=int, default=32, help="blocks per put_many call")
+    p.add_argument("--writers", type=int, default=1, help="threads calling put_many")
+    p.add_argument("--readers", type=int, default=1, help="threads calling get_into")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--zstd-level", type=int, default=1)
     p.add_argument("--skip-zstd", action="store_true")
@@ -190,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report = {"fsync": args.fsync, "batch": args.batch, "total_mib": args.total_mib,
+              "writers": args.writers, "readers": args.readers,
               "repeats": args.repeats, "dir": str(base), "results": results}
     if args.json == "-":
         json.dump(report, sys.stdout, indent=1)

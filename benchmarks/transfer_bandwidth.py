@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import logging
 import os
 import random
 import re
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
 from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402
 from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
+from kvtier.tiers.layout import BlockGeometry  # noqa: E402
 from kvtier.transfer.cuda import CudaCpuToGpuHandler, CudaGpuToCpuHandler  # noqa: E402
 from kvtier.transfer.cuda.plan import LayerAddressing  # noqa: E402
 
@@ -268,70 +270,147 @@ def bandwidth_table(bench: Bench, quick: bool) -> tuple[str, dict]:
         ratio = [f"{100 * kv[k] / big[k]:.0f} %" if k in kv and k in big else "-"
                  for k in ((True, False), (False, True), (True, True))]
         rows.append("| kvtier / big copy | " + " | ".join(ratio) + " |")
+    # where kvtier's time goes: host-side enqueue of one job vs. the whole job
+    for label, copier, ids, slots in (("GPU->CPU", bench.store.copier, bench.ids_a, bench.slots_a),
+                                      ("CPU->GPU", bench.load.copier, bench.ids_b, bench.slots_b)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        job = copier.enqueue(ids, slots, None)
+        t1 = time.perf_counter()
+        job.done.synchronize()
+        t2 = time.perf_counter()
+        rows.append(f"| kvtier {label}: host enqueue {1e3 * (t1 - t0):.1f} ms of "
+                    f"{1e3 * (t2 - t0):.1f} ms (no asyncio) | | | |")
     head = ("| method | GPU->CPU GB/s | CPU->GPU GB/s | both at once, total GB/s |\n"
             "|---|---|---|---|")
     return head + "\n" + "\n".join(rows), res
 
 
-def interference_table(bench: Bench, n_mm: int = 20, size: int = 8192) -> str:
-    a = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    mm_stream = torch.cuda.Stream(DEV)
-    with torch.cuda.stream(mm_stream):
-        for _ in range(3):
-            torch.mm(a, b, out=c)
-    mm_stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=mm_stream):
-        for _ in range(n_mm):
-            torch.mm(a, b, out=c)
+class MatmulLoad:
+    """``n_mm`` bf16 matmuls captured in a CUDA graph on their own stream (no launch gaps)."""
 
-    def timed_mm() -> float:
+    def __init__(self, n_mm: int = 20, size: int = 8192) -> None:
+        self.n_mm, self.size = n_mm, size
+        a = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
+        b = torch.randn(size, size, device=DEV, dtype=torch.bfloat16)
+        c = torch.empty_like(a)
+        self.stream = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(self.stream):
+            for _ in range(3):
+                torch.mm(a, b, out=c)
+        self.stream.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            for _ in range(n_mm):
+                torch.mm(a, b, out=c)
+        self._keep = (a, b, c)
+        for _ in range(10):  # clocks up before anything is timed
+            self.once()
+
+    def once(self) -> float:
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(mm_stream):
+        with torch.cuda.stream(self.stream):
             e0.record()
-            graph.replay()
+            self.graph.replay()
             e1.record()
         e1.synchronize()
         return e0.elapsed_time(e1)
 
-    alone = statistics.median(timed_mm() for _ in range(5))
-    rows = [f"| matmuls alone | {alone:.1f} | 1.00 | - |"]
+    def alone(self, reps: int = 3) -> float:
+        return statistics.median(self.once() for _ in range(reps))
+
+    def beside(self, bench: "Bench", fn, d2h: bool, h2d: bool) -> tuple[float, float, float]:
+        """(matmul ms with ``fn`` copying in a loop beside it, matmul ms alone around it,
+        copy GB/s meanwhile)."""
+        before = self.alone()
+        stop = threading.Event()
+        moved = [0]
+        err: list[BaseException] = []
+
+        def copier():
+            try:
+                torch.cuda.set_device(DEV)  # driver-API baselines need the context current
+                if getattr(fn, "__name__", "") == "kvtier":
+                    bench.loop = asyncio.new_event_loop()  # asyncio loops are per thread
+                while not stop.is_set():
+                    fn(d2h, h2d)
+                    moved[0] += bench.nbytes * (int(d2h) + int(h2d))
+            except BaseException as exc:  # noqa: BLE001
+                err.append(exc)
+
+        t = threading.Thread(target=copier)
+        t0 = time.perf_counter()
+        t.start()
+        time.sleep(0.05)
+        ms = self.alone()
+        stop.set()
+        t.join()
+        secs = time.perf_counter() - t0
+        if err:
+            raise err[0]
+        after = self.alone()
+        return ms, (before + after) / 2, moved[0] / secs / GB
+
+
+def interference_table(bench: Bench, mm: MatmulLoad) -> str:
+    rows = []
     methods = [("one big pinned copy", bench.big), ("per-page cudaMemcpyAsync loop", bench.loop_copy),
                ("cuMemcpyBatchAsync", bench.batch_copy), ("kvtier", bench.kvtier)]
     for name, fn in methods:
-        for label, d2h, h2d in (("GPU->CPU", True, False), ("CPU->GPU", False, True)):
-            stop = threading.Event()
-            moved = [0]
-            err: list[BaseException] = []
-
-            def copier():
-                try:
-                    if fn is bench.kvtier:  # its own loop: asyncio loops are per thread
-                        bench.loop = asyncio.new_event_loop()
-                    while not stop.is_set():
-                        fn(d2h, h2d)
-                        moved[0] += bench.nbytes
-                except BaseException as exc:  # noqa: BLE001
-                    err.append(exc)
-
-            t = threading.Thread(target=copier)
-            t0 = time.perf_counter()
-            t.start()
-            time.sleep(0.05)
-            ms = statistics.median(timed_mm() for _ in range(3))
-            stop.set()
-            t.join()
-            secs = time.perf_counter() - t0
-            if err:
-                rows.append(f"| {name} {label} | unavailable ({type(err[0]).__name__}) | - | - |")
+        for label, d2h, h2d in (("GPU->CPU", True, False), ("CPU->GPU", False, True),
+                                ("both", True, True)):
+            try:
+                ms, base, gbps = mm.beside(bench, fn, d2h, h2d)
+            except Exception as exc:  # noqa: BLE001
+                rows.append(f"| {name} {label} | unavailable ({type(exc).__name__}: "
+                            f"{str(exc)[:60]}) | - | - | - |")
                 continue
-            rows.append(f"| {name} {label} | {ms:.1f} | {ms / alone:.2f} | "
-                        f"{moved[0] / secs / GB:.1f} |")
-    head = (f"| copy running beside {n_mm} x {size}^3 bf16 matmuls (CUDA graph) | matmul ms | "
-            "slowdown | copy GB/s meanwhile |\n|---|---|---|---|")
+            rows.append(f"| {name} {label} | {ms:.1f} | {base:.1f} | {ms / base:.2f} | "
+                        f"{gbps:.1f} |")
+    head = (f"| copy running beside {mm.n_mm} x {mm.size}^3 bf16 matmuls (CUDA graph) | "
+            "matmul ms | alone ms (before/after) | slowdown | copy GB/s meanwhile |\n"
+            "|---|---|---|---|---|")
     return head + "\n" + "\n".join(rows)
+
+
+def sweep_table(bench: Bench, mm: MatmulLoad) -> str:
+    """kvtier's staging size / ring depth / kernel grid, idle and beside the matmuls."""
+    rows = []
+    for staging_mib, ring, ctas in ((16, 4, 64), (32, 4, 64), (64, 3, 64), (64, 4, 64),
+                                    (128, 2, 64), (128, 3, 64), (32, 4, 264)):
+        kw = dict(staging_bytes=staging_mib << 20, ring_slots=ring, max_ctas=ctas)
+        bench.store.close()
+        bench.load.close()
+        bench.store = CudaGpuToCpuHandler(bench.view, bench.pool, **kw)
+        bench.load = CudaCpuToGpuHandler(bench.view, bench.pool, **kw)
+        bench.loop = asyncio.new_event_loop()
+        idle = [bench.nbytes * (int(a) + int(b)) / bench.time(bench.kvtier, a, b, 3) / GB
+                for a, b in ((True, False), (False, True), (True, True))]
+        busy = []
+        for a, b in ((True, False), (False, True)):
+            ms, base, gbps = mm.beside(bench, bench.kvtier, a, b)
+            busy += [f"{gbps:.1f}", f"{ms / base:.2f}"]
+        rows.append(f"| {staging_mib} MiB x {ring}, {ctas} CTAs | "
+                    + " | ".join(f"{x:.1f}" for x in idle) + " | " + " | ".join(busy) + " |")
+    head = ("| kvtier staging x ring, kernel CTAs | GPU->CPU | CPU->GPU | both | GPU->CPU beside "
+            "matmuls | matmul slowdown | CPU->GPU beside matmuls | matmul slowdown |\n"
+            "|---|---|---|---|---|---|---|---|")
+    return head + "\n" + "\n".join(rows)
+
+
+def pool_startup(gib: int) -> str:
+    """How long a pinned pool of ``gib`` GiB blocks start-up, and when it is fully pinned."""
+    geo = BlockGeometry(num_layers=32, kv_parts=2, engine_blocks_per_block=1, page_bytes=32 << 10)
+    t0 = time.perf_counter()
+    pool = CpuBlockPool(geo, num_slots=(gib << 30) // geo.block_bytes)
+    t1 = time.perf_counter()
+    pool.wait_ready()
+    t2 = time.perf_counter()
+    text = (f"Pinned CPU pool of {gib} GiB (1 GiB chunks, torch pin_memory, background thread): "
+            f"constructor returned after {t1 - t0:.2f} s (first chunk), fully pinned after "
+            f"{t2 - t0:.2f} s ({gib * 2**30 / (t2 - t0) / GB:.1f} GB/s).")
+    del pool
+    return text
 
 
 def device_tag() -> str:
@@ -343,14 +422,21 @@ def main() -> None:
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true", help="one repetition, first config only")
     ap.add_argument("--no-interference", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep kvtier staging settings")
+    ap.add_argument("--pool-gib", type=int, default=16, help="pinned pool start-up test (0: skip)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("transfer_bandwidth.py needs CUDA")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("kvtier").setLevel(logging.INFO)  # pool allocation progress
     name = torch.cuda.get_device_name(DEV)
     out = [f"# kvtier transfer bandwidth on {name}", "",
            f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; host<->device over PCIe; "
            "GB = 1e9 bytes; median of repetitions; times include kvtier's enqueue on the host.",
            ""]
+    if args.pool_gib:
+        out += [pool_startup(args.pool_gib), ""]
+        print(out[-2], flush=True)
     if BatchCopy().error:
         out.append(f"cuMemcpyBatchAsync unavailable: {BatchCopy().error}\n")
     configs = CONFIGS[:1] if args.quick else CONFIGS
@@ -367,14 +453,17 @@ def main() -> None:
         out.append("")
         print("\n".join(out[-4:]), flush=True)
         if i == 0 and not args.no_interference:
-            out.append(f"### Interference ({cfg.name})")
-            out.append("")
-            out.append(interference_table(bench))
-            out.append("")
+            mm = MatmulLoad()
+            out += [f"### Interference ({cfg.name})", "", interference_table(bench, mm), ""]
             print("\n".join(out[-3:]), flush=True)
+            if args.sweep:
+                out += ["### kvtier settings (GB/s; same blocks)", "", sweep_table(bench, mm), ""]
+                print("\n".join(out[-3:]), flush=True)
+            del mm
         bench.close()
         del bench
         torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # give pinned memory back
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"transfer_bandwidth_{device_tag()}.md")
     with open(path, "w") as f:

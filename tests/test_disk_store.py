@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import random
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from kvtier.tiers.disk import (
+    DiskIndexUnreadable,
     DiskLayoutMismatch,
     DiskStore,
     DiskStoreBusy,
@@ -405,3 +407,102 @@ def test_threads_never_see_wrong_bytes(tmp_path):
         assert st.reclaimed_bytes > 0
         for k in s.keys_by_age():
             assert s.get(k) == payload(k, k[0] % 2 == 0)
+
+
+def test_threads_lose_no_acknowledged_block(tmp_path):
+    """Concurrent writers (merged into pipelined groups) plus churn that forces rotation and
+    compaction: every block whose put_many returned and was not deleted must read back."""
+    owned = [[key(1000 * w + i) for i in range(40)] for w in range(4)]
+    churn = [key(9000 + i) for i in range(40)]
+    with DiskStore(tmp_path / "d", GEO, segment_bytes=5 * REC, fsync=True,
+                   compact_budget_bytes=8 * REC) as s:
+
+        def writer(keys: list[bytes]) -> None:
+            rng = random.Random(keys[0])
+            for i in range(0, len(keys), 3):
+                s.put_many([(k, payload(k)) for k in keys[i : i + 3]])
+                again = rng.sample(keys[: i + 3], 2)  # overwrites leave dead bytes behind
+                s.put_many([(k, payload(k)) for k in again])
+
+        def churner() -> None:
+            rng = random.Random(7)
+            for _ in range(60):
+                ks = rng.sample(churn, 5)
+                s.put_many([(k, payload(k)) for k in ks])
+                s.delete_many(rng.sample(churn, 8))
+
+        threads = [threading.Thread(target=writer, args=(ks,)) for ks in owned]
+        threads.append(threading.Thread(target=churner))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        st = s.stats()
+        assert st.checksum_failures == 0 and st.read_errors == 0
+        assert st.reclaimed_bytes > 0
+        for ks in owned:
+            for k in ks:
+                assert s.get(k) == payload(k), k.hex()
+        live = set(s.keys_by_age())
+        assert set(k for ks in owned for k in ks) <= live
+        assert st.num_blocks == len(live)
+    with DiskStore(tmp_path / "d", GEO, segment_bytes=5 * REC) as s:
+        assert all(s.get(k) == payload(k) for ks in owned for k in ks)
+
+
+def test_sealed_segment_with_uncommitted_records_is_not_removed(tmp_path):
+    """A group's records can sit in a just-sealed segment while an earlier group's commit
+    (and its empty-segment sweep) runs; the sweep must not unlink that segment."""
+    from kvtier.tiers.disk.index import IndexEntry
+    from kvtier.tiers.disk.record import encode_head
+    from kvtier.tiers.disk.writer import LAYOUT_VERSION
+
+    with DiskStore(tmp_path / "d", GEO, segment_bytes=3 * REC) as s:
+        w = s._writer
+        s.put_many([(key(1), payload(key(1)))])  # committed, segment A
+        first = entry_of(s, key(1)).segment
+
+        def records(ks, seq0):
+            out = []
+            for i, k in enumerate(ks):
+                _k, codec, stored, csum, length = w.prepare(k, payload(k))
+                head = encode_head(k, codec=codec, layout_version=LAYOUT_VERSION, seq=seq0 + i,
+                                   raw_len=BB, stored_len=len(stored), checksum=csum)
+                out.append(([head, stored], length))
+            return out
+
+        ks = [key(2), key(3), key(4)]
+        seq0 = w.next_seq
+        w.next_seq += 3
+        places, sealed = w.append(records(ks, seq0))  # two land in A, then A is sealed
+        assert sealed == {first} and places[0][0] == first
+        assert s.delete_many([key(1)]) == 1  # A now shows no live record in the index
+        assert seg_path(s, first).exists()
+
+        def publish(ix):
+            for i, (k, (seg, off)) in enumerate(zip(ks, places)):
+                ix.put(k, IndexEntry(seg, off, REC, w.prepare(k, payload(k))[3], CODEC_NONE,
+                                     LAYOUT_VERSION, seq0 + i, BB, 0.0))
+
+        w.commit(publish, "test")
+        w.settle(sealed)
+        for k in ks:
+            assert s.get(k) == payload(k)
+        assert counted_failures(s) == 0
+
+
+def test_damaged_index_is_a_clear_error(tmp_path):
+    path = tmp_path / "d"
+    with DiskStore(path, GEO) as s:
+        s.put_many([(key(1), payload(key(1)))])
+    data = path / "index.lmdb" / "data.mdb"
+    data.write_bytes(b"\xff" * data.stat().st_size)  # meta pages destroyed
+    with pytest.raises(DiskIndexUnreadable, match="delete"):
+        DiskStore(path, GEO)
+    fd = os.open(path / "LOCK", os.O_RDWR)  # the failed open released the directory lock
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    with pytest.raises(NotADiskStore):
+        DiskStore.read_stats(path)

@@ -178,6 +178,26 @@ def test_gpu_cpu_round_trip_bit_exact(layout, k):
                 assert torch.equal(got, want), (name, p, blk)
 
 
+@pytest.mark.parametrize("page_bytes,word", [(3, torch.uint8), (6, torch.int16), (12, torch.int32),
+                                             (24, torch.int64)])
+def test_odd_page_sizes_copy_with_a_narrower_word(page_bytes, word):
+    gen = torch.Generator().manual_seed(page_bytes)
+    src = {f"l{i}": torch.randint(0, 256, (2, NUM_ENGINE_BLOCKS, page_bytes), dtype=torch.uint8,
+                                  generator=gen) for i in range(2)}
+    dst = {name: torch.zeros_like(t) for name, t in src.items()}
+    src_view, dst_view = GpuKvView(src, "kv_first"), GpuKvView(dst, "kv_first")
+    pool = make_pool(src_view, 2)
+    store, load = GpuToCpuHandler(src_view, pool), CpuToGpuHandler(dst_view, pool)
+    assert store.word == word
+    with TransferEngine([store, load]) as eng:
+        results = eng.wait([eng.submit_chain([(Spec.gpu([5, 2, 9, 0]), cpu(7, 1)),
+                                              (cpu(7, 1), Spec.gpu([1, 3, 4, 6]))])], SAFETY)
+    assert results[0].ok, results[0].error
+    for name in src:
+        assert torch.equal(dst[name][:, [1, 3, 4, 6]], src[name][:, [5, 2, 9, 0]])
+        assert not dst[name][:, [0, 2, 5, 7, 8, 9, 10, 11]].any()
+
+
 def test_gpu_cpu_bad_addresses_raise_value_error():
     view = GpuKvView(make_kv("kv_first", fill=True), "kv_first")
     pool = make_pool(view, 2)

@@ -31,6 +31,10 @@ from kvtier.bench.trace import TraceRequest, load_trace
 from kvtier.manager.admission import AdmissionPolicy, make_admission
 from kvtier.manager.policies import EvictionPolicy, make_policy
 
+# Plug-ins register themselves on import (until the packages' __init__ imports them).
+from kvtier.manager.admission import reuse_gate as _reuse_gate  # noqa: F401,E402
+from kvtier.manager.policies import prefix_lru as _prefix_lru  # noqa: F401,E402
+
 
 @dataclass
 class SimResult:

@@ -15,6 +15,7 @@ Stores, demotions and deletions run asynchronously, as in the engine; loads are 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -24,8 +25,10 @@ import xxhash
 
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.config import KvtierConfig
+from kvtier.events import EventPublisher, ManagerFeed, MetadataCache
 from kvtier.manager.factory import build_manager
 from kvtier.manager.specs import Medium, RequestContext
+from kvtier.metrics import MetricsExporter
 from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
@@ -44,6 +47,12 @@ def bench_geometry(block_bytes: int) -> BlockGeometry:
 
 def block_key(hash_id: int) -> bytes:
     return hash_id.to_bytes(8, "little")
+
+
+def synth_tokens(hash_id: int, n: int) -> array:
+    """Stand-in token ids for a trace block (traces carry hashes, not tokens), for events."""
+    base = (hash_id * 7919) % 1_000_000
+    return array("q", range(base, base + n))
 
 
 def synth_block(key: bytes, block_bytes: int) -> torch.Tensor:
@@ -128,16 +137,40 @@ class Replay:
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
         self._background: dict[int, int] = {}
+        self.metadata: MetadataCache | None = None
+        self.events: ManagerFeed | None = None
+        if config.events is not None:  # full payloads: synthetic tokens, parents from the trace
+            self.metadata = MetadataCache(config.cpu_slots(g.block_bytes)
+                                          + config.disk_blocks(g.block_bytes) + gpu_blocks)
+            publisher = EventPublisher(config.events, block_tokens=TRACE_BLOCK_TOKENS,
+                                       metadata=self.metadata)
+            self.events = ManagerFeed(self.manager, publisher)
+        self.metrics = MetricsExporter(config.metrics, self.live_stats) if config.metrics else None
         path = config.snapshot_path()
         self.snapshot = SnapshotWriter(path, self.live_stats, config.stats.interval_s) if path else None
 
     def live_stats(self) -> dict:
-        """What ``kvtier stats`` shows for this running instance."""
-        return {
+        """What ``kvtier stats`` shows for this running instance (and its metrics endpoint)."""
+        r = self.result
+        blocks, tokens = dict(r.blocks), dict(r.tokens)
+        out = {
             "manager": self.manager.stats.snapshot(),
             "usage": self.manager.usage(),
             "transfers": {k: v.to_dict() for k, v in self.worker.engine.stats().items()},
+            "block_bytes": self.geometry.block_bytes,
+            "requests": {"hit_blocks": {t: blocks[t] for t in ("GPU", "CPU", "DISK")},
+                         "hit_tokens": {t: tokens[t] for t in ("GPU", "CPU", "DISK")},
+                         "miss_blocks": blocks["MISS"], "miss_tokens": tokens["MISS"]},
         }
+        if self.worker.store is not None:
+            out["disk"] = self.worker.store.stats().to_dict()
+        if self.events is not None:
+            pub = self.events.publisher
+            out["events"] = {**pub.stats().to_dict(), "endpoint": pub.endpoint,
+                             "replay_endpoint": pub.replay_endpoint}
+        if self.metrics is not None:
+            out["metrics_url"] = self.metrics.url
+        return out
 
     # -- the simulated engine's side of the data
     def _write_gpu(self, key: bytes, block: int) -> None:
@@ -161,6 +194,8 @@ class Replay:
                 self.engine_cache.pin(ids, -1)
             elif res.job_id in self._background:
                 self.manager.complete_background(self._background.pop(res.job_id), res.ok)
+        if self.events is not None:
+            self.events.pump()
 
     def drain(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -214,6 +249,10 @@ class Replay:
         misses = keys[first_miss:]
         self._count("MISS", req, first_miss, len(misses))
         if misses:
+            if self.metadata is not None:
+                for i in range(first_miss, len(keys)):
+                    self.metadata.remember(keys[i], synth_tokens(req.hash_ids[i], req.block_tokens(i)),
+                                           keys[i - 1] if i else None)
             ids = self._allocate(misses)
             for key, block in zip(misses, ids):
                 self._write_gpu(key, block)
@@ -264,6 +303,11 @@ class Replay:
         return out
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.pump()
+            self.events.publisher.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.snapshot is not None:
             self.snapshot.close()
         self.worker.close()

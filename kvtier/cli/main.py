@@ -1,4 +1,5 @@
-"""``kvtier`` command line: ``bench`` (trace replay) and ``stats`` (what a tier holds)."""
+"""``kvtier`` command line: ``bench`` (trace replay), ``stats`` (what a tier holds, live
+counters) and ``events`` (tail an instance's KV-event stream)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import click
 
 from kvtier.cli.bench_cmd import bench
+from kvtier.cli.events_cmd import events
 from kvtier.cli.stats_cmd import stats
 
 
@@ -20,6 +22,8 @@ def cli(verbose: int) -> None:
     kvtier bench            replay the bundled sample trace through all tiers
     kvtier bench --trace T  replay a Mooncake-format trace
     kvtier stats --dir D    what a disk tier (and a running instance) holds
+    kvtier stats --url U    live counters of an instance from its metrics endpoint
+    kvtier events --endpoint E   tail an instance's KV events
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -27,6 +31,7 @@ def cli(verbose: int) -> None:
 
 cli.add_command(bench)
 cli.add_command(stats)
+cli.add_command(events)
 
 
 def main() -> None:

@@ -1,4 +1,10 @@
-"""``kvtier stats``: what each tier holds, and live counters of a running instance."""
+"""``kvtier stats``: what each tier holds, and live counters of a running instance.
+
+A running instance is read from its stats snapshot file (``--config`` / ``--dir`` find it,
+``--snapshot`` names it) or from its Prometheus endpoint (``--url``); both give the same
+live-stats dict, from which per-tier hit rates, used/capacity and GB/s per direction are
+derived.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from rich.table import Table
 from kvtier.cli.errors import user_errors
 from kvtier.config import ConfigError, format_size, load_config
 from kvtier.config.schema import STATS_FILE_NAME
+from kvtier.metrics import ScrapeError, enrich, scrape
 from kvtier.runtime.snapshot import read_snapshot
 from kvtier.tiers.disk import DiskStore
 
@@ -37,7 +44,65 @@ def _ts(value: float | None) -> str | None:
     return datetime.fromtimestamp(value, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def collect_stats(config_path: Path | None, disk_dir: Path | None) -> dict:
+def _instance_from_snapshot(snap: dict) -> dict:
+    age = time.time() - float(snap.get("written_at", 0))
+    snap["live"] = _pid_alive(int(snap.get("pid", -1))) and age < STALE_AFTER_S
+    snap["age_s"] = round(age, 1)
+    return snap
+
+
+def _rate(part, total) -> float | None:
+    return round(part / total, 4) if isinstance(part, (int, float)) and total else None
+
+
+def summarize(data: dict) -> dict:
+    """Add per-tier hit rates and the transfers table of the instance to ``data`` (in place)."""
+    inst = data.get("instance")
+    if not inst:
+        return data
+    enrich(inst)
+    tiers = data["tiers"]
+    for tier, usage in (inst.get("usage") or {}).items():
+        if isinstance(usage, dict):
+            tiers.setdefault(tier, {}).update(usage)
+    req = inst.get("requests") or {}
+    manager = inst.get("manager") or {}
+    if req.get("hit_blocks"):  # what the engine saw: rates over every prompt block/token
+        hit_b, hit_t = req.get("hit_blocks") or {}, req.get("hit_tokens") or {}
+        total_b = sum(hit_b.values()) + req.get("miss_blocks", 0)
+        total_t = sum(hit_t.values()) + req.get("miss_tokens", 0)
+        for tier in hit_b:
+            row = tiers.setdefault(tier, {})
+            row.update(hit_blocks=hit_b.get(tier), block_hit_rate=_rate(hit_b.get(tier), total_b))
+            if tier in hit_t:
+                row.update(hit_tokens=hit_t[tier], token_hit_rate=_rate(hit_t[tier], total_t))
+    elif manager.get("hit_blocks"):  # only the manager's view: rates over looked-up blocks
+        for tier, n in manager["hit_blocks"].items():
+            tiers.setdefault(tier, {}).update(
+                hit_blocks=n, block_hit_rate=_rate(n, manager.get("lookup_blocks")))
+    disk = inst.get("disk")
+    if isinstance(disk, dict) and "compression_ratio" in disk and "DISK" in tiers:
+        tiers["DISK"].setdefault("compression_ratio", round(float(disk["compression_ratio"]), 4))
+    data["transfers"] = inst.get("transfers") or {}
+    return data
+
+
+def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | None = None,
+                  snapshot_path: Path | None = None) -> dict:
+    if url is not None:
+        try:
+            inst = scrape(url)
+        except ScrapeError as exc:
+            raise ConfigError(str(exc), key="--url", allowed="a kvtier metrics URL "
+                              "such as http://127.0.0.1:9400/metrics") from None
+        inst.update(source=url, live=True)
+        return summarize({"tiers": {}, "instance": inst})
+    if snapshot_path is not None:
+        snap = read_snapshot(snapshot_path)
+        if snap is None:
+            raise ConfigError(f"no readable kvtier stats snapshot at {snapshot_path}",
+                              key="--snapshot", allowed="a kvtier-stats.json file")
+        return summarize({"tiers": {}, "instance": _instance_from_snapshot(snap)})
     config = load_config(config_path) if config_path else None
     if disk_dir is None and config is not None and config.disk is not None:
         disk_dir = config.disk.path
@@ -70,27 +135,33 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None) -> dict:
         snap_path = Path(disk_dir) / STATS_FILE_NAME
     snap = read_snapshot(snap_path) if snap_path is not None else None
     if snap is not None:
-        age = time.time() - float(snap.get("written_at", 0))
-        snap["live"] = _pid_alive(int(snap.get("pid", -1))) and age < STALE_AFTER_S
-        snap["age_s"] = round(age, 1)
-        out["instance"] = snap
-        for tier, usage in (snap.get("usage") or {}).items():
-            out["tiers"].setdefault(tier, {}).update(usage)
-    return out
+        out["instance"] = _instance_from_snapshot(snap)
+    return summarize(out)
+
+
+def _pct(v) -> str:
+    return f"{v:.1%}" if isinstance(v, (int, float)) else "-"
+
+
+def _size(v) -> str:
+    return format_size(int(v)) if isinstance(v, (int, float)) else "-"
 
 
 def print_stats(data: dict, console: Console) -> None:
     t = Table(title="kvtier tiers")
-    for col in ("tier", "blocks", "used", "capacity", "compression", "oldest", "newest"):
+    for col in ("tier", "blocks", "used", "capacity", "hit blocks", "block hit rate",
+                "token hit rate", "compression", "oldest", "newest"):
         t.add_column(col)
     for name, tier in data["tiers"].items():
-        used = tier.get("used_bytes")
-        cap = tier.get("capacity_bytes")
+        blocks = tier.get("blocks", tier.get("used_blocks"))
         t.add_row(
             name,
-            str(tier.get("blocks", tier.get("used_blocks", "-"))),
-            format_size(used) if used is not None else "-",
-            format_size(cap) if cap is not None else "-",
+            str(blocks) if blocks is not None else "-",
+            _size(tier.get("used_bytes")),
+            _size(tier.get("capacity_bytes")),
+            str(tier["hit_blocks"]) if tier.get("hit_blocks") is not None else "-",
+            _pct(tier.get("block_hit_rate")),
+            _pct(tier.get("token_hit_rate")),
             f"{tier['compression_ratio']:.3f}" if "compression_ratio" in tier else "-",
             tier.get("oldest") or "-",
             tier.get("newest") or "-",
@@ -100,14 +171,32 @@ def print_stats(data: dict, console: Console) -> None:
     if inst is None:
         console.print("no running instance found (no stats snapshot)")
         return
-    state = "live" if inst["live"] else f"not running (snapshot {inst['age_s']}s old)"
-    console.print(f"instance pid {inst.get('pid')}: {state}")
-    m = inst.get("manager", {})
-    if m:
-        console.print(f"hits: CPU {m['hit_blocks']['CPU']} blocks, DISK {m['hit_blocks']['DISK']} blocks; "
-                      f"lookups {m['lookups']} ({m['lookup_blocks']} blocks)")
-    for name, s in (inst.get("transfers") or {}).items():
-        console.print(f"{name}: {format_size(int(s['bytes']))} in {s['jobs']} jobs, {s['gbps']:.2f} GB/s")
+    if "source" in inst:
+        console.print(f"instance at {inst['source']}: live")
+    else:
+        state = "live" if inst["live"] else f"not running (snapshot {inst['age_s']}s old)"
+        console.print(f"instance pid {inst.get('pid')}: {state}")
+    if data.get("transfers"):
+        tt = Table(title="transfers")
+        for col in ("direction", "jobs", "failed", "bytes", "busy s", "GB/s"):
+            tt.add_column(col, justify="left" if col == "direction" else "right")
+        for name, x in data["transfers"].items():
+            tt.add_row(name, str(x.get("jobs", "-")), str(x.get("failed_jobs", "-")), _size(x.get("bytes")),
+                       f"{x.get('seconds', 0):.3f}", f"{x.get('gbps', 0):.2f}")
+        console.print(tt)
+    m = inst.get("manager") or {}
+    d = inst.get("disk") or {}
+    ev = inst.get("events") or {}
+    parts = [f"lookups {m.get('lookups', '-')} ({m.get('lookup_blocks', '-')} blocks)"]
+    if m.get("evicted_blocks"):
+        parts.append("evictions " + ", ".join(f"{k} {v}" for k, v in m["evicted_blocks"].items()))
+    if m.get("admission_rejected"):
+        parts.append("admission rejections " + ", ".join(f"{k} {v}" for k, v in m["admission_rejected"].items()))
+    if "checksum_failures" in d:
+        parts.append(f"checksum failures {d['checksum_failures']}")
+    if ev:
+        parts.append(f"events: {ev.get('batches', 0)} batches, {ev.get('dropped_events', 0)} dropped")
+    console.print("; ".join(parts))
 
 
 @click.command()
@@ -115,15 +204,34 @@ def print_stats(data: dict, console: Console) -> None:
               help="kvtier YAML: report its tiers (and its running instance, if any).")
 @click.option("--dir", "disk_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A disk-tier directory to inspect (read-only).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--url", help="A running instance's metrics endpoint, e.g. http://127.0.0.1:9400/metrics.")
+@click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="A running instance's stats snapshot file (kvtier-stats.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (one per line with --watch).")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after N refreshes.")
 @user_errors
-def stats(config_path, disk_dir, as_json):
-    """Capacity, used bytes, block count, compression ratio and oldest/newest entry per tier;
-    for a running instance also hit counters and bytes per transfer direction."""
-    if config_path is None and disk_dir is None:
-        raise click.UsageError("give --config FILE or --dir DISK_DIR")
-    data = collect_stats(config_path, disk_dir)
-    if as_json:
-        click.echo(json.dumps(data, default=str))
-    else:
-        print_stats(data, Console())
+def stats(config_path, disk_dir, url, snapshot_path, as_json, watch, interval, count):
+    """Capacity, used bytes, block count, hit rates, compression ratio and oldest/newest entry
+    per tier; for a running instance also bytes and GB/s per transfer direction."""
+    if config_path is None and disk_dir is None and url is None and snapshot_path is None:
+        raise click.UsageError("give --config FILE, --dir DISK_DIR, --url URL or --snapshot FILE")
+    console = Console()
+    shown = 0
+    try:
+        while True:
+            data = collect_stats(config_path, disk_dir, url, snapshot_path)
+            if as_json:
+                click.echo(json.dumps(data, default=str))
+            else:
+                if watch:
+                    console.clear()
+                print_stats(data, console)
+            shown += 1
+            if not watch or (count is not None and shown >= count):
+                break
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass

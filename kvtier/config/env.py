@@ -41,6 +41,14 @@ ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVTIER_DISK_FSYNC": ("tiers.disk.fsync", _env_bool),
     "KVTIER_STORE_THRESHOLD": ("admission.store_threshold", _env_int),
     "KVTIER_OFFLOAD_RATIO": ("admission.offload_ratio", _env_float),
+    "KVTIER_EVENTS_ENDPOINT": ("events.endpoint", str),
+    "KVTIER_EVENTS_REPLAY_ENDPOINT": ("events.replay_endpoint", str),
+    "KVTIER_EVENTS_TOPIC": ("events.topic", str),
+    "KVTIER_EVENTS_BUFFER_BATCHES": ("events.buffer_batches", _env_int),
+    "KVTIER_EVENTS_ALLOW_REMOTE": ("events.allow_remote", _env_bool),
+    "KVTIER_METRICS_PORT": ("metrics.port", _env_int),
+    "KVTIER_METRICS_HOST": ("metrics.host", str),
 }
 """Variable -> (config key, parser). Empty values count as unset. Any KVTIER_DISK_* enables
-the disk tier; KVTIER_DISK_PATH alone gives it the default capacity."""
+the disk tier; KVTIER_DISK_PATH alone gives it the default capacity. Likewise any
+KVTIER_EVENTS_* turns the event stream on and any KVTIER_METRICS_* the metrics endpoint."""

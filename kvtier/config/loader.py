@@ -30,13 +30,22 @@ from kvtier.config.schema import (
     COMPRESSIONS,
     DEFAULT_CPU_CAPACITY,
     DEFAULT_DISK_CAPACITY,
+    DEFAULT_EVENTS_BUFFER_BATCHES,
+    DEFAULT_EVENTS_ENDPOINT,
+    DEFAULT_METRICS_HOST,
+    DEFAULT_METRICS_PORT,
     DEFAULT_SEGMENT_BYTES,
+    ENDPOINT_ALLOWED,
     EVICTION_POLICIES,
     AdmissionConfig,
     CpuTierConfig,
     DiskTierConfig,
+    EventsConfig,
     KvtierConfig,
+    MetricsConfig,
     StatsConfig,
+    endpoint_problem,
+    endpoints_clash,
 )
 from kvtier.config.sizes import parse_size
 
@@ -45,14 +54,19 @@ _POLICY = "eviction policy"
 
 # Allowed keys of every section; a dotted name here is a section, anything else a value.
 _LAYOUT: dict[str, tuple[str, ...]] = {
-    "": ("block_tokens", "tiers", "admission", "stats"),
+    "": ("block_tokens", "tiers", "admission", "stats", "events", "metrics"),
     "tiers": ("cpu", "disk"),
     "tiers.cpu": ("capacity", "eviction", "pin"),
     "tiers.disk": ("path", "capacity", "eviction", "compression", "zstd_level", "fsync",
                    "segment_bytes", "store_threshold"),
     "admission": ("store_threshold", "offload_ratio", "max_offload_tokens"),
     "stats": ("snapshot_path", "interval_s"),
+    "events": ("endpoint", "replay_endpoint", "topic", "buffer_batches", "allow_remote"),
+    "metrics": ("port", "host"),
 }
+
+# Sections that exist only when configured: a KVTIER_* variable for one of their keys enables it.
+_OPTIONAL_SECTIONS = ("tiers.disk", "events", "metrics")
 
 
 @dataclass(frozen=True)
@@ -183,8 +197,9 @@ class _Reader:
             if not text:
                 continue
             self.items[key] = _Item(parse(text), env=var)
-            if key.startswith("tiers.disk.") and "tiers.disk" not in self.items:
-                self.items["tiers.disk"] = _Item({}, env=var)
+            for section in _OPTIONAL_SECTIONS:
+                if key.startswith(section + ".") and section not in self.items:
+                    self.items[section] = _Item({}, env=var)
 
     # -- typed getters ------------------------------------------------------------------------
 
@@ -249,6 +264,24 @@ class _Reader:
                       ", ".join(options))
         return item.value
 
+    def get_str(self, key: str, default: str | None, allowed: str,
+                nullable: bool = False) -> str | None:
+        item = self.items.get(key)
+        if item is None or (nullable and item.value is None):
+            return default if item is None else None
+        if not isinstance(item.value, str):
+            self.fail(key, item, f"must be a string, got {_describe(item.value)}", allowed)
+        return item.value
+
+    def get_endpoint(self, key: str, default: str | None, allow_remote: bool) -> str | None:
+        value = self.get_str(key, default, ENDPOINT_ALLOWED, nullable=default is None)
+        if value is None:
+            return None
+        problem = endpoint_problem(value, allow_remote)
+        if problem:
+            self.fail(key, self.items.get(key), problem, ENDPOINT_ALLOWED)
+        return value
+
     def get_path(self, key: str) -> Path | None:
         item = self.items.get(key)
         if item is None or item.value is None:
@@ -298,11 +331,46 @@ class _Reader:
             interval_s=self.get_float("stats.interval_s", 1.0, "a positive number of seconds",
                                   lambda s: s > 0),
         )
+        events = self.build_events() if "events" in self.items else None
+        metrics = self.build_metrics() if "metrics" in self.items else None
         origins = {
             key: ("<env>", None, item.env) if item.env else (self.source, item.line, key)
             for key, item in self.items.items()
         }
-        return KvtierConfig(block_tokens, cpu, disk, admission, stats, self.source, origins)
+        return KvtierConfig(block_tokens=block_tokens, cpu=cpu, disk=disk, admission=admission,
+                            stats=stats, events=events, metrics=metrics, source=self.source,
+                            origins=origins)
+
+    def build_events(self) -> EventsConfig:
+        allow_remote = self.get_bool("events.allow_remote", False)
+        endpoint = self.get_endpoint("events.endpoint", DEFAULT_EVENTS_ENDPOINT, allow_remote)
+        replay = self.get_endpoint("events.replay_endpoint", None, allow_remote)
+        if endpoints_clash(endpoint, replay):
+            self.fail("events.replay_endpoint", self.items["events.replay_endpoint"],
+                      "must differ from events.endpoint", "a second endpoint or null")
+        topic = self.get_str("events.topic", "", "a string (ZMQ topic prefix; '' = no topic)")
+        if len(topic.encode()) > 255:
+            self.fail("events.topic", self.items["events.topic"], "longer than 255 bytes",
+                      "a short string")
+        return EventsConfig(
+            endpoint=endpoint,
+            replay_endpoint=replay,
+            topic=topic,
+            buffer_batches=self.get_int("events.buffer_batches", DEFAULT_EVENTS_BUFFER_BATCHES,
+                                        1, 10_000_000),
+            allow_remote=allow_remote,
+        )
+
+    def build_metrics(self) -> MetricsConfig:
+        host = self.get_str("metrics.host", DEFAULT_METRICS_HOST, "a host name or IP address")
+        if not host.strip() or any(c.isspace() or c in "/?#@" for c in host):
+            self.fail("metrics.host", self.items["metrics.host"],
+                      f"not a host name or address, got {_describe(host)}",
+                      "a host name or IP address such as 127.0.0.1 or 0.0.0.0")
+        return MetricsConfig(
+            port=self.get_int("metrics.port", DEFAULT_METRICS_PORT, 0, 65535),
+            host=host,
+        )
 
     def build_disk(self) -> DiskTierConfig:
         path = self.get_path("tiers.disk.path")

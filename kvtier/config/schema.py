@@ -7,6 +7,7 @@ then and still cites the config line the value came from (kept in ``origins``).
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,6 +25,12 @@ DEFAULT_CPU_CAPACITY = 4 * GiB
 DEFAULT_DISK_CAPACITY = 64 * GiB
 DEFAULT_SEGMENT_BYTES = 256 << 20
 STATS_FILE_NAME = "kvtier-stats.json"
+DEFAULT_EVENTS_ENDPOINT = "tcp://127.0.0.1:5570"  # vLLM's own publisher defaults to 5557
+DEFAULT_EVENTS_BUFFER_BATCHES = 10_000
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_METRICS_HOST = "127.0.0.1"
+ENDPOINT_ALLOWED = ("tcp://HOST:PORT (PORT may be * or 0 for any free port), ipc://PATH or "
+                    "inproc://NAME; a host other than loopback needs allow_remote: true")
 
 Origin = tuple[str, "int | None", str]
 """Where a value came from: (file or "<env>", 1-based line or None, key or variable name)."""
@@ -68,6 +75,81 @@ class StatsConfig:
             object.__setattr__(self, "snapshot_path", Path(self.snapshot_path))
 
 
+def endpoint_problem(endpoint: object, allow_remote: bool = False) -> str | None:
+    """Why ``endpoint`` cannot be bound by kvtier's event publisher, or None if it can.
+
+    Events describe what an instance caches (block hashes, token ids), so the publisher binds
+    loopback or a local socket unless the operator opted in: any tcp host that is not loopback
+    (a wildcard, an interface, a routable address or a name other than localhost) is refused
+    unless ``allow_remote`` is set.
+    """
+    if not isinstance(endpoint, str) or not endpoint:
+        return "must be a non-empty string"
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc"):
+        return f"unsupported endpoint {endpoint!r}"
+    if not rest or any(c.isspace() for c in rest) or "\0" in rest:
+        return f"endpoint {endpoint!r} has no address"
+    if scheme != "tcp":
+        return None
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return f"tcp endpoint {endpoint!r} needs HOST:PORT"
+    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+        return f"bad port {port!r} in {endpoint!r}"
+    if not allow_remote and not _is_loopback(host):
+        return f"{endpoint!r} is not a loopback address; set allow_remote: true to publish on it"
+    return None
+
+
+def endpoints_clash(a: str | None, b: str | None) -> bool:
+    """Two endpoints that cannot both be bound (the same address; any-port tcp never clashes)."""
+    if a is None or b is None or a != b:
+        return False
+    return not (a.startswith("tcp://") and a.rpartition(":")[2] in ("0", "*"))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """The ZMQ event stream (vLLM's KV-event wire format); absent from the config = off."""
+
+    endpoint: str = DEFAULT_EVENTS_ENDPOINT
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_batches: int = DEFAULT_EVENTS_BUFFER_BATCHES  # batches kept for replay
+    allow_remote: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is None and name == "replay_endpoint":
+                continue
+            problem = endpoint_problem(value, self.allow_remote)
+            if problem:
+                raise ValueError(f"events.{name}: {problem}")
+        if endpoints_clash(self.endpoint, self.replay_endpoint):
+            raise ValueError("events.replay_endpoint must differ from events.endpoint")
+        if self.buffer_batches < 1:
+            raise ValueError("events.buffer_batches must be at least 1")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus endpoint (``http://host:port/metrics``); absent from the config = off."""
+
+    port: int = DEFAULT_METRICS_PORT  # 0: any free port (the snapshot records the real one)
+    host: str = DEFAULT_METRICS_HOST
+
+
 @dataclass(frozen=True)
 class KvtierConfig:
     block_tokens: int = 16
@@ -75,6 +157,8 @@ class KvtierConfig:
     disk: DiskTierConfig | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
+    events: EventsConfig | None = None
+    metrics: MetricsConfig | None = None
     source: str = "<defaults>"
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)
 

@@ -103,11 +103,12 @@ class GpuToCpuHandler(_GpuCpuHandler):
             gpu_idx = ids[torch.tensor(pos, dtype=torch.long)].reshape(-1).to(self.view.device)
             rows_t = torch.tensor(rows, dtype=torch.long)
             for layer_no, pages in enumerate(self.pages):
-                got = pages.index_select(1, gpu_idx)  # [kv_part, m*k, words], contiguous
-                if got.device != chunk.device:
-                    got = got.to(chunk.device)
-                for part in range(got.shape[0]):
-                    chunk5[:, layer_no, part].index_copy_(0, rows_t, got[part].view(m, k, words))
+                for part in range(pages.shape[0]):
+                    # per part, dim 0: fast for strided (blocks_first) pages too
+                    got = pages[part].index_select(0, gpu_idx)  # [m*k, words], contiguous
+                    if got.device != chunk.device:
+                        got = got.to(chunk.device)
+                    chunk5[:, layer_no, part].index_copy_(0, rows_t, got.view(m, k, words))
 
 
 class CpuToGpuHandler(_GpuCpuHandler):
@@ -135,7 +136,9 @@ class CpuToGpuHandler(_GpuCpuHandler):
                     torch.index_select(
                         chunk5[:, layer_no, part], 0, rows_t, out=staged[part].view(m, k, words)
                     )
-                pages.index_copy_(1, gpu_idx, staged.to(pages.device))
+                on_device = staged.to(pages.device)
+                for part in range(parts):
+                    pages[part].index_copy_(0, gpu_idx, on_device[part])
         self._sync()
 
 

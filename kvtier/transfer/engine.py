@@ -60,7 +60,7 @@ class _Lane:
     active: int = 0
     busy_since: float = 0.0
     worker: asyncio.Task | None = None
-    running: set = field(default_factory=set)
+    running: dict = field(default_factory=dict)  # hop task -> its job
 
     @property
     def name(self) -> str:
@@ -142,8 +142,8 @@ class TransferEngine:
                 lane.slots.release()
                 raise
             task = asyncio.ensure_future(self._run_hop(lane, job))
-            lane.running.add(task)
-            task.add_done_callback(lane.running.discard)
+            lane.running[task] = job
+            task.add_done_callback(lambda t, lane=lane: lane.running.pop(t, None))
 
     async def _run_hop(self, lane: _Lane, job: _Job) -> None:
         src, dst = job.hops[job.next_hop]
@@ -210,10 +210,14 @@ class TransferEngine:
         for lane in lanes:
             lane.worker.cancel()
         await asyncio.gather(*(lane.worker for lane in lanes), return_exceptions=True)
-        running = [t for lane in lanes for t in lane.running]
-        for t in running:
+        running = [(t, job) for lane in lanes for t, job in lane.running.items()]
+        for t, _ in running:
             t.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*(t for t, _ in running), return_exceptions=True)
+        for t, job in running:
+            if t.cancelled():  # cancelled before its first step: _run_hop never saw the job
+                job.error = "cancelled because the engine was closed"
+                self._finish(job)
         for lane in lanes:
             while not lane.queue.empty():
                 job = lane.queue.get_nowait()

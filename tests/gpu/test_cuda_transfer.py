@@ -105,7 +105,7 @@ def test_round_trip_is_bit_exact(backend, layout, dtype, page_bytes, layers, per
             assert torch.equal(layer.pages[:, b], p), f"engine block {b} was overwritten"
 
 
-def test_backends_agree_and_empty_job_is_a_no_op():
+def test_empty_job_is_a_no_op_and_bad_jobs_raise():
     gen = torch.Generator(device=DEV).manual_seed(7)
     view = GpuKvView(make_caches("kv_first", 2, 16, 4096, torch.bfloat16, gen), layout="kv_first")
     pool = CpuBlockPool(view.geometry(1), num_slots=8)

@@ -1,6 +1,7 @@
 """The disk tier: verified block records in append-only segment files behind an LMDB index."""
 
 from kvtier.tiers.disk.errors import (
+    DiskIndexUnreadable,
     DiskLayoutMismatch,
     DiskStoreBusy,
     DiskWriteError,
@@ -10,6 +11,7 @@ from kvtier.tiers.disk.stats import DiskStats
 from kvtier.tiers.disk.store import DiskStore
 
 __all__ = [
+    "DiskIndexUnreadable",
     "DiskLayoutMismatch",
     "DiskStats",
     "DiskStore",

@@ -7,7 +7,7 @@ verbatim (header and sequence number included, so age order is kept) to the acti
 made durable, re-pointed in one index commit, and the old file is unlinked once nothing live
 remains in it. Readers racing the move see their entry change and retry at the new place.
 
-Every method runs with the store's writer lock held.
+Every method runs with the writer's commit lock held; ``run`` with both locks (exclusive).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvtier.tiers.disk.index import IndexEntry, IndexWriter
 from kvtier.tiers.disk.reader import ReadFailure, read_record
 
 if TYPE_CHECKING:
-    from kvtier.tiers.disk.store import DiskStore
+    from kvtier.tiers.disk.writer import SegmentWriter
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +27,28 @@ _PASS_BYTES = 32 << 20  # records copied per pass: bounds the memory one pass ho
 
 
 class Compactor:
-    def __init__(self, store: "DiskStore", threshold: float, budget: int) -> None:
-        self.store = store
+    def __init__(self, writer: "SegmentWriter", threshold: float, budget: int) -> None:
+        self.writer = writer
         self.threshold = threshold
         self.budget = budget  # bytes copied per inline run (after deletes)
         self._copied_out: dict[int, int] = {}  # live bytes moved out of a not-yet-removed segment
 
+    def _sealed_and_idle(self, segs: set[int]) -> set[int]:
+        """Segments that no append can reach: below the active id (ids only grow, so a stale
+        read of it errs on the safe side) and holding no uncommitted records."""
+        active = self.writer.files.active_id
+        return {s for s in segs if s < active} - self.writer.in_flight()
+
     def drop_empty(self, segs: set[int]) -> int:
         """Unlink the sealed segments among ``segs`` with no live record; net bytes freed."""
-        store = self.store
-        active = store._files.active_id
-        with store._index.read() as v:
+        w = self.writer
+        segs = self._sealed_and_idle(segs)
+        if not segs:
+            return 0
+        with w.index.read() as v:
             empties = {
                 s: info.end for s in segs
-                if s != active and (info := v.segment(s)) is not None and info.live_records == 0
+                if (info := v.segment(s)) is not None and info.live_records == 0
             }
         if not empties:
             return 0
@@ -51,22 +59,21 @@ class Compactor:
                 w.drop_segment(s)
             w.add_meta_int("reclaimed_bytes", freed)
 
-        store._commit(drop, "segment removal")
+        w.commit(drop, "segment removal")
         for s in empties:
-            store._files.remove(s)
+            w.files.remove(s)
         return freed
 
     def _candidates(self, skip: set[int]) -> list[int]:
-        store = self.store
-        active = store._files.active_id
-        with store._index.read() as v:
+        with self.writer.index.read() as v:
             segs = v.segments()
-        empties = {s for s, i in segs.items() if s != active and i.live_records == 0}
+        sealed = self._sealed_and_idle(set(segs))
+        empties = {s for s in sealed if segs[s].live_records == 0}
         if empties:
             self.drop_empty(empties)
         found = [
             (i.live_bytes / i.end, s) for s, i in segs.items()
-            if s != active and s not in skip and s not in empties
+            if s in sealed and s not in skip and s not in empties
             and i.end > 0 and i.live_bytes < self.threshold * i.end
         ]
         return [s for _, s in sorted(found)]
@@ -95,11 +102,11 @@ class Compactor:
 
     def _compact_pass(self, seg: int, limit: int) -> tuple[int, int, bool]:
         """Move up to ``limit`` bytes of ``seg``'s live records; (copied, freed, reached end)."""
-        store = self.store
+        w = self.writer
         items: list[tuple[bytes, IndexEntry]] = []
         used = 0
         finished = True
-        with store._index.read() as v:
+        with w.index.read() as v:
             for off, key in v.live_in_segment(seg):
                 if used >= limit:
                     finished = False
@@ -112,7 +119,7 @@ class Compactor:
         good: list[tuple[bytes, IndexEntry, bytearray]] = []
         bad: list[tuple[bytes, IndexEntry, ReadFailure]] = []
         for key, e in items:
-            r = read_record(store._files, key, e)
+            r = read_record(w.files, key, e)
             if isinstance(r, ReadFailure):
                 log.warning(
                     "kvtier disk tier: compaction drops block %s (segment %d @ %d): %s",
@@ -121,17 +128,23 @@ class Compactor:
                 bad.append((key, e, r))
             else:
                 good.append((key, e, r))
-        places = store._append([([buf], e.length) for _k, e, buf in good]) if good else []
+        places: list[tuple[int, int]] = []
+        sealed: set[int] = set()
+        if good:
+            places, sealed = w.append([([buf], e.length) for _k, e, buf in good])
 
-        def repoint(w: IndexWriter) -> None:
+        def repoint(ix: IndexWriter) -> None:
             for (key, e, _buf), (s, off) in zip(good, places):
-                if w.entry(key) == e:
-                    w.put(key, e._replace(segment=s, offset=off))
+                if ix.entry(key) == e:
+                    ix.put(key, e._replace(segment=s, offset=off))
             for key, e, failure in bad:
-                w.delete(key, expect=e)
-                w.add_meta_int(failure.kind, 1)
+                ix.delete(key, expect=e)
+                ix.add_meta_int(failure.kind, 1)
 
-        store._commit(repoint, "compaction")
+        try:
+            w.commit(repoint, "compaction")
+        finally:
+            w.settle(sealed)
         copied = sum(e.length for _k, e, _b in good)
         self._copied_out[seg] = self._copied_out.get(seg, 0) + copied
-        return copied, self.drop_empty({seg}), finished
+        return copied, self.drop_empty({seg} | sealed), finished

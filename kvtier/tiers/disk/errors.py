@@ -38,4 +38,9 @@ class DiskWriteError(OSError):
         code = getattr(exc, "errno", None)
         name = _errno.errorcode.get(code, "") if isinstance(code, int) else ""
         detail = os.strerror(code) if isinstance(code, int) else str(exc)
-        return cls(code, f"kvtier disk tier: {what} failed ({name or type(exc).__name__}: {detail})")
+        kind = name or type(exc).__name__
+        return cls(code, f"kvtier disk tier: {what} failed ({kind}: {detail})")
+
+
+class DiskIndexUnreadable(RuntimeError):
+    """The LMDB index cannot be opened (damaged, e.g. by a power loss with fsync=False)."""

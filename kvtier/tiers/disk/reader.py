@@ -7,7 +7,6 @@ segment, short read, EIO); ``checksum_failures`` are bytes that are there but wr
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 from kvtier.tiers.disk.codec import BlockCodec
@@ -83,8 +82,7 @@ def read_into(
         payload = memoryview(bytearray(stored_len))
     head = bytearray(HEADER_BYTES + len(key))
     try:
-        with files.reading(entry.segment) as fd:
-            n = os.preadv(fd, [head, payload], entry.offset)
+        n = files.pread(entry.segment, [head, payload], entry.offset)
     except OSError as exc:
         return ReadFailure(READ_ERROR, f"segment {entry.segment}: {exc.strerror or exc}")
     if n != entry.length:
@@ -102,8 +100,7 @@ def read_record(
     """The whole verified record (header + key + stored payload), for compaction's copy."""
     buf = bytearray(entry.length)
     try:
-        with files.reading(entry.segment) as fd:
-            n = os.preadv(fd, [buf], entry.offset)
+        n = files.pread(entry.segment, [buf], entry.offset)
     except OSError as exc:
         return ReadFailure(READ_ERROR, f"segment {entry.segment}: {exc.strerror or exc}")
     if n != entry.length:

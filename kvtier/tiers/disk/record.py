@@ -76,7 +76,8 @@ def decode_head(buf: bytes | bytearray | memoryview, key: bytes) -> RecordHeader
         raise CorruptRecord(f"short header ({len(buf)} bytes)")
     mv = memoryview(buf)
     body = mv[: _BODY.size]
-    magic, version, codec, _flags, key_len, layout, _res, seq, raw, stored, csum = _BODY.unpack(body)
+    (magic, version, codec, _flags, key_len, layout, _res, seq, raw, stored,
+     csum) = _BODY.unpack(body)
     if magic != MAGIC:
         raise CorruptRecord("bad magic")
     (hcsum,) = _CSUM.unpack(mv[_BODY.size : HEADER_BYTES])

@@ -10,15 +10,17 @@ only when the last reader lets go, so a descriptor number is never reused under 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 IOV_MAX = 1024
 SUFFIX = ".seg"
+KICK_BYTES = 1 << 20  # start write-back after every this many appended bytes (see _start_writeback)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -34,17 +36,57 @@ def parse_segment_name(name: str) -> int | None:
     return int(stem)
 
 
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a range now (non-blocking; only a hint).
+
+    Without it, dirty pages sit in the page cache until the batch's ``fdatasync``, so copying
+    the batch and writing it to the device happen one after the other. Kicking write-back per
+    megabyte lets the device work while the rest of the batch is still being copied; the
+    closing ``fdatasync`` then waits only for the tail. Errors surface at that ``fdatasync``.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
 def pwrite_all(fd: int, bufs: Sequence[Buffer], offset: int) -> int:
     """Write ``bufs`` back to back at ``offset`` (partial writes resumed); returns bytes written."""
+    want = sum(len(b) for b in bufs)
+    if len(bufs) <= IOV_MAX:
+        n = os.pwritev(fd, bufs, offset)
+        if n == want:
+            return n
+    else:
+        n = 0
+    # Rare path: too many buffers, or the kernel wrote only part of them.
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     total = 0
     i = 0
+    skip = n
     while i < len(views):
-        chunk = views[i : i + IOV_MAX]
-        n = os.pwritev(fd, chunk, offset + total)
+        if skip:
+            n, skip = skip, 0
+        else:
+            n = os.pwritev(fd, views[i : i + IOV_MAX], offset + total)
+            if n == 0:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
         total += n
-        # Skip the buffers the call wrote completely, trim the one it wrote in part.
-        while n and i < len(views):
+        while n and i < len(views):  # drop what was written, trim a partly written buffer
             if n >= len(views[i]):
                 n -= len(views[i])
                 i += 1
@@ -92,10 +134,14 @@ class SegmentFiles:
         return out
 
     # -- reading ----------------------------------------------------------------------------
-    @contextmanager
-    def reading(self, seg: int) -> Iterator[int]:
-        """A descriptor of ``seg`` valid for the ``with`` block; FileNotFoundError if gone."""
-        with self._lock:
+    def pread(self, seg: int, bufs: list, offset: int) -> int:
+        """``preadv`` from segment ``seg``; FileNotFoundError if it is gone.
+
+        The descriptor is pinned for the duration of the call, so a concurrent ``remove``
+        closes it only afterwards (and its number cannot be reused under this read).
+        """
+        lock = self._lock
+        with lock:
             h = self._handles.get(seg)
             if h is None:
                 if seg in self._gone:
@@ -104,9 +150,9 @@ class SegmentFiles:
                 self._handles[seg] = h
             h.refs += 1
         try:
-            yield h.fd
+            return os.preadv(h.fd, bufs, offset)
         finally:
-            with self._lock:
+            with lock:
                 h.refs -= 1
                 if h.retired and h.refs == 0:
                     os.close(h.fd)
@@ -144,12 +190,31 @@ class SegmentFiles:
         if sync_dir:
             self.sync_dir()
 
-    def append(self, bufs: Sequence[Buffer]) -> int:
-        """Write ``bufs`` at the end of the active segment; returns their offset."""
+    def append(self, bufs: Sequence[Buffer], *, kick: bool = False) -> int:
+        """Write ``bufs`` at the end of the active segment; returns their offset.
+
+        ``kick``: start write-back every KICK_BYTES (when a sync will follow).
+        """
         offset = self.active_end
-        n = pwrite_all(self.active_fd, bufs, offset)
-        self.active_end = offset + n
+        if not kick:
+            self.active_end = offset + pwrite_all(self.active_fd, bufs, offset)
+            return offset
+        chunk: list[Buffer] = []
+        size = 0
+        for b in bufs:
+            chunk.append(b)
+            size += len(b)
+            if size >= KICK_BYTES:
+                self._append_kicked(chunk)
+                chunk, size = [], 0
+        if chunk:
+            self._append_kicked(chunk)
         return offset
+
+    def _append_kicked(self, bufs: Sequence[Buffer]) -> None:
+        start = self.active_end
+        self.active_end = start + pwrite_all(self.active_fd, bufs, start)
+        _start_writeback(self.active_fd, start, self.active_end - start)
 
     def rollback(self, end: int) -> bool:
         """Cut the active segment back to ``end`` after a failed write; False if that failed."""

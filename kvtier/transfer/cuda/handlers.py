@@ -40,11 +40,11 @@ from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import TransferOutcome
 
 _MIN_POLL_S = 20e-6
-_MAX_POLL_S = 1e-3
+_MAX_POLL_S = 2e-4
 
 
 async def wait_cuda_event(event: torch.cuda.Event) -> None:
-    """Await a CUDA event without blocking the loop (exponential backoff, 20 us .. 1 ms)."""
+    """Await a CUDA event without blocking the loop (exponential backoff, 20 us .. 200 us)."""
     delay = _MIN_POLL_S
     while not event.query():
         await asyncio.sleep(delay)

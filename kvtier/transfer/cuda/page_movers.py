@@ -17,6 +17,7 @@ Two implementations of one interface:
 from __future__ import annotations
 
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -85,7 +86,8 @@ def _cupy_kernel(width: int, device_index: int) -> Any:
             )
             with cupy.cuda.Device(device_index):
                 kern = cupy.RawKernel(src, "kvtier_pages")
-                kern.compile()
+                if hasattr(kern, "compile"):  # compile now, not inside the first transfer
+                    kern.compile()
             _kernel_cache[key] = kern
         return kern
 
@@ -124,7 +126,9 @@ class CupyPageMover(PageMover):
         handle = stream.cuda_stream
         s = self._cp_streams.get(handle)
         if s is None:
-            s = self._cupy.cuda.ExternalStream(handle, self.device_index)
+            with warnings.catch_warnings():  # newer CuPy prefers Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = self._cupy.cuda.ExternalStream(handle, self.device_index)
             self._cp_streams[handle] = s
         return s
 
@@ -146,12 +150,12 @@ class CupyPageMover(PageMover):
         tiles_per_page = -(-page_vecs // (_THREADS * _UNROLL))
         grid = min(self.max_ctas, n_pages * tiles_per_page)
         table_ptr = job[1].data_ptr() + 8 * p0
-        with self._cupy.cuda.Device(self.device_index):
+        # RawKernel launches on CuPy's current stream (thread-local): make it ours
+        with self._cupy.cuda.Device(self.device_index), self._cp_stream(stream):
             self._kernel(
                 (grid,), (_THREADS,),
                 (np.uint64(table_ptr), np.uint64(stage.data_ptr()), np.int64(n_pages),
                  np.int64(page_vecs), np.int64(tiles_per_page), np.int32(to_stage)),
-                stream=self._cp_stream(stream),
             )
 
     def gather(self, job: Any, p0: int, p1: int, stage: torch.Tensor,

@@ -26,7 +26,7 @@ from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer.cuda.page_movers import PageMover
 from kvtier.transfer.cuda.plan import Segment, host_runs, segments_for_range, validate_job
 
-DEFAULT_STAGING_BYTES = 16 << 20
+DEFAULT_STAGING_BYTES = 32 << 20
 DEFAULT_RING_SLOTS = 4
 
 

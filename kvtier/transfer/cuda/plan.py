@@ -96,28 +96,27 @@ class HostRun:
 def host_runs(pool: CpuBlockPool, slots: Sequence[int]) -> list[HostRun]:
     """Group the job's slots into runs of neighbouring slots in one pool chunk.
 
+    Vectorised (a job can hold thousands of slots and this runs before its first copy).
     Waits for a chunk that is still being allocated (the caller is a transfer thread).
     """
     block_bytes = pool.geometry.block_bytes
-    n = len(slots)
-    flat_of: list[torch.Tensor | None] = [None] * n
-    row_of = [0] * n
-    for chunk, positions, rows in pool.group_by_chunk([int(s) for s in slots]):
-        flat = chunk.view(-1)
-        for p, r in zip(positions, rows):
-            flat_of[p] = flat
-            row_of[p] = r
+    s = np.asarray(slots, dtype=np.int64)
+    if s.size == 0:
+        return []
+    chunk = s // pool.slots_per_chunk
+    breaks = np.flatnonzero((s[1:] != s[:-1] + 1) | (chunk[1:] != chunk[:-1])) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), int(s.size)]
+    flats: dict[int, torch.Tensor] = {}
     runs: list[HostRun] = []
-    start = 0
-    while start < n:
-        end = start + 1
-        while end < n and flat_of[end] is flat_of[start] and row_of[end] == row_of[end - 1] + 1:
-            end += 1
-        chunk = flat_of[start]
-        assert chunk is not None
-        runs.append(HostRun(start * block_bytes, (end - start) * block_bytes, chunk,
-                            row_of[start] * block_bytes))
-        start = end
+    for a, b in zip(starts, ends):
+        first = pool.slot(int(s[a]))  # range-checked; waits for its chunk
+        c = int(chunk[a])
+        flat = flats.get(c)
+        if flat is None:  # the whole chunk as one flat tensor (no copy)
+            flat = flats[c] = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
+        runs.append(HostRun(a * block_bytes, (b - a) * block_bytes, flat,
+                            first.data_ptr() - flat.data_ptr()))
     return runs
 
 
@@ -177,14 +176,16 @@ def validate_job(view: GpuKvView, pool: CpuBlockPool, engine_ids: Sequence[int],
             f"{len(engine_ids)} engine block ids for {len(slots)} CPU slots; expected "
             f"{per} ids per slot"
         )
-    bad = [i for i in engine_ids if not 0 <= i < view.num_blocks]
-    if bad:
-        raise ValueError(f"engine block ids {bad[:8]} out of range [0, {view.num_blocks})")
-    bad = [s for s in slots if not 0 <= s < pool.num_slots]
-    if bad:
-        raise ValueError(f"CPU slots {bad[:8]} out of range [0, {pool.num_slots})")
-    if to_gpu and len(set(engine_ids)) != len(engine_ids):
+    ids = np.asarray(engine_ids, dtype=np.int64)
+    sl = np.asarray(slots, dtype=np.int64)
+    bad = ids[(ids < 0) | (ids >= view.num_blocks)]
+    if bad.size:
+        raise ValueError(f"engine block ids {bad[:8].tolist()} out of range [0, {view.num_blocks})")
+    bad = sl[(sl < 0) | (sl >= pool.num_slots)]
+    if bad.size:
+        raise ValueError(f"CPU slots {bad[:8].tolist()} out of range [0, {pool.num_slots})")
+    if to_gpu and np.unique(ids).size != ids.size:
         raise ValueError("duplicate destination engine block ids in one load")
-    if not to_gpu and len(set(slots)) != len(slots):
+    if not to_gpu and np.unique(sl).size != sl.size:
         raise ValueError("duplicate destination CPU slots in one store")
     return per

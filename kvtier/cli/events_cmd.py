@@ -1,0 +1,159 @@
+"""``kvtier events``: tail a running instance's KV-event stream in readable form or as JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+
+from kvtier.cli.errors import user_errors
+from kvtier.config import ConfigError, load_config
+from kvtier.events import (
+    AllBlocksCleared,
+    BlockAccessed,
+    BlockRemoved,
+    BlockStored,
+    Delivery,
+    EventSubscriber,
+    Gap,
+)
+from kvtier.runtime.snapshot import read_snapshot
+
+SHOW_HASHES = 4
+
+
+def _hash(h) -> str | int:
+    return h.hex() if isinstance(h, bytes) else h
+
+
+def event_to_dict(ev) -> dict:
+    """JSON-able form of one wire event (hashes as hex strings when they are bytes)."""
+    if isinstance(ev, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    out = {"type": type(ev).__name__, "medium": ev.medium,
+           "block_hashes": [_hash(h) for h in ev.block_hashes]}
+    if isinstance(ev, BlockStored):
+        parent = ev.parent_block_hash
+        out.update(parent_block_hash=None if parent is None else _hash(parent),
+                   block_size=ev.block_size, token_ids=list(ev.token_ids),
+                   lora_name=ev.lora_name)
+    elif isinstance(ev, BlockAccessed):
+        out["num_tokens"] = ev.num_tokens
+    return out
+
+
+def item_to_dict(item: Delivery | Gap) -> dict:
+    if isinstance(item, Gap):
+        return {"gap": {"expected": item.expected, "resumed_at": item.resumed_at,
+                        "reason": item.reason}}
+    b = item.batch
+    return {"seq": item.seq, "ts": b.ts, "replayed": item.replayed,
+            "data_parallel_rank": b.data_parallel_rank,
+            "events": [event_to_dict(e) for e in b.events],
+            "access": [event_to_dict(e) for e in b.access]}
+
+
+def _short(hashes) -> str:
+    shown = [str(_hash(h))[:12] for h in hashes[:SHOW_HASHES]]
+    more = f" +{len(hashes) - SHOW_HASHES}" if len(hashes) > SHOW_HASHES else ""
+    return " ".join(shown) + more
+
+
+def item_lines(item: Delivery | Gap) -> list[str]:
+    if isinstance(item, Gap):
+        upto = f"..{item.resumed_at - 1}" if item.resumed_at > item.expected + 1 else ""
+        return [f"GAP: batch {item.expected}{upto} lost ({item.reason})"]
+    b = item.batch
+    when = datetime.fromtimestamp(b.ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+    head = f"#{item.seq} {when}" + (" (replay)" if item.replayed else "")
+    lines = []
+    for ev in b.events:
+        if isinstance(ev, AllBlocksCleared):
+            lines.append(f"{head} cleared all blocks")
+        elif isinstance(ev, BlockStored):
+            tokens = f"{len(ev.token_ids)} tokens" if ev.token_ids else "no tokens"
+            parent = "" if ev.parent_block_hash is None else f" parent {str(_hash(ev.parent_block_hash))[:12]}"
+            lines.append(f"{head} stored  {ev.medium:<7} {len(ev.block_hashes):>4} blocks "
+                         f"[{_short(ev.block_hashes)}]{parent} {tokens} (block {ev.block_size})")
+        elif isinstance(ev, BlockRemoved):
+            lines.append(f"{head} removed {ev.medium:<7} {len(ev.block_hashes):>4} blocks "
+                         f"[{_short(ev.block_hashes)}]")
+    for ev in b.access:
+        lines.append(f"{head} hit     {ev.medium:<7} {len(ev.block_hashes):>4} blocks "
+                     f"[{_short(ev.block_hashes)}] {ev.num_tokens} tokens")
+    return lines or [f"{head} (empty batch)"]
+
+
+def endpoints_from_config(path: Path) -> tuple[str, str | None, str]:
+    """The event endpoints of the instance ``path`` configures: the bound ones its stats
+    snapshot records when it runs (needed for any-port endpoints), else the configured ones."""
+    config = load_config(path)
+    if config.events is None:
+        raise ConfigError("the config has no events section (the event stream is off)",
+                          file=str(path), key="events", allowed="events: {endpoint: ...}")
+    endpoint, replay = config.events.endpoint, config.events.replay_endpoint
+    snap_path = config.snapshot_path()
+    snap = read_snapshot(snap_path) if snap_path is not None else None
+    info = (snap or {}).get("events") or {}
+    if isinstance(info.get("endpoint"), str):
+        endpoint = info["endpoint"]
+        replay = info.get("replay_endpoint") if isinstance(info.get("replay_endpoint"), str) else replay
+    return endpoint, replay, config.events.topic
+
+
+@click.command()
+@click.option("--endpoint", help="PUB endpoint of the instance, e.g. tcp://127.0.0.1:5570.")
+@click.option("--replay-endpoint", help="Its replay (ROUTER) endpoint: fills holes, and history.")
+@click.option("--topic", default=None, help="Topic to subscribe to (default: the config's, or '').")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Take the endpoints from this kvtier YAML (and its running instance).")
+@click.option("--from-seq", type=click.IntRange(min=0),
+              help="Replay from this sequence number first (default: only what comes next).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch (or gap) per line.")
+@click.option("--count", type=click.IntRange(min=1), help="Exit after this many batches.")
+@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="Exit after this many seconds without a batch.")
+@user_errors
+def events(endpoint, replay_endpoint, topic, config_path, from_seq, as_json, count, idle_timeout):
+    """Tail the KV events of a running instance (vLLM's format; kvtier's access events too).
+
+    Sequence numbers are checked: holes are filled from the replay endpoint when given, and
+    a lost stretch is printed as a GAP line.
+    """
+    config_topic = ""
+    if config_path is not None:
+        cfg_endpoint, cfg_replay, config_topic = endpoints_from_config(config_path)
+        endpoint = endpoint or cfg_endpoint
+        replay_endpoint = replay_endpoint or cfg_replay
+    if endpoint is None:
+        raise click.UsageError("give --endpoint or --config")
+    if from_seq is not None and replay_endpoint is None:
+        raise click.UsageError("--from-seq needs --replay-endpoint")
+    sub = EventSubscriber(endpoint, replay_endpoint=replay_endpoint,
+                          topic=config_topic if topic is None else topic, start_seq=from_seq)
+    seen = 0
+    last = time.monotonic()
+    try:
+        while count is None or seen < count:
+            items = sub.poll(0.25)
+            if not items:
+                if idle_timeout is not None and time.monotonic() - last >= idle_timeout:
+                    break
+                continue
+            last = time.monotonic()
+            for item in items:
+                if as_json:
+                    click.echo(json.dumps(item_to_dict(item)))
+                else:
+                    for line in item_lines(item):
+                        click.echo(line)
+                seen += isinstance(item, Delivery)
+                if count is not None and seen >= count:
+                    break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()

@@ -1,0 +1,51 @@
+"""Connects a manager to a publisher, on the manager's own thread.
+
+``pump()`` drains ``take_events()`` into the publisher. Whatever the manager holds when the
+feed starts (disk blocks restored from a previous run emit no events) is announced by an
+initial resync, and the manager's resident blocks are the publisher's resync source. If the
+manager's event bus itself dropped events (nobody drained it for too long), the publisher is
+told the stream is lost and resyncs.
+
+The vLLM connector, which also needs ``take_events()`` for vLLM's own publisher, calls
+``publisher.publish(events)`` with the events it drained instead of ``pump()``.
+"""
+
+from __future__ import annotations
+
+from kvtier.events.publisher import EventPublisher
+from kvtier.manager.specs import BlockKey, Medium
+from kvtier.manager.tier_index import BlockState
+
+
+def resident_blocks(manager) -> dict[Medium, list[BlockKey]]:
+    """READY blocks per tier of a tiered manager (or a wrapper of one): the state the
+    manager's events describe (blocks still being written have not been announced)."""
+    out: dict[Medium, list[BlockKey]] = {}
+    for name in ("cpu", "disk"):
+        tier = getattr(manager, name, None)
+        if tier is None:
+            continue
+        out[tier.medium] = [k for k, e in tier.entries.items() if e.state is BlockState.READY]
+    return out
+
+
+class ManagerFeed:
+    def __init__(self, manager, publisher: EventPublisher) -> None:
+        self.manager = manager
+        self.publisher = publisher
+        publisher.set_resident_source(lambda: resident_blocks(manager))
+        self._bus_dropped = self._dropped()
+        manager.take_events()  # already reflected in the initial resync
+        publisher.resync()
+
+    def _dropped(self) -> int:
+        bus = getattr(self.manager, "events", None)
+        return int(getattr(bus, "dropped", 0))
+
+    def pump(self) -> None:
+        events = self.manager.take_events()
+        dropped = self._dropped()
+        if dropped != self._bus_dropped:
+            self._bus_dropped = dropped
+            self.publisher.mark_lost()
+        self.publisher.publish(events)

@@ -1,0 +1,379 @@
+"""``EventPublisher``: kvtier's KV events on a ZMQ PUB socket, vLLM's wire format, with replay.
+
+The caller (the thread that owns the manager) only appends to a bounded in-memory queue: no
+socket call, no encoding, no lock held for longer than an append. One background thread owns
+both sockets; it converts (attaching token ids and parents through the metadata lookup),
+encodes, numbers, sends and buffers batches, and answers replay requests.
+
+When the queue is full, new events are dropped and counted, and the stream is marked *lost*:
+consumers can no longer rebuild state from it. The next ``publish`` then repairs it. With a
+``resident`` source (what each tier holds now, read on the caller's thread, so consistent
+with the events given so far) it sends ``AllBlocksCleared`` followed by ``BlockStored`` for
+every resident block — a full resync. Without one it sends ``AllBlocksCleared`` alone, so
+consumers forget this instance's blocks (a miss, never a wrong hit). A consumer that asked
+replay for batches no longer buffered also triggers a resync (at most one per
+``min_resync_interval_s``), so a late consumer always converges.
+
+Sockets are bound (never connected); a ``tcp`` port of 0 or ``*`` takes any free port and
+``endpoint`` / ``replay_endpoint`` then report the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Mapping
+
+import zmq
+
+from kvtier.config.schema import EventsConfig, endpoint_problem
+from kvtier.events.convert import EventConverter, WireHash
+from kvtier.events.metadata import MetadataLookup
+from kvtier.events.replay import ReplayBuffer
+from kvtier.events.wire import (
+    END_SEQ,
+    GAP_SEQ,
+    SEQ_BYTES,
+    AllBlocksCleared,
+    KvtierEventBatch,
+    encode_batch,
+    encode_gap,
+    seq_bytes,
+)
+from kvtier.manager import events as mgr
+from kvtier.manager.specs import BlockKey, Medium
+
+log = logging.getLogger(__name__)
+
+Resident = Callable[[], Mapping[Medium, Iterable[BlockKey]]]
+
+PUB_HWM = 100_000
+MAX_BATCH_EVENTS = 1024  # wire events per batch when several publish() calls are coalesced
+MAX_REPLAY_REQUESTS_PER_WAKE = 16
+
+
+@dataclass
+class PublisherStats:
+    batches: int = 0  # batches sent (sequence numbers used)
+    events: int = 0  # state events sent (BlockStored / BlockRemoved / AllBlocksCleared)
+    access_events: int = 0
+    dropped_events: int = 0  # manager events dropped because the queue was full
+    resyncs: int = 0
+    replay_requests: int = 0
+    replay_gaps: int = 0  # replay requests that reached back past the buffer
+    bad_requests: int = 0
+    send_errors: int = 0
+    metadata_errors: int = 0
+    last_seq: int = -1
+    queued: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Item:
+    ts: float
+    events: list  # manager events
+    cleared: bool = False  # emit AllBlocksCleared first
+    resident: Mapping[Medium, list[BlockKey]] | None = None  # then these as BlockStored
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        if host.startswith("["):
+            sock.setsockopt(zmq.IPV6, 1)
+        if port in ("0", "*"):
+            sock.bind(f"tcp://{host}:*")
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock.bind(endpoint)
+    return endpoint
+
+
+class EventPublisher:
+    def __init__(
+        self,
+        config: EventsConfig,
+        *,
+        block_tokens: int,
+        metadata: MetadataLookup | None = None,
+        resident: Resident | None = None,
+        wire_hash: WireHash | None = None,
+        data_parallel_rank: int | None = None,
+        max_queue_events: int = 100_000,
+        replay_max_bytes: int | None = None,
+        min_resync_interval_s: float = 1.0,
+    ) -> None:
+        for name in ("endpoint", "replay_endpoint"):  # EventsConfig checks too; be sure
+            value = getattr(config, name)
+            problem = None if value is None else endpoint_problem(value, config.allow_remote)
+            if problem:
+                raise ValueError(f"events.{name}: {problem}")
+        self.config = config
+        self._converter = EventConverter(block_tokens, metadata, wire_hash)
+        self._resident = resident
+        self._dp_rank = data_parallel_rank
+        self._topic = config.topic.encode()
+        self._max_queue = max_queue_events
+        self._min_resync = min_resync_interval_s
+        self._buffer = (ReplayBuffer(config.buffer_batches) if replay_max_bytes is None
+                        else ReplayBuffer(config.buffer_batches, replay_max_bytes))
+        self._stats = PublisherStats()
+        self._lock = threading.Lock()
+        self._queue: deque[_Item] = deque()
+        self._queued_events = 0
+        self._enqueued = 0  # items ever queued / sent: flush() waits for these to meet
+        self._sent = 0
+        self._done = threading.Condition(self._lock)
+        self._lost = False
+        self._gap_seen = False
+        self._last_resync = float("-inf")
+        self._signalled = False
+        self._closing = False
+        self._seq = 0
+
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+            self.endpoint = _bind(self._pub, config.endpoint)
+            self.replay_endpoint: str | None = None
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.SNDHWM, config.buffer_batches + 16)
+                self.replay_endpoint = _bind(self._replay, config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            self._ctx.term()
+            raise OSError(f"kvtier events: cannot bind {config.endpoint}: {exc}") from None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+    def publish(self, events: Iterable[mgr.Event]) -> None:
+        """Queue manager events (in the order the manager emitted them). Never blocks."""
+        events = [e for e in events if e.keys]
+        now = time.time()
+        resync = self._resync_due(now)
+        if resync:
+            self.resync()  # reflects ``events`` already: they need not be sent
+            return
+        if not events and not self._lost:
+            return
+        with self._lock:
+            if self._queued_events + len(events) > self._max_queue:
+                self._stats.dropped_events += len(events)
+                self._lost = True
+                return
+            item = _Item(now, events, cleared=self._lost)
+            self._lost = False
+            self._enqueue_locked(item)
+        self._wake()
+
+    def _resync_due(self, now: float) -> bool:
+        if self._resident is None:
+            return False
+        if self._lost:
+            return True
+        return self._gap_seen and now - self._last_resync >= self._min_resync
+
+    def resync(self) -> None:
+        """Publish ``AllBlocksCleared`` then every resident block (call on the caller's
+        thread: ``resident`` must describe the state after every event published so far)."""
+        if self._resident is None:
+            raise RuntimeError("resync needs a resident-blocks source")
+        resident = {Medium(m): list(keys) for m, keys in self._resident().items()}
+        with self._lock:
+            self._lost = self._gap_seen = False
+            self._last_resync = time.time()
+            self._stats.resyncs += 1
+            self._enqueue_locked(_Item(self._last_resync, [], cleared=True, resident=resident))
+        self._wake()
+
+    def set_resident_source(self, resident: Resident | None) -> None:
+        """What each tier holds now (called on the caller's thread, for resyncs)."""
+        self._resident = resident
+
+    @property
+    def wants_resync(self) -> bool:
+        """True when consumers cannot rebuild state from the stream until a resync."""
+        return self._lost or self._gap_seen
+
+    def mark_lost(self) -> None:
+        """Events were lost before reaching ``publish`` (e.g. the manager's own bus dropped)."""
+        self._lost = True
+
+    def _enqueue_locked(self, item: _Item) -> None:
+        self._queue.append(item)
+        self._queued_events += len(item.events)
+        self._enqueued += 1
+
+    def _wake(self) -> None:
+        if self._signalled:
+            return
+        self._signalled = True
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (or closed): the thread is awake anyway
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued so far is sent; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            target = self._enqueued
+            while self._sent < target and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._done.wait(left)
+            return self._sent >= target
+
+    def stats(self) -> PublisherStats:
+        with self._lock:
+            s = PublisherStats(**asdict(self._stats))
+            s.queued = self._queued_events
+        s.metadata_errors = self._converter.metadata_errors
+        return s
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to ``timeout``), then close the sockets."""
+        if self._closing:
+            return
+        self._closing = True
+        self._signalled = False
+        self._wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("kvtier events: publisher thread did not stop within %.1fs", timeout)
+            return
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._ctx.term()
+
+    def __enter__(self) -> "EventPublisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ publisher thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(0 if self._queue else 1000))
+                if self._wake_r in ready:
+                    self._signalled = False
+                    os.read(self._wake_r, 4096)
+                if self._replay is not None and self._replay in ready:
+                    self._serve_replay()
+                with self._lock:
+                    items = list(self._queue)
+                    self._queue.clear()
+                    self._queued_events = 0
+                if items:
+                    self._send_items(items)
+                    with self._lock:
+                        self._sent += len(items)
+                        self._done.notify_all()
+                elif self._closing:
+                    break
+        except Exception:  # noqa: BLE001 - never take the instance down; log once, stop
+            log.exception("kvtier events: publisher thread failed; events are off")
+        finally:
+            self._close_sockets()
+            with self._lock:
+                self._done.notify_all()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=500)
+
+    def _send_items(self, items: list[_Item]) -> None:
+        state: list = []
+        access: list = []
+        ts: float | None = None
+        for item in items:
+            ts = item.ts if ts is None else ts
+            if item.cleared:
+                state.append(AllBlocksCleared())
+            for medium, keys in (item.resident or {}).items():
+                state.extend(self._converter.stored(medium, keys))
+            s, a = self._converter.convert(item.events)
+            state.extend(s)
+            access.extend(a)
+            if len(state) + len(access) >= MAX_BATCH_EVENTS:
+                self._send(KvtierEventBatch(ts, state, self._dp_rank, access))
+                state, access, ts = [], [], None
+        if ts is not None and (state or access):
+            self._send(KvtierEventBatch(ts, state, self._dp_rank, access))
+
+    def _send(self, batch: KvtierEventBatch) -> None:
+        try:
+            payload = encode_batch(batch)
+        except Exception:  # noqa: BLE001 - e.g. a wire_hash returning an unencodable value
+            log.exception("kvtier events: cannot encode a batch; consumers will be resynced")
+            with self._lock:
+                self._stats.send_errors += 1
+            self._lost = True
+            return
+        seq = self._seq
+        try:
+            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:  # PUB drops at HWM itself; kept for sockets that do not
+            with self._lock:
+                self._stats.send_errors += 1
+        self._seq += 1
+        self._buffer.append(seq, payload)
+        with self._lock:
+            self._stats.batches += 1
+            self._stats.events += len(batch.events)
+            self._stats.access_events += len(batch.access)
+            self._stats.last_seq = seq
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        for _ in range(MAX_REPLAY_REQUESTS_PER_WAKE):
+            try:
+                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            bad = len(frames) != 3 or len(frames[2]) != SEQ_BYTES
+            with self._lock:
+                self._stats.replay_requests += 1
+                self._stats.bad_requests += bad
+            if bad:
+                if len(frames) >= 2:  # tell the client it is done rather than let it hang
+                    self._reply(frames[0], b"", END_SEQ, b"")
+                continue
+            client, start = frames[0], int.from_bytes(frames[2], "big")
+            gap, batches = self._buffer.reply(start)
+            if gap is not None:
+                with self._lock:
+                    self._stats.replay_gaps += 1
+                self._gap_seen = True
+                self._reply(client, self._topic, GAP_SEQ, encode_gap(gap))
+            for seq, payload in batches:
+                self._reply(client, self._topic, seq, payload)
+            self._reply(client, b"", END_SEQ, b"")
+
+    def _reply(self, client: bytes, topic: bytes, seq: int, payload: bytes) -> None:
+        try:
+            self._replay.send_multipart((client, b"", topic, seq_bytes(seq), payload),
+                                        flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            with self._lock:
+                self._stats.send_errors += 1

@@ -1,0 +1,161 @@
+"""Reuse gate: write a never-seen block only while such blocks are measured to pay off.
+
+On real traces most offloaded blocks are never read again, and almost all of them are blocks
+seen for the first time (one-off documents, unique user turns, the partial tail of a prompt).
+A block seen before (within a history a few times the tier's size) is likely to be seen again,
+so it is always admitted. A *first-timer* is admitted only while first-timers of its class are
+measured to be read before they would be evicted, and only when evictions are hurting:
+
+- classes: whether the block extends a prefix already seen, and whether it is the last block of
+  its lookup. Chats reuse extensions, system-prompt traffic never does; the gate learns which
+  from the outcomes, so no trace needs its own parameters.
+- outcome of an admitted first-timer: hit before eviction (1) or evicted unread (0); of a
+  refused one: sighted again within the time it would have stayed, i.e. before ``capacity``
+  more blocks were admitted (1), or not (0). Both feed one running mean per class, so refusing
+  does not stop the measurement and the gate reopens when the traffic changes.
+- pressure: the share of recent evictions that threw out a block that was not an unread
+  first-timer. Without pressure the tier only evicts its own dead weight and the gate stays
+  open, so a large tier never loses hits to admit-all; under pressure the bar is
+  ``GATE_BAR * pressure``.
+
+Every call is O(1) per key; memory is a bitset doorkeeper (about 4 bytes per tier block) plus
+bounded maps of keys awaiting an outcome.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+from kvtier.manager.admission.base import AdmissionPolicy, register_admission
+from kvtier.manager.specs import BlockKey
+
+GATE_BAR = 0.4  # first-timers must be read at least this often (at full pressure) to be written
+RATE = 0.01  # weight of one outcome in the running means
+_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+Class = tuple[bool, bool]  # (extends a known prefix, last block of its lookup)
+
+
+class SightingFilter:
+    """Has this key been sighted recently? Two generations of a 2-hash bitset: a key counts as
+    seen for the last ``per_generation``..``2 * per_generation`` new sightings. Rotation drops
+    the older generation in one step (no scan), and false positives only make the gate admit."""
+
+    def __init__(self, per_generation: int, bits_per_key: int = 16) -> None:
+        bits = 1 << max(10, (per_generation * bits_per_key - 1).bit_length())
+        self._mask = bits - 1
+        self._per_gen = max(1, per_generation)
+        self._cur = bytearray(bits // 8)
+        self._old = bytearray(bits // 8)
+        self._added = 0
+
+    def _bits(self, key: Hashable) -> tuple[int, int]:
+        h = (hash(key) * _MIX) & _MASK64
+        return h & self._mask, (h >> 32) & self._mask
+
+    @staticmethod
+    def _has(arr: bytearray, a: int, b: int) -> bool:
+        return bool(arr[a >> 3] & (1 << (a & 7))) and bool(arr[b >> 3] & (1 << (b & 7)))
+
+    def seen_then_add(self, key: Hashable) -> bool:
+        a, b = self._bits(key)
+        if self._has(self._cur, a, b):
+            return True
+        seen = self._has(self._old, a, b)
+        self._cur[a >> 3] |= 1 << (a & 7)  # refresh into the current generation
+        self._cur[b >> 3] |= 1 << (b & 7)
+        self._added += 1
+        if self._added >= self._per_gen:
+            self._old, self._cur = self._cur, bytearray(len(self._cur))
+            self._added = 0
+        return seen
+
+
+class ReuseGate(AdmissionPolicy):
+    name = "reuse_gate"
+
+    def __init__(self, capacity_blocks: int, bar: float = GATE_BAR) -> None:
+        if not 0.0 <= bar <= 1.0:
+            raise ValueError(f"bar must be within [0, 1], got {bar}")
+        self.capacity = max(1024, capacity_blocks)  # 0 (unknown) still gets a usable history
+        self.bar = bar
+        self._seen = SightingFilter(4 * self.capacity)
+        self._first: OrderedDict[BlockKey, Class] = OrderedDict()  # sighted first-timers
+        self._pending: OrderedDict[BlockKey, Class] = OrderedDict()  # admitted, no outcome yet
+        self._refused: OrderedDict[BlockKey, tuple[int, Class]] = OrderedDict()  # (clock, class)
+        self._clock = 0  # blocks admitted so far
+        self.reuse: dict[Class, float] = {}  # per class: share of first-timers read in time
+        self.pressure = 0.0
+        self.refused = 0
+
+    # -- observations -------------------------------------------------------------------
+    def record_lookup(self, keys: Sequence[BlockKey]) -> None:
+        known_prefix = False
+        last = len(keys) - 1
+        for i, key in enumerate(keys):
+            refused = self._refused.pop(key, None)
+            if refused is not None:
+                self._outcome(refused[1], 1.0)
+            if self._seen.seen_then_add(key):
+                known_prefix = True
+                self._first.pop(key, None)  # sighted twice before being stored: proven
+            else:
+                self._remember(self._first, key, (known_prefix, i == last))
+        self._expire_refused()
+
+    def on_hit(self, key: BlockKey) -> None:
+        cls = self._pending.pop(key, None)
+        if cls is not None:
+            self._outcome(cls, 1.0)
+
+    def on_evict(self, key: BlockKey) -> None:
+        cls = self._pending.pop(key, None)
+        wasted = cls is not None
+        if wasted:
+            self._outcome(cls, 0.0)
+        self.pressure += RATE * ((0.0 if wasted else 1.0) - self.pressure)
+
+    # -- decision -----------------------------------------------------------------------
+    def admit(self, key: BlockKey) -> bool:
+        cls = self._first.pop(key, None)
+        if cls is None:  # seen before (or not tracked any more): worth writing
+            self._clock += 1
+            return True
+        if self.reuse.get(cls, 1.0) < self.bar * self.pressure:
+            self._remember(self._refused, key, (self._clock, cls))
+            self.refused += 1
+            return False
+        self._clock += 1
+        self._remember(self._pending, key, cls)
+        return True
+
+    # -- internals ----------------------------------------------------------------------
+    def _outcome(self, cls: Class, value: float) -> None:
+        old = self.reuse.get(cls, 1.0)
+        self.reuse[cls] = old + RATE * (value - old)
+
+    def _remember(self, od: OrderedDict, key: BlockKey, value: object) -> None:
+        """Bounded FIFO insert; what falls out simply gets no outcome."""
+        od[key] = value
+        od.move_to_end(key)
+        if len(od) > 2 * self.capacity:
+            od.popitem(last=False)
+
+    def _expire_refused(self) -> None:
+        """A refused block not sighted again before ``capacity`` more blocks were admitted would
+        have been evicted unread: count it as a correct refusal."""
+        horizon = self._clock - self.capacity
+        refused = self._refused
+        while refused:
+            key, (clock, cls) = next(iter(refused.items()))
+            if clock > horizon:
+                break
+            refused.popitem(last=False)
+            self._outcome(cls, 0.0)
+
+
+register_admission(
+    "reuse_gate", lambda threshold=1, capacity_blocks=0: ReuseGate(capacity_blocks)
+)
