@@ -175,6 +175,8 @@ def test_foreign_directory_and_double_open_are_refused(tmp_path):
     with DiskStore(tmp_path / "d", GEO):
         with pytest.raises(DiskStoreBusy):
             DiskStore(tmp_path / "d", GEO)
+        with pytest.raises(DiskStoreBusy, match="stats"):
+            DiskStore.read_stats(tmp_path / "d")
 
 
 def test_permissions(tmp_path):

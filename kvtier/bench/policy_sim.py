@@ -179,16 +179,29 @@ def gap_closed(res: SimResult, lru: SimResult, best: SimResult) -> float | None:
     return None if gap <= 1e-12 else (res.hit_rate - lru.hit_rate) / gap
 
 
-def compare(trace: Sequence[TraceRequest], capacities: Sequence[int], specs: Sequence[str]) -> list[SimResult]:
+def compare(
+    trace: Sequence[TraceRequest], capacities: Sequence[int], specs: Sequence[str],
+    with_belady: bool = True,
+) -> list[SimResult]:
+    """Every spec at every capacity (LRU always included, first), then Belady's two bounds."""
     from kvtier.bench.belady import belady
 
+    specs = ["lru"] + [s for s in specs if s != "lru"]
     out: list[SimResult] = []
     for c in capacities:
         for spec in specs:
             out.append(simulate(trace, c, spec))
-        out.append(belady(trace, c, skip_unused=False))
-        out.append(belady(trace, c, skip_unused=True))
+        if with_belady:
+            out.append(belady(trace, c, skip_unused=False))
+            out.append(belady(trace, c, skip_unused=True))
     return out
+
+
+def _by_capacity(results: Sequence[SimResult]) -> dict[int, list[SimResult]]:
+    by_c: dict[int, list[SimResult]] = {}
+    for r in results:
+        by_c.setdefault(r.capacity, []).append(r)
+    return by_c
 
 
 def format_table(results: Sequence[SimResult], ceiling: SimResult | None = None) -> str:
@@ -197,10 +210,7 @@ def format_table(results: Sequence[SimResult], ceiling: SimResult | None = None)
         "| C | policy | block hit | token hit | written | wasted | gap closed | writes vs LRU |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    by_c: dict[int, list[SimResult]] = {}
-    for r in results:
-        by_c.setdefault(r.capacity, []).append(r)
-    for c, rs in by_c.items():
+    for c, rs in _by_capacity(results).items():
         lru = next((r for r in rs if r.policy == "lru"), None)
         best = next((r for r in rs if r.policy.startswith("belady")), None)
         for r in rs:
@@ -217,22 +227,55 @@ def format_table(results: Sequence[SimResult], ceiling: SimResult | None = None)
     return "\n".join(rows)
 
 
+def format_summary(results: Sequence[SimResult]) -> str:
+    """Per policy across all capacities: worst and best hit-rate difference to LRU (points)
+    and the largest share of LRU's writes: the "never loses to LRU" check at a glance."""
+    stats: dict[str, list[tuple[float, float]]] = {}
+    for rs in _by_capacity(results).values():
+        lru = next((r for r in rs if r.policy == "lru"), None)
+        if lru is None:
+            continue
+        for r in rs:
+            if r.policy != "lru" and not r.policy.startswith("belady"):
+                ratio = r.written / lru.written if lru.written else 1.0
+                stats.setdefault(r.policy, []).append((r.hit_rate - lru.hit_rate, ratio))
+    rows = ["| policy | worst hit vs LRU | best hit vs LRU | max writes vs LRU |", "|---|---|---|---|"]
+    for name, v in stats.items():
+        rows.append(f"| {name} | {min(d for d, _ in v) * 100:+.2f} pt | "
+                    f"{max(d for d, _ in v) * 100:+.2f} pt | {max(w for _, w in v):.0%} |")
+    return "\n".join(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvtier.bench.trace_gen import SHAPES, generate
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", required=True, help="Mooncake jsonl trace")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake jsonl trace")
+    src.add_argument("--shape", choices=SHAPES, help="replay a generated trace instead")
+    ap.add_argument("--seed", type=int, default=0, help="seed of --shape")
+    ap.add_argument("--requests", type=int, default=4000, help="requests of --shape")
     ap.add_argument("--capacity-blocks", default="1000,4000,16000")
-    ap.add_argument("--policies", default="lru,arc", help="comma list of eviction[+admission]")
+    ap.add_argument("--policies", default="arc,prefix_lru+reuse_gate",
+                    help="comma list of eviction[+admission]; lru is always run")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--no-belady", action="store_true", help="skip the offline bounds")
+    ap.add_argument("--summary", action="store_true", help="one line per policy vs LRU")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    trace = load_trace(args.trace, args.limit)
+    if args.trace:
+        trace = load_trace(args.trace, args.limit)
+    else:
+        trace = generate(args.shape, args.requests, args.seed)[: args.limit]
     caps = [int(c) for c in args.capacity_blocks.split(",") if c.strip()]
-    specs = [s for s in args.policies.split(",") if s.strip()]
-    results = compare(trace, caps, specs)
+    specs = [s.strip() for s in args.policies.split(",") if s.strip()]
+    results = compare(trace, caps, specs, with_belady=not args.no_belady)
     ceiling = infinite(trace)
     if args.json:
         json.dump([r.as_dict() for r in results + [ceiling]], sys.stdout, indent=1)
         print()
+    elif args.summary:
+        print(format_summary(results))
     else:
         print(format_table(results, ceiling))
     return 0

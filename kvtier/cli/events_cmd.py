@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import click
+import zmq
 
 from kvtier.cli.errors import user_errors
 from kvtier.config import ConfigError, load_config
@@ -132,8 +133,11 @@ def events(endpoint, replay_endpoint, topic, config_path, from_seq, as_json, cou
         raise click.UsageError("give --endpoint or --config")
     if from_seq is not None and replay_endpoint is None:
         raise click.UsageError("--from-seq needs --replay-endpoint")
-    sub = EventSubscriber(endpoint, replay_endpoint=replay_endpoint,
-                          topic=config_topic if topic is None else topic, start_seq=from_seq)
+    try:
+        sub = EventSubscriber(endpoint, replay_endpoint=replay_endpoint,
+                              topic=config_topic if topic is None else topic, start_seq=from_seq)
+    except zmq.ZMQError as exc:
+        raise click.UsageError(f"cannot connect to {endpoint} / {replay_endpoint}: {exc}") from None
     seen = 0
     last = time.monotonic()
     try:

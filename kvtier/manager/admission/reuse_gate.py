@@ -6,9 +6,10 @@ A block seen before (within a history a few times the tier's size) is likely to 
 so it is always admitted. A *first-timer* is admitted only while first-timers of its class are
 measured to be read before they would be evicted, and only when evictions are hurting:
 
-- classes: whether the block extends a prefix already seen, and whether it is the last block of
-  its lookup. Chats reuse extensions, system-prompt traffic never does; the gate learns which
-  from the outcomes, so no trace needs its own parameters.
+- classes: whether the block extends a prefix already seen, whether it is the first new block
+  of its lookup or a deeper one, and whether it is the lookup's last block. Chats reuse
+  extensions, system-prompt traffic never does, partial tails are rarely reused; the gate
+  learns which from the outcomes, so no trace needs its own parameters.
 - outcome of an admitted first-timer: hit before eviction (1) or evicted unread (0); of a
   refused one: sighted again within the time it would have stayed, i.e. before ``capacity``
   more blocks were admitted (1), or not (0). Both feed one running mean per class, so refusing
@@ -30,12 +31,12 @@ from typing import Hashable, Sequence
 from kvtier.manager.admission.base import AdmissionPolicy, register_admission
 from kvtier.manager.specs import BlockKey
 
-GATE_BAR = 0.4  # first-timers must be read at least this often (at full pressure) to be written
+GATE_BAR = 0.3  # first-timers must be read at least this often (at full pressure) to be written
 RATE = 0.01  # weight of one outcome in the running means
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 
-Class = tuple[bool, bool]  # (extends a known prefix, last block of its lookup)
+Class = tuple[bool, bool, bool]  # (extends a seen prefix, not the first new block, last block)
 
 
 class SightingFilter:
@@ -92,7 +93,8 @@ class ReuseGate(AdmissionPolicy):
 
     # -- observations -------------------------------------------------------------------
     def record_lookup(self, keys: Sequence[BlockKey]) -> None:
-        known_prefix = False
+        known_prefix = False  # an earlier block of this lookup was seen before
+        deeper = False  # an earlier block of this lookup is new too
         last = len(keys) - 1
         for i, key in enumerate(keys):
             refused = self._refused.pop(key, None)
@@ -102,7 +104,8 @@ class ReuseGate(AdmissionPolicy):
                 known_prefix = True
                 self._first.pop(key, None)  # sighted twice before being stored: proven
             else:
-                self._remember(self._first, key, (known_prefix, i == last))
+                self._remember(self._first, key, (known_prefix, deeper, i == last))
+                deeper = True
         self._expire_refused()
 
     def on_hit(self, key: BlockKey) -> None:

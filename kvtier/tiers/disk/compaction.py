@@ -54,10 +54,10 @@ class Compactor:
             return 0
         freed = sum(max(0, end - self._copied_out.pop(s, 0)) for s, end in empties.items())
 
-        def drop(w: IndexWriter) -> None:
+        def drop(ix: IndexWriter) -> None:
             for s in empties:
-                w.drop_segment(s)
-            w.add_meta_int("reclaimed_bytes", freed)
+                ix.drop_segment(s)
+            ix.add_meta_int("reclaimed_bytes", freed)
 
         w.commit(drop, "segment removal")
         for s in empties:

@@ -154,6 +154,10 @@ def read_stats(root: Path) -> DiskStats:
     try:
         ix = BlockIndex(index_dir(root), map_size=1 << 20, sync=False, readonly=True)
     except lmdb.Error as exc:
+        if "already open" in str(exc):
+            raise DiskStoreBusy(
+                f"{root} is open in this process; use that DiskStore's stats() instead"
+            ) from exc
         raise NotADiskStore(f"cannot open the kvtier index in {root}: {exc}") from exc
     try:
         with ix.read() as v:

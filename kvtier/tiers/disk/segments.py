@@ -20,7 +20,7 @@ from typing import Sequence
 
 IOV_MAX = 1024
 SUFFIX = ".seg"
-KICK_BYTES = 1 << 20  # start write-back after every this many appended bytes (see _start_writeback)
+KICK_BYTES = 1 << 20  # start write-back after every this many appended bytes (see start_writeback)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -52,7 +52,7 @@ _SYNC_FILE_RANGE = _load_sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
+def start_writeback(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to start writing a range now (non-blocking; only a hint).
 
     Without it, dirty pages sit in the page cache until the batch's ``fdatasync``, so copying
@@ -214,7 +214,7 @@ class SegmentFiles:
     def _append_kicked(self, bufs: Sequence[Buffer]) -> None:
         start = self.active_end
         self.active_end = start + pwrite_all(self.active_fd, bufs, start)
-        _start_writeback(self.active_fd, start, self.active_end - start)
+        start_writeback(self.active_fd, start, self.active_end - start)
 
     def rollback(self, end: int) -> bool:
         """Cut the active segment back to ``end`` after a failed write; False if that failed."""

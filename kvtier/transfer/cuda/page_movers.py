@@ -8,8 +8,9 @@ never takes the whole chip from the model's compute.
 
 Two implementations of one interface:
 
-* :class:`CupyPageMover` - one kernel launch per chunk, reading a per-page address table (any
-  layer address, any stride, 16-byte accesses when alignment allows).
+* :class:`CupyPageMover` - one kernel launch per chunk; page addresses computed in the kernel
+  from per-layer bases and strides (any layer address, any stride; 16-byte accesses when
+  alignment allows).
 * :class:`TorchPageMover` - ``index_select`` / ``index_copy_`` per (layer, kv_part): no CuPy
   needed, ~2 launches per layer and part per chunk; the fallback and a cross-check in tests.
 """
@@ -33,18 +34,36 @@ _UNROLL = 4
 
 _KERNEL_SRC = r"""
 typedef VEC_T vec_t;
+// Copies pages [first_page, first_page + n_pages) of a job between the KV layers and a staging
+// buffer. Page g of a job (slot order) is block b, layer l, kv part k, sub-block e; its address
+// is layer_base[l] + k * part_stride[l] + ids[b * per_block + e] * block_stride[l], computed
+// here so the host only uploads the job's engine block ids.
 extern "C" __global__ void __launch_bounds__(THREADS)
-kvtier_pages(const unsigned long long* __restrict__ table, vec_t* stage,
-             long long n_pages, long long page_vecs, long long tiles_per_page, int to_stage)
+kvtier_pages(const long long* __restrict__ layer_base, const long long* __restrict__ part_stride,
+             const long long* __restrict__ block_stride, const long long* __restrict__ ids,
+             vec_t* stage, long long first_page, long long n_pages, int num_layers,
+             int kv_parts, int per_block, long long page_vecs, long long tiles_per_page,
+             int to_stage)
 {
+    const long long per_layer = (long long)kv_parts * per_block;
+    const long long per_slot = per_layer * num_layers;
     const long long n_tiles = n_pages * tiles_per_page;
     for (long long t = blockIdx.x; t < n_tiles; t += gridDim.x) {
         const long long p = t / tiles_per_page;
-        const long long first = (t - p * tiles_per_page) * (long long)(THREADS * UNROLL);
-        vec_t* page = reinterpret_cast<vec_t*>(table[p]);
+        const long long g = first_page + p;
+        const long long b = g / per_slot;
+        long long r = g - b * per_slot;
+        const long long l = r / per_layer;
+        r -= l * per_layer;
+        const long long k = r / per_block;
+        const long long e = r - k * per_block;
+        const long long addr = layer_base[l] + k * part_stride[l]
+                             + ids[b * per_block + e] * block_stride[l];
+        vec_t* page = reinterpret_cast<vec_t*>(addr);
         vec_t* st = stage + p * page_vecs;
         const vec_t* src = to_stage ? page : st;
         vec_t* dst = to_stage ? st : page;
+        const long long first = (t - p * tiles_per_page) * (long long)(THREADS * UNROLL);
         vec_t buf[UNROLL];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -110,6 +129,10 @@ class PageMover(ABC):
 
 
 class CupyPageMover(PageMover):
+    """One kernel launch per chunk. The layers' base addresses and strides live on the GPU for
+    the handler's lifetime; a job uploads only its engine block ids (8 bytes per id), so the
+    first copy starts almost at once even for jobs of hundreds of thousands of pages."""
+
     def __init__(self, view: GpuKvView, *, max_ctas: int = 64) -> None:
         import cupy
 
@@ -121,6 +144,10 @@ class CupyPageMover(PageMover):
         self.max_ctas = max(1, int(max_ctas))
         self._kernel = _cupy_kernel(self.width, self.device_index)
         self._cp_streams: dict[int, Any] = {}
+        a = self.addressing
+        self._layers = torch.from_numpy(
+            np.stack([a.base, a.part_stride, a.block_stride]).astype(np.int64)
+        ).to(view.device)  # [3, num_layers], uploaded once
 
     def _cp_stream(self, stream: torch.cuda.Stream) -> Any:
         handle = stream.cuda_stream
@@ -133,11 +160,9 @@ class CupyPageMover(PageMover):
         return s
 
     def prepare(self, engine_ids: np.ndarray, per_block: int, stream: torch.cuda.Stream) -> Any:
-        table = self.addressing.page_table(engine_ids, per_block)
-        host = torch.from_numpy(table).pin_memory()
         with torch.cuda.stream(stream):
-            dev = host.to(device=torch.device("cuda", self.device_index), non_blocking=True)
-        return (host, dev)
+            ids = _upload(engine_ids, torch.device("cuda", self.device_index))
+        return (ids, per_block)
 
     def _launch(self, job: Any, p0: int, p1: int, stage: torch.Tensor,
                 stream: torch.cuda.Stream, to_stage: int) -> None:
@@ -146,16 +171,22 @@ class CupyPageMover(PageMover):
             return
         if stage.numel() < n_pages * self.page_bytes:
             raise ValueError("staging buffer smaller than the chunk")
+        ids, per_block = job
+        a = self.addressing
         page_vecs = self.page_bytes // self.width
         tiles_per_page = -(-page_vecs // (_THREADS * _UNROLL))
         grid = min(self.max_ctas, n_pages * tiles_per_page)
-        table_ptr = job[1].data_ptr() + 8 * p0
+        layers = self._layers.data_ptr()
+        row = 8 * a.num_layers
         # RawKernel launches on CuPy's current stream (thread-local): make it ours
         with self._cupy.cuda.Device(self.device_index), self._cp_stream(stream):
             self._kernel(
                 (grid,), (_THREADS,),
-                (np.uint64(table_ptr), np.uint64(stage.data_ptr()), np.int64(n_pages),
-                 np.int64(page_vecs), np.int64(tiles_per_page), np.int32(to_stage)),
+                (np.uint64(layers), np.uint64(layers + row), np.uint64(layers + 2 * row),
+                 np.uint64(ids.data_ptr()), np.uint64(stage.data_ptr()), np.int64(p0),
+                 np.int64(n_pages), np.int32(a.num_layers), np.int32(a.kv_parts),
+                 np.int32(per_block), np.int64(page_vecs), np.int64(tiles_per_page),
+                 np.int32(to_stage)),
             )
 
     def gather(self, job: Any, p0: int, p1: int, stage: torch.Tensor,
