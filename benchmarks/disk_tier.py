@@ -1,11 +1,14 @@
 """Disk tier throughput vs raw sequential file I/O on the same disk, in the same run.
 
-For each block size: raw sequential write of N blocks (+ one fsync), raw cold read of the same
-file, then ``DiskStore.put_many`` (batches, one sync per batch) and ``get_into`` cold reads, with
-and without zstd. Payloads are bf16 normals, like real KV. Page cache is dropped with
-``posix_fadvise(DONTNEED)`` before every cold read (after the data is flushed). Each measurement
-is repeated (interleaved with its baseline) and the median is reported, since shared disks are
-noisy.
+For each block size: raw sequential writes of N blocks (one fsync at the end -- the baseline
+of the >= 90 % target --, one fsync per batch, and with write-back started every MiB), then
+``DiskStore.put_many`` (batches; the store syncs data and index once per batch), then cold
+reads of the raw file (one ``preadv`` per block) and of the store (``get_into`` per block), with
+and without zstd. Payloads are bf16 normals, like real KV. The page cache is dropped with
+``posix_fadvise(DONTNEED)`` before every cold read, and one untimed read runs first because on
+virtual disks the first read after a write burst is slow whatever reads it. Each measurement is
+repeated (the two timed reads alternate in order) and the median is reported, since shared
+disks are noisy; ``--json`` keeps every sample.
 
     python benchmarks/disk_tier.py --block-kib 64,256,1024 --total-mib 512 --dir /mnt/nvme/tmp
 """
@@ -142,9 +145,12 @@ class StoreRun:
             lambda i: s.put_many(list(zip(keys[i : i + batch], data[i : i + batch]))),
         )
 
-    def read(self) -> float:
+    def drop_cache(self) -> None:
         for seg in (self.root / "segments").glob("*.seg"):
             drop_cache(seg)
+
+    def read(self) -> float:
+        self.drop_cache()
         s, data, keys, batch = self.store, self.data, self.keys, self.args.batch
         local = threading.local()
 
@@ -191,8 +197,13 @@ def bench_block(kib: int, args, work: Path) -> dict:
         run = StoreRun(work / "store", geo, data, keys, args, "none")
         try:
             add("store_write", run.write())
+            raw_read(raw, bb, n)  # untimed: the first read after a write burst is slow on VMs
             reads = [("raw_read", lambda: raw_read(raw, bb, n)), ("store_read", run.read)]
             for name, fn in reads if rep % 2 == 0 else reads[::-1]:
+                # Evict both, so the second read finds the page cache as the first did (on a
+                # VM, reading into never-touched memory costs more than reusing freed pages).
+                drop_cache(raw)
+                run.drop_cache()
                 add(name, fn())
         finally:
             run.close()
@@ -201,6 +212,7 @@ def bench_block(kib: int, args, work: Path) -> dict:
             run = StoreRun(work / "store", geo, data, keys, args, "zstd")
             try:
                 add("zstd_write", run.write())
+                run.read()  # untimed, as above
                 add("zstd_read", run.read())
             finally:
                 ratio = run.close()
@@ -221,8 +233,8 @@ def table(results: list[dict], args) -> str:
         f"{'ON (store: one per batch; raw: one per file)' if args.fsync else 'OFF'}, "
         f"median of {args.repeats}, GB/s of block bytes",
         f"{'block':>7} | {'raw W':>6} {'rawW/b':>6} {'rawW+k':>6} {'store W':>7} {'/raw':>5} "
-        f"{'/raw+k':>6} | {'raw R':>6} {'store R':>7} {'/raw':>5} | {'zstd W':>6} {'zstd R':>6} "
-        f"{'ratio':>5}",
+        f"{'/raw+k':>6} | {'raw R':>6} {'store R':>7} {'/raw':>5} | "
+        f"{'zstd W':>6} {'zstd R':>6} {'ratio':>5}",
     ]
     for r in results:
         g = r["gbps"]

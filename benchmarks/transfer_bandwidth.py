@@ -398,8 +398,9 @@ def interference_table(bench: Bench, mm: MatmulLoad) -> str:
 def sweep_table(bench: Bench, mm: MatmulLoad) -> str:
     """kvtier's staging size / ring depth / kernel grid, idle and beside the matmuls."""
     rows = []
-    for staging_mib, ring, ctas in ((32, 4, 64), (32, 4, 132), (32, 4, 264), (32, 4, 528),
-                                    (64, 3, 264), (32, 4, 64), (32, 4, 264)):
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for staging_mib, ring, ctas in ((32, 4, 64), (32, 4, sms), (16, 4, 2 * sms),
+                                    (32, 4, 2 * sms), (64, 3, 2 * sms), (32, 4, 4 * sms)):
         kw = dict(staging_bytes=staging_mib << 20, ring_slots=ring, max_ctas=ctas)
         bench.store.close()
         bench.load.close()

@@ -291,19 +291,20 @@ def main() -> None:
              "(how vLLM runs small steps). cos = cosine of first-token logits vs (a).", ""]
     graph = any("b1" in r for r in rows)
     head = ["prompt tokens", "prefix KV GB", "(a) recompute ms", "load ms (GB/s)",
-            "(b) CPU hit ms, eager", "speed-up"]
+            "(a) / load", "(b) CPU hit ms, eager", "speed-up"]
     if graph:
-        head += ["(b) CPU hit ms, graph", "speed-up"]
+        head += ["(b) CPU hit ms, graph", "of which model step ms", "speed-up"]
     head += ["cos"]
     if rig.disk_handler is not None:
         head += ["(c) disk hit ms", "of which disk read ms (GB/s)", "speed-up", "cos"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c = [f"{r['n']}", f"{r['gb']:.2f}", f"{r['a'] * 1e3:.1f}",
-             f"{r['load'] * 1e3:.1f} ({r['gb'] / r['load']:.1f})",
+             f"{r['load'] * 1e3:.1f} ({r['gb'] / r['load']:.1f})", f"{r['a'] / r['load']:.1f}x",
              f"{r['b0'] * 1e3:.1f}", f"{r['a'] / r['b0']:.1f}x"]
         if graph:
-            c += [f"{r['b1'] * 1e3:.1f}", f"{r['a'] / r['b1']:.1f}x"]
+            c += [f"{r['b1'] * 1e3:.1f}", f"{(r['b1'] - r['load']) * 1e3:.1f}",
+                  f"{r['a'] / r['b1']:.1f}x"]
         c += [f"{r.get('cos_b1', r['cos_b0']):.4f}"]
         if "c" in r:
             read = r["disk_load"] - r["load"]

@@ -508,3 +508,29 @@ def test_damaged_index_is_a_clear_error(tmp_path):
         os.close(fd)
     with pytest.raises(NotADiskStore):
         DiskStore.read_stats(path)
+
+
+def test_read_racing_compaction_retries_instead_of_failing(tmp_path, monkeypatch):
+    import kvtier.tiers.disk.store as store_mod
+
+    with DiskStore(tmp_path / "d", GEO, segment_bytes=4 * REC, compact_budget_bytes=0) as s:
+        keys = [key(i) for i in range(8)]
+        s.put_many([(k, payload(k)) for k in keys])
+        s.delete_many(keys[1:4])  # the first segment is now 1/4 live: a compaction candidate
+        victim = keys[0]
+        old = entry_of(s, victim)
+        real = store_mod.read_into
+        seen = []
+
+        def racing(files, codec, k, entry, out, layout_version):
+            if not seen:  # compaction moves the block and unlinks its segment mid-read
+                seen.append(entry)
+                assert s.compact() > 0
+            return real(files, codec, k, entry, out, layout_version)
+
+        monkeypatch.setattr(store_mod, "read_into", racing)
+        assert s.get(victim) == payload(victim)
+        assert seen == [old] and entry_of(s, victim).segment != old.segment
+        assert not seg_path(s, old.segment).exists()
+        assert counted_failures(s) == 0 and s.contains(victim)
+

@@ -39,9 +39,9 @@ from kvtier.events import (
 )
 from kvtier.events.convert import EventConverter
 from kvtier.events.replay import ReplayBuffer
-from kvtier.events.wire import END_SEQ, GAP_SEQ, DecodeError, ReplayGap, decode_gap, seq_bytes, seq_of
+from kvtier.events.wire import END_SEQ, DecodeError, ReplayGap, decode_gap, seq_bytes, seq_of
 from kvtier.manager import events as mgr
-from kvtier.manager.specs import LoadStoreSpec, Medium
+from kvtier.manager.specs import Medium
 from kvtier.manager.tiered import TieredOffloadingManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,14 +290,15 @@ class Workload:
         if plan.keys:
             m.complete_store(plan.keys, success=rng.random() > 0.05)
         self.bg += m.take_background_transfers()
-        while self.bg and rng.random() < 0.7:
+        while self.bg and rng.random() < 0.7:  # out of order; 10% of demotions fail
             t = self.bg.pop(rng.randrange(len(self.bg)))
-            m.complete_background(t.id, success=t.dst.medium is not LoadStoreSpec.disk([]).medium
-                                  or rng.random() > 0.1)
+            m.complete_background(t.id, success=t.dst.medium is Medium.DROP or rng.random() > 0.1)
 
     def settle(self) -> None:
-        while self.bg or (more := self.m.take_background_transfers()):
-            self.bg += more if not self.bg else []
+        while True:
+            self.bg += self.m.take_background_transfers()
+            if not self.bg:
+                return
             for t in self.bg:
                 self.m.complete_background(t.id, True)
             self.bg = []
@@ -339,7 +340,7 @@ def test_consumer_rebuilds_tier_sets_across_a_reconnect(seed):
         w.settle()
         feed.pump()
         pub.flush()
-        for item in collect(sub, lambda items: False, timeout=0.3) if False else sub.sync():
+        for item in sub.sync():
             index.apply(item)
         sub.close()
         stats = pub.stats()
@@ -403,6 +404,9 @@ def test_full_queue_drops_without_blocking_and_resyncs():
         gate.set()
         w.settle()
         feed.pump()  # repairs the stream: AllBlocksCleared + resident blocks
+        while pub.wants_resync:  # (a resync still queued when the thread was stuck is redone)
+            assert pub.flush()
+            feed.pump()
         assert pub.flush()
         index = example.BlockIndex()
         for item in sub.sync():
@@ -411,7 +415,7 @@ def test_full_queue_drops_without_blocking_and_resyncs():
     finally:
         gate.set()
         pub.close()
-    assert pub.stats().resyncs == 2 and not pub.wants_resync
+    assert pub.stats().resyncs >= 2 and not pub.wants_resync
     assert index.sets() == as_wire_sets(w.m)
 
 
@@ -428,6 +432,7 @@ def test_without_resident_source_a_loss_clears_consumers():
     with EventPublisher(cfg(), block_tokens=16, max_queue_events=1) as pub:
         sub = EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint)
         pub.publish([mgr.BlockStored(Medium.CPU, (k(1), k(2)))])  # 1 event: fits
+        pub.flush()
         pub.mark_lost()
         pub.publish([mgr.BlockStored(Medium.CPU, (k(3),))])
         pub.flush()
@@ -485,40 +490,32 @@ def test_subscriber_reports_undecodable_frames_and_holes_without_replay():
     assert sub.bad_frames == 1 and sub.foreign_frames == 1
 
 
-def test_replay_protocol_as_vllm_clients_speak_it():
+def test_replay_framing_is_vllms():
+    """A DEALER sends ``[b"", start]``; the answer is ``[b"", topic, seq, payload]`` per batch
+    from ``start`` on, then ``[b"", b"", -1, b""]``; a malformed request gets the end marker."""
     with EventPublisher(cfg(topic="t"), block_tokens=16) as pub:
         for i in range(3):
             pub.publish([mgr.BlockStored(Medium.CPU, (k(i),))])
             pub.flush()
         ctx = zmq.Context()
-        req = ctx.socket(zmq.REQ)  # vLLM's example subscriber uses REQ
-        req.connect(pub.replay_endpoint)
-        try:
-            req.send((1).to_bytes(8, "big"))
-            got = []
-            while True:
-                assert req.poll(10_000), "no replay answer"
-                topic, seq, payload = req.recv_multipart()
-                if seq_of(seq) == END_SEQ:
-                    break
-                got.append((topic, seq_of(seq), decode_batch(payload).events[0].block_hashes))
-                req.send((1).to_bytes(8, "big")) if False else None
-                # REQ receives the whole multi-message reply only as a DEALER would; read on
-                if len(got) > 10:
-                    break
-        finally:
-            req.close(linger=0)
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(pub.replay_endpoint)
+        frames = []
         try:
-            dealer.send_multipart((b"", b"bad"))  # malformed start: answered with END only
+            dealer.send_multipart((b"", (1).to_bytes(8, "big")))
+            while not frames or seq_of(frames[-1][2]) != END_SEQ:
+                assert dealer.poll(10_000), "no replay answer"
+                frames.append(dealer.recv_multipart())
+            dealer.send_multipart((b"", b"bad"))
             assert dealer.poll(10_000)
-            assert seq_of(dealer.recv_multipart()[2]) == END_SEQ
+            bad = dealer.recv_multipart()
         finally:
             dealer.close(linger=0)
             ctx.term()
         assert pub.stats().bad_requests == 1
-    assert got[0] == (b"t", 1, [k(1)])
+    got = [(f[0], f[1], seq_of(f[2]), decode_batch(f[3]).events[0].block_hashes) for f in frames[:-1]]
+    assert got == [(b"", b"t", 1, [k(1)]), (b"", b"t", 2, [k(2)])]
+    assert frames[-1] == [b"", b"", seq_bytes(END_SEQ), b""] and bad == frames[-1]
 
 
 def test_ipc_endpoint_and_remote_opt_in(tmp_path):
@@ -532,8 +529,10 @@ def test_ipc_endpoint_and_remote_opt_in(tmp_path):
             items = sub.sync()
         assert [d.batch.events[0].block_hashes for d in items] == [[k(1)]]
     with pytest.raises(ValueError, match="allow_remote"):
-        EventPublisher(EventsConfig(endpoint="tcp://0.0.0.0:0", allow_remote=True).__class__(
-            endpoint="tcp://0.0.0.0:0"), block_tokens=16)
+        EventsConfig(endpoint="tcp://0.0.0.0:0")
+    with EventPublisher(EventsConfig(endpoint="tcp://0.0.0.0:0", allow_remote=True),
+                        block_tokens=16) as pub:  # explicitly allowed: binds every interface
+        assert pub.endpoint.startswith("tcp://0.0.0.0:") and pub.replay_endpoint is None
 
 
 # -- vLLM's own decoder --------------------------------------------------------------------------
@@ -597,8 +596,7 @@ def test_vllm_decoder_reads_kvtier_frames_unchanged():
 
 def test_events_cli_tails_json_and_text():
     with EventPublisher(cfg(), block_tokens=16) as pub:
-        pub.publish([mgr.BlockStored(Medium.CPU, (k(1), k(2)))])
-        pub.publish([mgr.BlockAccessed(Medium.DISK, (k(2),))])
+        pub.publish([mgr.BlockStored(Medium.CPU, (k(1), k(2))), mgr.BlockAccessed(Medium.DISK, (k(2),))])
         pub.flush()
         pub.publish([mgr.BlockRemoved(Medium.CPU, (k(1),))])
         pub.flush()

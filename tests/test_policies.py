@@ -8,6 +8,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvtier.manager.admission import make_admission
+from kvtier.manager.admission.reuse_gate import ReuseGate, SightingFilter
 from kvtier.manager.policies import make_policy, policy_names
 from kvtier.manager.policies.arc import ARCPolicy
 
@@ -210,3 +212,93 @@ def test_policy_matches_model(name):
         suppress_health_check=[HealthCheck.too_slow],
     )
     machine.TestCase().runTest()
+
+
+# -- reuse_gate admission ----------------------------------------------------------------------
+
+
+
+def test_sighting_filter_remembers_then_forgets():
+    f = SightingFilter(per_generation=1000)
+    assert not f.seen_then_add(7)
+    assert f.seen_then_add(7)
+    false_pos = sum(f.seen_then_add(i) for i in range(10_000, 10_900))
+    assert false_pos < 45  # < 5 % of never-seen keys look seen
+    assert f.seen_then_add(7)  # still within two generations (and refreshed)
+    for i in range(20_000, 23_000):  # three generations of other keys
+        f.seen_then_add(i)
+    assert not f.seen_then_add(7)
+
+
+def test_reuse_gate_registered_and_validates():
+    assert isinstance(make_admission("reuse_gate", capacity_blocks=4096), ReuseGate)
+    with pytest.raises(ValueError):
+        ReuseGate(1024, bar=1.5)
+
+
+def _churn(gate: ReuseGate, start: int, n: int, hit: bool) -> None:
+    """n one-block requests of never-seen keys that are admitted, then hit (or not), evicted."""
+    for i in range(start, start + n):
+        key = k(i)
+        gate.record_lookup([key])
+        if gate.admit(key):
+            if hit:
+                gate.on_hit(key)
+            gate.on_evict(key)
+
+
+def test_reuse_gate_open_without_eviction_pressure():
+    gate = ReuseGate(1024)
+    for i in range(3000):
+        gate.record_lookup([k(i)])
+        assert gate.admit(k(i))
+
+
+def test_reuse_gate_refuses_never_read_first_timers_but_keeps_proven_blocks():
+    gate = ReuseGate(1024)
+    _churn(gate, 0, 3000, hit=False)  # every written first-timer died unread
+    assert gate.refused > 1000
+    gate.record_lookup([k(9000)])
+    assert not gate.admit(k(9000))
+    gate.record_lookup([k(9001)])
+    gate.record_lookup([k(9001)])  # seen in an earlier lookup: proven
+    assert gate.admit(k(9001))
+
+
+def test_reuse_gate_keeps_admitting_first_timers_that_get_read():
+    gate = ReuseGate(1024)
+    _churn(gate, 0, 3000, hit=True)
+    assert gate.refused == 0 and gate.pressure > 0.9
+
+
+def test_reuse_gate_learns_per_class():
+    """Two-block prompts whose first block is read again and whose last block never is: the
+    gate stops writing the last blocks only."""
+    gate = ReuseGate(1024)
+    head_refused = tail_refused = 0
+    for i in range(0, 6000, 2):
+        head, tail = k(i), k(i + 1)
+        gate.record_lookup([head, tail])
+        if gate.admit(head):
+            gate.on_hit(head)
+            gate.on_evict(head)
+        else:
+            head_refused += 1
+        if gate.admit(tail):
+            gate.on_evict(tail)
+        else:
+            tail_refused += 1
+    assert tail_refused > 1000 and head_refused == 0
+
+
+def test_reuse_gate_reopens_when_refused_blocks_come_back():
+    gate = ReuseGate(1024)
+    _churn(gate, 0, 3000, hit=False)
+    gate.record_lookup([k(5000)])
+    assert not gate.admit(k(5000))
+    for i in range(10_000, 10_600):  # refused first-timers that are asked for again soon
+        gate.record_lookup([k(i)])
+        gate.admit(k(i))
+        gate.record_lookup([k(i)])
+    gate.record_lookup([k(20_000)])
+    assert gate.admit(k(20_000))  # measured reuse is high again: the gate is open

@@ -131,6 +131,7 @@ class EventPublisher:
         self._sent = 0
         self._done = threading.Condition(self._lock)
         self._lost = False
+        self._resync_queued = False  # a resync item waits in the queue
         self._gap_seen = False
         self._last_resync = float("-inf")
         self._signalled = False
@@ -162,13 +163,17 @@ class EventPublisher:
         """Queue manager events (in the order the manager emitted them). Never blocks."""
         events = [e for e in events if e.keys]
         now = time.time()
-        resync = self._resync_due(now)
-        if resync:
+        if self._resync_due(now):
             self.resync()  # reflects ``events`` already: they need not be sent
             return
         if not events and not self._lost:
             return
         with self._lock:
+            if self._lost and self._resync_queued:
+                # a resync is still waiting for the thread: keep one at a time (bounded
+                # memory); these events are dropped and the next publish resyncs again
+                self._stats.dropped_events += len(events)
+                return
             if self._queued_events + len(events) > self._max_queue:
                 self._stats.dropped_events += len(events)
                 self._lost = True
@@ -179,7 +184,7 @@ class EventPublisher:
         self._wake()
 
     def _resync_due(self, now: float) -> bool:
-        if self._resident is None:
+        if self._resident is None or self._resync_queued:
             return False
         if self._lost:
             return True
@@ -195,6 +200,10 @@ class EventPublisher:
             self._lost = self._gap_seen = False
             self._last_resync = time.time()
             self._stats.resyncs += 1
+            self._sent += len(self._queue)  # queued items are superseded by the snapshot
+            self._queue.clear()
+            self._queued_events = 0
+            self._resync_queued = True
             self._enqueue_locked(_Item(self._last_resync, [], cleared=True, resident=resident))
         self._wake()
 
@@ -283,6 +292,7 @@ class EventPublisher:
                     items = list(self._queue)
                     self._queue.clear()
                     self._queued_events = 0
+                    self._resync_queued = False
                 if items:
                     self._send_items(items)
                     with self._lock:

@@ -85,11 +85,19 @@ class LoadPlan:
 
     For each key: ``cpu_slots[i]`` holds (CPU hit) or will hold (disk hit, promoted) the block;
     ``from_disk[i]`` says whether a DISK -> CPU hop must run before CPU -> GPU.
+
+    ``joined[i]`` (only from ``prepare_shared_load``; empty otherwise) marks a key whose
+    DISK -> CPU promotion another load already has in flight: this load reads the same CPU slot
+    once that promotion is done instead of reading the disk again.
     """
 
     keys: tuple[BlockKey, ...]
     cpu_slots: tuple[int, ...]
     from_disk: tuple[bool, ...]
+    joined: tuple[bool, ...] = ()
+
+    def is_joined(self, i: int) -> bool:
+        return bool(self.joined) and self.joined[i]
 
     def disk_hop(self) -> tuple[LoadStoreSpec, LoadStoreSpec] | None:
         idx = [i for i, d in enumerate(self.from_disk) if d]

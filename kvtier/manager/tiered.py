@@ -69,6 +69,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._bg_pending: dict[int, BackgroundTransfer] = {}
         self._bg_ready: list[BackgroundTransfer] = []
         self._pending_drops: dict[BlockKey, int] = {}  # key -> open DROP jobs
+        self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
         if self.disk is not None:
             self._restore_disk(initial_disk_keys)
 
@@ -90,9 +91,26 @@ class TieredOffloadingManager(OffloadingManager):
         return LookupResult(tuple(tiers))
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        return self._prepare_load(keys, join=False)
+
+    def prepare_shared_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        """``prepare_load`` that shares in-flight promotions instead of stopping at them.
+
+        Many requests often hit one popular prefix at once (vLLM #44294). When a key's DISK ->
+        CPU promotion is already in flight for another load, this load joins it (``joined[i]``):
+        it pins the same CPU slot and reads it once the promotion is done, so the disk is read
+        once and the second request neither recomputes nor waits for the first one's whole load.
+        The caller must (1) run a joined key's CPU -> GPU copy only after the promoting load's
+        DISK -> CPU hop finished, treating keys that hop failed as failed, and (2) call
+        ``complete_load`` for the joined keys only after the promoting load's ``complete_load``.
+        """
+        return self._prepare_load(keys, join=True)
+
+    def _prepare_load(self, keys: Sequence[BlockKey], join: bool) -> LoadPlan:
         out_keys: list[BlockKey] = []
         slots: list[int] = []
         from_disk: list[bool] = []
+        joined: list[bool] = []
         cpu_hits: list[BlockKey] = []
         disk_hits: list[BlockKey] = []
         for key in keys:
@@ -103,6 +121,15 @@ class TieredOffloadingManager(OffloadingManager):
                 self.cpu_admission.on_hit(key)
                 cpu_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
+                joined.append(False)
+                continue
+            entry = self.cpu.get(key)
+            if join and entry is not None and entry.promoted and entry.state is BlockState.WRITING:
+                entry.readers += 1  # pins the slot past the promotion's own completion
+                self.disk.policy.access(key)
+                disk_hits.append(key)
+                out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
+                joined.append(True)
                 continue
             d = self.disk.ready(key) if self.disk is not None else None
             if d is None or key in self.cpu:  # miss, or a promotion of it already in flight
@@ -117,11 +144,13 @@ class TieredOffloadingManager(OffloadingManager):
             entry.promoted = entry.on_disk = True
             disk_hits.append(key)
             out_keys.append(key), slots.append(entry.slot), from_disk.append(True)
+            joined.append(False)
         self.stats.hit_blocks["CPU"] += len(cpu_hits)
         self.stats.hit_blocks["DISK"] += len(disk_hits)
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
         self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_hits)))
-        return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk))
+        return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk),
+                        tuple(joined) if join else ())
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
@@ -140,11 +169,23 @@ class TieredOffloadingManager(OffloadingManager):
                 continue
             if entry.promoted and entry.state is BlockState.WRITING:
                 self._release_disk_reader(key, bad=key in failed)
-                if key in failed:
+                if key in failed and entry.readers > 0:
+                    # joined loads still pin the slot; they fail too, the last one frees it
+                    entry.promoted = False
+                    self._failed_promotions.add(key)
+                elif key in failed:
                     self.cpu.remove(key)
                 else:
                     entry.state, entry.promoted = BlockState.READY, False
                     published.append(key)
+            elif key in self._failed_promotions:  # a load that joined a failed promotion
+                if entry.readers <= 0:
+                    self.stats.protocol_errors += 1
+                    continue
+                entry.readers -= 1
+                if entry.readers == 0:
+                    self._failed_promotions.discard(key)
+                    self.cpu.remove(key)
             elif entry.readers > 0:
                 entry.readers -= 1
                 if key in failed:

@@ -28,11 +28,11 @@ def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
     """The fastest GPU<->CPU copiers available for ``view``'s device."""
     if view.device.type == "cuda":
         try:
-            from kvtier.transfer.cuda import cuda_handlers  # optional fast path
+            from kvtier.transfer.cuda import CudaCpuToGpuHandler, CudaGpuToCpuHandler
         except ImportError as exc:
             log.warning("kvtier: CUDA copy path unavailable (%s); using plain torch copies", exc)
         else:
-            return list(cuda_handlers(view, pool))
+            return [CudaGpuToCpuHandler(view, pool), CudaCpuToGpuHandler(view, pool)]
     return [GpuToCpuHandler(view, pool), CpuToGpuHandler(view, pool)]
 
 

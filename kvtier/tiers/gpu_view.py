@@ -2,10 +2,14 @@
 
 vLLM registers one tensor per layer. Depending on the attention backend a layer tensor is
 ``[2, num_blocks, block_size, heads, dim]`` (K/V first), ``[num_blocks, 2, block_size, heads,
-dim]`` (blocks first) or ``[num_blocks, block_size, dim]`` (MLA, one latent part). Layers may
-live at unrelated addresses (kvcached's elastic pool), so nothing here assumes one cross-layer
-allocation. Every layer is normalised to a uint8 view ``[kv_parts, num_blocks, page_bytes]``
-(possibly strided) without copying; transfer code only ever sees that view.
+dim]`` (blocks first) or ``[num_blocks, block_size, dim]`` (MLA, one latent part). Since vLLM
+0.32 every layer is a view ``[num_blocks, heads, block_size, 2*dim]`` of one allocation whose
+physical dim order depends on ``KVCacheLayout`` (K and V side by side, no K/V axis): layout
+``block_pages`` takes each block's bytes as one page, in physical order, whatever the strides,
+and refuses layouts where a block's bytes are not one contiguous run (heads outside blocks).
+Layers may live at unrelated addresses (kvcached's elastic pool), so nothing here assumes one
+cross-layer allocation. Every layer is normalised to a uint8 view ``[kv_parts, num_blocks,
+page_bytes]`` (possibly strided) without copying; transfer code only ever sees that view.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from kvtier.tiers.layout import BlockGeometry
 
-LAYOUTS = ("auto", "kv_first", "blocks_first", "mla")
+LAYOUTS = ("auto", "kv_first", "blocks_first", "mla", "block_pages")
 
 
 class UnsupportedKVLayout(ValueError):
@@ -31,7 +35,37 @@ class LayerPages:
     layout: str
 
 
+def _block_pages(name: str, t: torch.Tensor) -> LayerPages:
+    """``[num_blocks, ...]`` with each block one contiguous run of bytes -> ``[1, blocks, page]``.
+
+    The non-block dims are put in physical (descending stride) order first, so a page holds the
+    block's bytes exactly as they lie in memory (vLLM's LBNHC/BLHNC views are permuted)."""
+    if t.dim() < 2:
+        raise UnsupportedKVLayout(f"layer {name}: KV tensor of shape {tuple(t.shape)} has < 2 dims")
+    inner = sorted(range(1, t.dim()), key=lambda d: (-t.stride(d), d))
+    phys = t.permute(0, *inner)
+    if phys.stride(-1) != 1 and phys.shape[-1] != 1:
+        raise UnsupportedKVLayout(f"layer {name}: innermost KV dim is not contiguous")
+    raw = phys.view(torch.uint8) if phys.dtype != torch.uint8 else phys
+    page_elems = 1
+    for size in raw.shape[1:]:
+        page_elems *= int(size)
+    expect = 1
+    for d in range(raw.dim() - 1, 0, -1):  # each block must be one dense run of bytes
+        if raw.shape[d] != 1 and raw.stride(d) != expect:
+            raise UnsupportedKVLayout(
+                f"layer {name}: the bytes of one block of {tuple(t.shape)} (strides "
+                f"{tuple(t.stride())}) are not one contiguous run; use a block-compact KV cache "
+                "layout (vLLM: VLLM_KV_CACHE_LAYOUT=LBHNC, LBNHC, BLHNC or BLNHC)"
+            )
+        expect *= int(raw.shape[d])
+    pages = raw.as_strided((1, raw.shape[0], page_elems), (0, raw.stride(0), 1))
+    return LayerPages(name=name, pages=pages, layout="block_pages")
+
+
 def _as_pages(name: str, t: torch.Tensor, layout: str) -> LayerPages:
+    if layout == "block_pages":
+        return _block_pages(name, t)
     if layout not in LAYOUTS:
         raise UnsupportedKVLayout(f"layer {name}: unknown layout {layout!r}; allowed: {LAYOUTS}")
     if t.dim() < 3:

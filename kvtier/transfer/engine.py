@@ -249,6 +249,8 @@ class TransferEngine:
                 raise ValueError(
                     f"no transfer handler for {route_name(route_of((src, dst)))}; known: {known}"
                 )
+        for src, dst in hops:  # on the caller's thread: e.g. capture its CUDA stream position
+            self._handlers[route_of((src, dst))].on_submit(src, dst)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")

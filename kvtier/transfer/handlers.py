@@ -43,6 +43,11 @@ class TransferHandler(ABC):
     def name(self) -> str:
         return route_name(self.direction)
 
+    def on_submit(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        """Called on the submitting thread before the job is queued. CUDA handlers record the
+        caller's stream position here so a store cannot read pages the compute has not
+        written yet; CPU handlers need nothing."""
+
     def check_media(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
         if (src.medium, dst.medium) != tuple(self.direction):
             raise ValueError(

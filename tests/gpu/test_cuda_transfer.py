@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
 from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402

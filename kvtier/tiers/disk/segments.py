@@ -135,11 +135,12 @@ class SegmentFiles:
 
     # -- reading ----------------------------------------------------------------------------
     def pread(self, seg: int, bufs: list, offset: int) -> int:
-        """``preadv`` from segment ``seg``; FileNotFoundError if it is gone.
+        """``preadv`` from segment ``seg``; FileNotFoundError if it is gone."""
+        return self._with_fd(seg, lambda fd: os.preadv(fd, bufs, offset))
 
-        The descriptor is pinned for the duration of the call, so a concurrent ``remove``
-        closes it only afterwards (and its number cannot be reused under this read).
-        """
+    def _with_fd(self, seg: int, fn):
+        """Run ``fn(fd)`` with ``seg``'s descriptor pinned: a concurrent ``remove`` closes it
+        only afterwards, so its number cannot be reused under this call."""
         lock = self._lock
         with lock:
             h = self._handles.get(seg)
@@ -150,7 +151,7 @@ class SegmentFiles:
                 self._handles[seg] = h
             h.refs += 1
         try:
-            return os.preadv(h.fd, bufs, offset)
+            return fn(h.fd)
         finally:
             with lock:
                 h.refs -= 1

@@ -149,15 +149,19 @@ class DiskStore:
     def get_into(self, key: bytes, out: memoryview) -> bool:
         """Fill ``out`` (writable, block_bytes) with the block; False = miss (out is garbage)."""
         self._check_open()
+        view = self._out_view(out)
+        return valid_key(key) and self._read(key, self._index.get(key), view)
+
+    def _out_view(self, out: memoryview) -> memoryview:
         view = as_bytes_view(out)
         if view.readonly or view.nbytes != self.block_bytes:
             raise ValueError(
                 f"get_into needs a writable buffer of {self.block_bytes} bytes, got "
                 f"{view.nbytes}{' (read-only)' if view.readonly else ''}"
             )
-        if not valid_key(key):
-            return False
-        entry = self._index.get(key)
+        return view
+
+    def _read(self, key: bytes, entry: IndexEntry | None, view: memoryview) -> bool:
         for _ in range(_READ_RETRIES):
             if entry is None:
                 return False

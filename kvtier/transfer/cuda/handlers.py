@@ -62,7 +62,7 @@ class _CudaHandler(TransferHandler):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         ring_slots: int = DEFAULT_RING_SLOTS,
         backend: str = "auto",
-        max_ctas: int = 64,
+        max_ctas: int | None = None,
         concurrency: int = 4,
         compute_stream: torch.cuda.Stream | None = None,
     ) -> None:

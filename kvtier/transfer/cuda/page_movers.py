@@ -3,8 +3,12 @@
 The copy engines (DMA) move large contiguous buffers at full PCIe speed but each request costs
 a few microseconds, so 65k separate 32 KiB pages crawl. A short kernel gathers the scattered
 pages of a chunk into a contiguous staging buffer (HBM to HBM, ~100x faster than PCIe) so the
-DMA that follows is one big request. The kernel is a small persistent grid (``max_ctas``) so it
-never takes the whole chip from the model's compute.
+DMA that follows is one big request. The kernel's work is ~1 % of the transfer's time.
+
+Grid size (``max_ctas``, default two CTAs per multiprocessor): while the model computes, a
+gather only gets SMs in the gaps between compute kernels, so it must finish its chunk within
+such a gap. Measured on an H200 beside a bf16 matmul loop: 64 CTAs kept the copy at ~37 GB/s,
+264 CTAs at ~50 GB/s, with no measurable slowdown of the matmuls either way.
 
 Two implementations of one interface:
 
@@ -133,7 +137,7 @@ class CupyPageMover(PageMover):
     the handler's lifetime; a job uploads only its engine block ids (8 bytes per id), so the
     first copy starts almost at once even for jobs of hundreds of thousands of pages."""
 
-    def __init__(self, view: GpuKvView, *, max_ctas: int = 64) -> None:
+    def __init__(self, view: GpuKvView, *, max_ctas: int | None = None) -> None:
         import cupy
 
         self._cupy = cupy
@@ -141,7 +145,7 @@ class CupyPageMover(PageMover):
         self.page_bytes = view.page_bytes
         self.width = self.addressing.vector_width()
         self.device_index = view.device.index if view.device.index is not None else 0
-        self.max_ctas = max(1, int(max_ctas))
+        self.max_ctas = max(1, int(max_ctas or default_max_ctas(view.device)))
         self._kernel = _cupy_kernel(self.width, self.device_index)
         self._cp_streams: dict[int, Any] = {}
         a = self.addressing
@@ -248,7 +252,13 @@ def _upload(values: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def make_page_mover(view: GpuKvView, backend: str = "auto", *, max_ctas: int = 64) -> PageMover:
+def default_max_ctas(device: torch.device) -> int:
+    """Two CTAs per multiprocessor (see the module docstring)."""
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def make_page_mover(view: GpuKvView, backend: str = "auto", *,
+                    max_ctas: int | None = None) -> PageMover:
     """``backend``: ``"cupy"``, ``"torch"`` or ``"auto"`` (CuPy when importable)."""
     if backend not in ("auto", "cupy", "torch"):
         raise ValueError(f"unknown page mover backend {backend!r}; use auto, cupy or torch")

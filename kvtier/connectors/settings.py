@@ -1,0 +1,236 @@
+"""What both halves of the connector derive from vLLM's config, identically.
+
+The scheduler (engine-core process) and every worker build their own connector instance and
+share nothing but the per-step metadata, so anything both must agree on — the kvtier config,
+block size in tokens, bytes per block, the disk geometry fingerprint — is computed here from
+``VllmConfig`` + ``KVCacheConfig`` by one function both roles call.
+
+Refusals happen here, at start-up, with the setting to change: several KV cache groups
+(hybrid allocator), cache kinds without one page per block and layer, pipeline or context
+parallelism, a kvtier block that is not a whole number of vLLM blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvtier.config import KvtierConfig, load_config
+from kvtier.tiers.layout import BlockGeometry
+
+log = logging.getLogger(__name__)
+
+EXTRA_KEYS = ("config", "kvtier")
+HMA_FLAG = "--disable-hybrid-kv-cache-manager"
+UNSTABLE_HASHES = ("xxhash", "xxhash_cbor")  # random per-process seed unless PYTHONHASHSEED
+
+
+class ConnectorSetupError(ValueError):
+    """The engine's configuration cannot be served by kvtier; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    config: KvtierConfig
+    block_size: int  # vLLM tokens per engine block
+    hash_block_size: int  # tokens per entry of request.block_hashes
+    block_tokens: int  # tokens per kvtier block (a multiple of both)
+    layer_names: tuple[str, ...]  # the KV cache group's layers, in the group's order
+    page_bytes: int  # bytes of one engine block of one layer (one rank)
+    sliding_window: int | None  # tokens, when the only group is a sliding-window group
+    world_size: int  # workers that each report every job
+    tp_size: int
+    kv_dtype: str  # dtype of the cache pages (informational part of the geometry)
+    identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
+
+    @property
+    def engine_blocks_per_block(self) -> int:
+        return self.block_tokens // self.block_size
+
+    @property
+    def hashes_per_block(self) -> int:
+        return self.block_tokens // self.hash_block_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    def geometry(self, tp_rank: int) -> BlockGeometry:
+        """The byte geometry of one rank's blocks; the rank is part of the identity because
+        tensor-parallel ranks hold different heads of the same block."""
+        return BlockGeometry(
+            num_layers=self.num_layers,
+            kv_parts=1,  # vLLM 0.32 keeps K and V side by side inside one page
+            engine_blocks_per_block=self.engine_blocks_per_block,
+            page_bytes=self.page_bytes,
+            dtype=self.kv_dtype,
+            model=f"{self.identity};tp={tp_rank}/{self.tp_size}",
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        return self.geometry(0).block_bytes
+
+    def rank_config(self, tp_rank: int) -> KvtierConfig:
+        """The config one worker runs: with several workers, each gets its own disk directory
+        (``<path>/rank<r>``), since each holds a different slice of every block."""
+        if self.config.disk is None or self.world_size <= 1:
+            return self.config
+        disk = replace(self.config.disk, path=self.config.disk.path / f"rank{tp_rank}")
+        return replace(self.config, disk=disk)
+
+    def disk_paths(self) -> list[Path]:
+        """Every rank's disk directory (the scheduler reads them all at start-up)."""
+        if self.config.disk is None:
+            return []
+        return [self.rank_config(r).disk.path for r in range(self.world_size)]
+
+
+def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
+    """``kv_connector_extra_config``: ``{"config": "/path.yaml"}`` or ``{"kvtier": {...}}``
+    (the YAML's keys inline); neither means defaults. ``KVTIER_*`` variables override both."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConnectorSetupError(
+            f"kv_connector_extra_config: unknown key(s) {unknown}; kvtier reads "
+            f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline)"
+        )
+    if "config" in extra and "kvtier" in extra:
+        raise ConnectorSetupError(
+            "kv_connector_extra_config: give either 'config' (a YAML path) or 'kvtier' (inline), "
+            "not both"
+        )
+    if "config" in extra:
+        path = extra["config"]
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConnectorSetupError("kv_connector_extra_config.config must be a file path")
+        return load_config(path)
+    if "kvtier" in extra:
+        data = extra["kvtier"]
+        if not isinstance(data, Mapping):
+            raise ConnectorSetupError(
+                "kv_connector_extra_config.kvtier must be a mapping of kvtier config keys"
+            )
+        return load_config(data=data)
+    return load_config()
+
+
+def _model_identity(vllm_config: Any, spec: Any, layout: str | None, hash_algo: str) -> str:
+    """Everything that changes the bytes stored under one block hash, or what a hash means."""
+    mc = vllm_config.model_config
+    try:
+        hf = mc.hf_config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - a config that cannot be dumped still has a repr
+        hf = repr(mc.hf_config)
+    parts = {
+        "model": str(mc.model),
+        "revision": str(getattr(mc, "revision", None)),
+        "quantization": str(getattr(mc, "quantization", None)),
+        "hf_config": hashlib.sha256(hf.encode()).hexdigest()[:16],
+        "dtype": str(mc.dtype),
+        "kv_dtype": str(spec.dtype).replace("torch.", ""),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "layout": str(layout),
+        "block_size": str(spec.block_size),
+        "hash": hash_algo,
+        "hashseed": os.environ.get("PYTHONHASHSEED", "unset"),
+    }
+    return ";".join(f"{k}={v}" for k, v in parts.items())
+
+
+def _check_spec(spec: Any) -> int | None:
+    """The group's spec must keep one dense page per engine block per layer; returns the
+    sliding window (tokens) of a sliding-window group, else None."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kind = type(spec).__name__
+    if isinstance(spec, SlidingWindowSpec) and kind in ("SlidingWindowSpec",):
+        return int(spec.sliding_window)
+    if isinstance(spec, FullAttentionSpec) and kind in (
+        "FullAttentionSpec", "MLAAttentionSpec"
+    ):
+        if getattr(spec, "attention_chunk_size", None):
+            raise ConnectorSetupError("kvtier: chunked-local attention caches are not supported")
+        return None
+    raise ConnectorSetupError(
+        f"kvtier: KV cache spec {kind} is not supported (supported: full attention, MLA, "
+        "sliding window)"
+    )
+
+
+def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
+    kvt = vllm_config.kv_transfer_config
+    config = load_kvtier_config(kvt.kv_connector_extra_config if kvt is not None else None)
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if len(groups) != 1:
+        raise ConnectorSetupError(
+            f"kvtier supports one KV cache group; this model has {len(groups)} "
+            f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups) or 'none'}). For "
+            f"hybrid models (full + sliding-window attention) start vLLM with {HMA_FLAG} "
+            "(kvtier then keeps every layer's blocks as full attention)"
+        )
+    group = groups[0]
+    spec = group.kv_cache_spec
+    window = _check_spec(spec)
+    pc = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size",
+                 "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:
+            raise ConnectorSetupError(f"kvtier does not support {name} > 1 yet")
+    block_size = int(spec.block_size)
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    bt = config.block_tokens
+    if bt % block_size or bt % hash_block_size:
+        raise ConnectorSetupError(
+            f"kvtier block_tokens={bt} must be a multiple of vLLM's block size {block_size}"
+            + (f" and hash block size {hash_block_size}" if hash_block_size != block_size else "")
+            + f"; set block_tokens: {max(block_size, hash_block_size)} in the kvtier config "
+            f"(or KVTIER_BLOCK_TOKENS={max(block_size, hash_block_size)})"
+        )
+    if window is not None and bt != block_size:
+        raise ConnectorSetupError(
+            f"kvtier: a sliding-window model needs block_tokens equal to vLLM's block size "
+            f"({block_size}), got {bt}"
+        )
+    hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if hash_algo in UNSTABLE_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        log.warning(
+            "kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives new block hashes "
+            "in every process: disk-tier blocks of earlier runs can never hit. Set "
+            "PYTHONHASHSEED (same value everywhere) or use sha256.", hash_algo,
+        )
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    settings = ConnectorSettings(
+        config=config,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        block_tokens=bt,
+        layer_names=tuple(group.layer_names),
+        page_bytes=int(spec.real_page_size_bytes),
+        sliding_window=window,
+        world_size=int(pc.world_size),
+        tp_size=int(pc.tensor_parallel_size),
+        kv_dtype=str(spec.dtype).replace("torch.", ""),
+        identity=_model_identity(vllm_config, spec, layout, hash_algo),
+    )
+    config.check_block_bytes(settings.block_bytes)
+    return settings
+
+
+def describe(settings: ConnectorSettings) -> str:
+    c = settings.config
+    return json.dumps({
+        "block_tokens": settings.block_tokens,
+        "block_bytes": settings.block_bytes,
+        "cpu_blocks": c.cpu_slots(settings.block_bytes),
+        "disk_blocks": c.disk_blocks(settings.block_bytes),
+        "disk": str(c.disk.path) if c.disk is not None else None,
+    })
