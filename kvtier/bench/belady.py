@@ -4,7 +4,8 @@ Evict the resident block whose next use is farthest in the future. With prefix i
 never used without its parent, so the parent's next use is never later than the child's; ties
 evict the deeper block first, so the kept set stays a union of prefixes. ``skip_unused`` also
 refuses to write blocks that are never used again or would be the first victim at once (their
-next use is farther than every resident block's): same hits, far fewer writes. This needs the future, so it runs offline with a lazy heap.
+next use is farther than every resident block's): same hits, far fewer writes. This needs the
+future, so it runs offline with a lazy heap.
 """
 
 from __future__ import annotations

@@ -68,7 +68,9 @@ def _zipf_sampler(rng: random.Random, n: int, s: float) -> Callable[[], int]:
     return sample
 
 
-def gen_zipf(n_requests: int, seed: int, ids: _Ids | None = None, prompts: int = 400, s: float = 1.0):
+def gen_zipf(
+    n_requests: int, seed: int, ids: _Ids | None = None, prompts: int = 400, s: float = 1.0
+):
     """Shared system prompts of 4..48 blocks picked by Zipf(s), then 1..6 unique blocks."""
     rng = random.Random(seed)
     ids = ids or _Ids()
@@ -93,7 +95,8 @@ def gen_chat(n_requests: int, seed: int, ids: _Ids | None = None, open_sessions:
         if len(sessions) < open_sessions and (not sessions or rng.random() < 0.3):
             sessions.append([ids.fresh(rng.randint(2, 12)), rng.randint(2, 30)])
         # Recently active conversations are more likely to speak next (think times vary).
-        i = len(sessions) - 1 - min(int(rng.expovariate(1 / (len(sessions) / 3))), len(sessions) - 1)
+        back = int(rng.expovariate(3 / len(sessions)))
+        i = len(sessions) - 1 - min(back, len(sessions) - 1)
         full, left = sessions[i]
         partial = ids.fresh(1)
         yield _request(ts, full + partial, rng.randint(1, TRACE_BLOCK_TOKENS - 1))

@@ -9,9 +9,11 @@ import click
 
 from kvtier.bench.trace import TraceError
 from kvtier.config import ConfigError
-from kvtier.tiers.disk import DiskLayoutMismatch
+from kvtier.tiers.disk import DiskLayoutMismatch, DiskStoreBusy, NotADiskStore
+from kvtier.tiers.disk.errors import DiskIndexUnreadable
 
-USER_ERRORS = (ConfigError, TraceError, DiskLayoutMismatch)
+USER_ERRORS = (ConfigError, TraceError, DiskLayoutMismatch, DiskStoreBusy, NotADiskStore,
+               DiskIndexUnreadable)
 EXIT_USAGE = 2
 
 

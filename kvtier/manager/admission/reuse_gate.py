@@ -19,8 +19,9 @@ measured to be read before they would be evicted, and only when evictions are hu
   open, so a large tier never loses hits to admit-all; under pressure the bar is
   ``GATE_BAR * pressure``.
 
-Every call is O(1) per key; memory is a bitset doorkeeper (about 4 bytes per tier block) plus
-bounded maps of keys awaiting an outcome.
+Every call is O(1) per key. Memory: a two-generation bitset doorkeeper (16-32 bytes per tier
+block) plus maps of keys awaiting a decision or an outcome, bounded to 1x (sighted, admitted)
+and 2x (refused) the tier's capacity.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class ReuseGate(AdmissionPolicy):
                 known_prefix = True
                 self._first.pop(key, None)  # sighted twice before being stored: proven
             else:
-                self._remember(self._first, key, (known_prefix, deeper, i == last))
+                cls = (known_prefix, deeper, i == last)
+                self._remember(self._first, key, cls, self.capacity)
                 deeper = True
         self._expire_refused()
 
@@ -127,11 +129,11 @@ class ReuseGate(AdmissionPolicy):
             self._clock += 1
             return True
         if self.reuse.get(cls, 1.0) < self.bar * self.pressure:
-            self._remember(self._refused, key, (self._clock, cls))
+            self._remember(self._refused, key, (self._clock, cls), 2 * self.capacity)
             self.refused += 1
             return False
         self._clock += 1
-        self._remember(self._pending, key, cls)
+        self._remember(self._pending, key, cls, self.capacity)
         return True
 
     # -- internals ----------------------------------------------------------------------
@@ -139,11 +141,12 @@ class ReuseGate(AdmissionPolicy):
         old = self.reuse.get(cls, 1.0)
         self.reuse[cls] = old + RATE * (value - old)
 
-    def _remember(self, od: OrderedDict, key: BlockKey, value: object) -> None:
+    @staticmethod
+    def _remember(od: OrderedDict, key: BlockKey, value: object, bound: int) -> None:
         """Bounded FIFO insert; what falls out simply gets no outcome."""
         od[key] = value
         od.move_to_end(key)
-        if len(od) > 2 * self.capacity:
+        if len(od) > bound:
             od.popitem(last=False)
 
     def _expire_refused(self) -> None:

@@ -1,0 +1,87 @@
+"""The disk tier's contents at start-up, for the scheduler-side manager.
+
+Choice: the workers own the disk stores (they hold the bytes and the directory lock); the
+scheduler only needs the list of keys, oldest first, once, before its first lookup. It reads
+each rank's LMDB index read-only (LMDB allows readers in other processes while one process
+writes) and checks the directory's geometry fingerprint, so a directory of another model or
+configuration is refused here too. When a worker of this very process already opened the
+store (vLLM with multiprocessing off builds the worker first), LMDB refuses a second open of
+the environment in one process, so the open store registered here is asked instead. With
+several workers a block is usable only if every rank has its slice: the keys are intersected.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import lmdb
+
+from kvtier.tiers.disk import DiskLayoutMismatch, DiskStore
+from kvtier.tiers.disk.index import BlockIndex
+from kvtier.tiers.disk.stats import index_dir
+from kvtier.tiers.layout import BlockGeometry
+
+_open_stores: dict[str, DiskStore] = {}
+_lock = threading.Lock()
+
+
+def _norm(path: Path) -> str:
+    return str(Path(path).resolve())
+
+
+def register_open_store(path: Path, store: DiskStore) -> None:
+    with _lock:
+        _open_stores[_norm(path)] = store
+
+
+def unregister_open_store(path: Path, store: DiskStore) -> None:
+    with _lock:
+        if _open_stores.get(_norm(path)) is store:
+            del _open_stores[_norm(path)]
+
+
+def read_keys(path: Path, geometry: BlockGeometry) -> list[bytes]:
+    """Keys in the store at ``path``, oldest first; [] when there is no store there yet."""
+    with _lock:
+        store = _open_stores.get(_norm(path))
+    if store is not None:
+        if store.geometry.fingerprint() != geometry.fingerprint():
+            raise DiskLayoutMismatch(f"disk tier directory {path} is open for another geometry")
+        return store.keys_by_age()
+    if not (index_dir(Path(path)) / "data.mdb").is_file():
+        return []
+    try:
+        ix = BlockIndex(index_dir(Path(path)), map_size=1 << 20, sync=False, readonly=True)
+    except lmdb.Error as exc:
+        raise RuntimeError(f"kvtier: cannot read the disk tier index in {path}: {exc}") from exc
+    try:
+        with ix.read() as v:
+            fingerprint = v.meta("fingerprint")
+            if fingerprint is None:
+                return []
+            if fingerprint.decode(errors="replace") != geometry.fingerprint():
+                stored = (v.meta("geometry") or b"?").decode(errors="replace")
+                raise DiskLayoutMismatch(
+                    f"disk tier directory {path} was written for [{stored}], but this engine "
+                    f"uses [{geometry.describe()}] (fingerprints differ: another model, dtype, "
+                    f"block size, KV layout, hash algorithm or tensor-parallel layout). Use "
+                    f"another directory or delete {path}."
+                )
+            return v.keys_by_age()
+    finally:
+        ix.close()
+
+
+def initial_keys(paths: Sequence[Path], geometries: Sequence[BlockGeometry]) -> list[bytes]:
+    """Keys present on every rank's disk, in rank 0's age order."""
+    if not paths:
+        return []
+    first = read_keys(paths[0], geometries[0])
+    if len(paths) == 1 or not first:
+        return first
+    common = set(first)
+    for path, geometry in zip(paths[1:], geometries[1:]):
+        common &= set(read_keys(path, geometry))
+    return [k for k in first if k in common]

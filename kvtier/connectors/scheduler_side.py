@@ -1,0 +1,320 @@
+"""The scheduler half: owns the tiered manager, plans every transfer, never touches a tensor.
+
+Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``):
+
+* ``lookup`` (get_num_new_matched_tokens): leading run of the prompt's blocks that some tier
+  holds, block aligned, never the last prompt token; always an asynchronous load.
+* ``plan_load`` (update_state_after_alloc): ``prepare_shared_load`` pins the blocks; a block
+  whose disk promotion another request has in flight is joined, not read twice and not cut
+  (vLLM #44294: concurrent requests on one prefix neither queue nor recompute).
+* ``build_meta``: stores of every block that is full and computed after this step (write-
+  through, admission and per-request ``kv_transfer_params`` applied), the manager's
+  background moves, and the fence: store jobs whose source blocks are written this step.
+* ``on_worker_output``: counts worker reports per job; a complete job settles the manager's
+  prepare call (``complete_load`` with the failed keys, ``complete_store``,
+  ``complete_background``). A load that joined a promotion settles after it.
+* ``request_finished``: delay freeing a request's blocks while its stores are in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from kvtier.connectors.disk_keys import initial_keys
+from kvtier.connectors.events import VllmEventConverter
+from kvtier.connectors.jobs import Job, JobLedger
+from kvtier.connectors.metadata import (
+    BackgroundJob,
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadJob,
+    StoreJob,
+)
+from kvtier.connectors.requests import KeyMap, RequestParams, RequestTrack
+from kvtier.connectors.settings import ConnectorSettings
+from kvtier.connectors.stats import KVTierStats
+from kvtier.manager.admission.wrappers import OffloadRatioAdmission
+from kvtier.manager.factory import build_manager
+from kvtier.manager.specs import BlockKey, RequestContext
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        bb = settings.block_bytes
+        disk_keys = initial_keys(settings.disk_paths(),
+                                 [settings.geometry(r) for r in range(settings.world_size)])
+        manager = build_manager(settings.config, bb, disk_keys)
+        if not isinstance(manager, OffloadRatioAdmission):
+            # a no-op by default; lets per-request kv_transfer_params limit offloading
+            manager = OffloadRatioAdmission(manager, 1.0, None)
+        self.manager = manager
+        self.keymap = KeyMap(settings.block_tokens, settings.hash_block_size, settings.block_size)
+        self.ledger = JobLedger(settings.world_size)
+        self.tracks: dict[str, RequestTrack] = {}
+        self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound after construction
+        self._promoting: dict[BlockKey, int] = {}  # key -> load job promoting it from disk
+        self._parked: dict[int, Job] = {}  # complete loads waiting for the loads they joined
+        self._sources: dict[int, set[int]] = {}  # engine block -> unsettled stores reading it
+        self._step_loads: list[LoadJob] = []
+        self._step_watch: list[str] = []
+        self._step_forget: list[int] = []
+        # token ids are needed until a block's last event (its demotion to disk at the latest,
+        # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
+        self._events = VllmEventConverter(settings.block_tokens,
+                                          2 * settings.config.cpu_slots(bb) + 1024)
+        self._stats = KVTierStats()
+        log.info("kvtier: scheduler side ready: %d CPU blocks, %d disk blocks (%d restored), "
+                 "%d B per block", settings.config.cpu_slots(bb),
+                 settings.config.disk_blocks(bb), len(disk_keys), bb)
+
+    # ------------------------------------------------------------------ requests
+    def track(self, request: Any) -> RequestTrack:
+        t = self.tracks.get(request.request_id)
+        if t is None:
+            t = RequestTrack(request, RequestParams.parse(request.kv_transfer_params))
+            self.tracks[request.request_id] = t
+        return t
+
+    def _drop_if_done(self, t: RequestTrack) -> None:
+        if t.finished and t.idle:
+            self.tracks.pop(t.req_id, None)
+
+    # ------------------------------------------------------------------ loads
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        t = self.track(request)
+        if t.load_job is not None:  # our previous load of it has not settled yet
+            return None, False
+        bt = self.settings.block_tokens
+        if t.params.skip_load or num_computed_tokens % bt:
+            return 0, False
+        start = num_computed_tokens // bt
+        stop = min((request.num_tokens - 1) // bt, self.keymap.num_keyed(request))
+        if stop <= start:
+            return 0, False
+        hits = self.manager.lookup(self.keymap.keys(request, start, stop)).num_hits
+        self._stats.add("lookup_tokens", (stop - start) * bt)
+        if hits == 0:
+            return 0, False
+        t.lookup_start = num_computed_tokens
+        return hits * bt, True
+
+    def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        t = self.track(request)
+        bt, bs = self.settings.block_tokens, self.settings.block_size
+        start, n = t.lookup_start // bt, num_external_tokens // bt
+        block_ids = blocks.get_block_ids()[0]
+        gpu = [self.keymap.gpu_ids(block_ids, start + i) for i in range(n)]
+        # vLLM may trim a hit to its own block size; engine blocks of a partial kvtier block
+        # were claimed but cannot be loaded: they are reported as load errors (recomputed)
+        partial = self.keymap.gpu_ids(block_ids, start + n)[:(num_external_tokens % bt) // bs]
+        # Blocks left outside a sliding window are null (id 0): nothing to load into them.
+        wanted = [i for i in range(n) if all(b != 0 for b in gpu[i])]
+        keys = self.keymap.keys(request, start, start + n)
+        plan = self.manager.prepare_shared_load([keys[i] for i in wanted])
+        loaded = wanted[:len(plan.keys)]
+        unloaded = [b for i in wanted[len(plan.keys):] for b in gpu[i]] + partial
+        joined = plan.joined or (False,) * len(plan.keys)
+        after = sorted({self._promoting[k] for k, j in zip(plan.keys, joined)
+                        if j and k in self._promoting})
+        job = Job("load", t.req_id, tuple(plan.keys), tuple(plan.from_disk), after=tuple(after))
+        job_id = self.ledger.add(job)
+        for key, from_disk in zip(plan.keys, plan.from_disk):
+            if from_disk:
+                self._promoting[key] = job_id
+        self._step_loads.append(LoadJob(
+            job_id=job_id, req_id=t.req_id, keys=tuple(plan.keys),
+            cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
+            gpu_ids=tuple(b for i in loaded for b in gpu[i]), joined=tuple(joined),
+            after=tuple(after), unloaded_gpu_ids=tuple(unloaded),
+        ))
+        t.load_job = job_id
+        disk = sum(1 for f, j in zip(plan.from_disk, joined) if f or j)
+        t.hit_tokens = {"CPU": (len(plan.keys) - disk) * bt, "DISK": disk * bt}
+        self._stats.add("hit_tokens_cpu", t.hit_tokens["CPU"])
+        self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
+        self._stats.add("unloadable_tokens", len(unloaded) * bs)
+        t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
+        for i, key in zip(loaded, plan.keys):
+            self._remember(request, start + i, key)
+
+    def hit_sources(self, request: Any) -> dict[str, int]:
+        t = self.tracks.get(request.request_id)
+        return dict(t.hit_tokens) if t is not None else {}
+
+    # ------------------------------------------------------------------ stores
+    def _remember(self, request: Any, index: int, key: BlockKey) -> None:
+        parent = self.keymap.key(request, index - 1) if index > 0 else None
+        lora = getattr(request, "lora_request", None)
+        self._events.remember(key, self.keymap.tokens(request, index), parent,
+                              getattr(lora, "lora_name", None))
+
+    def _plan_store(self, t: RequestTrack) -> StoreJob | None:
+        request = t.request
+        if t.params.skip_store or self.kv_cache_manager is None:
+            return None
+        bt = self.settings.block_tokens
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        stop = min(computed // bt, self.keymap.num_keyed(request))
+        first = t.next_store
+        if stop <= first:
+            return None
+        t.next_store = stop
+        block_ids = self.kv_cache_manager.get_block_ids(t.req_id)[0]
+        cand = [i for i in range(first, stop)
+                if all(b != 0 for b in self.keymap.gpu_ids(block_ids, i))]
+        if not cand:
+            return None
+        keys = {self.keymap.key(request, i): i for i in cand}
+        ctx = RequestContext(
+            request_id=t.req_id, first_block_index=cand[0],
+            num_prompt_blocks=request.num_prompt_tokens // bt,
+            offload_ratio=t.params.offload_ratio, max_offload_tokens=t.params.max_offload_tokens,
+            block_tokens=bt,
+            parent_key=self.keymap.key(request, cand[0] - 1) if cand[0] > 0 else None,
+        )
+        plan = self.manager.prepare_store(list(keys), ctx)
+        if not plan.keys:
+            return None
+        gpu = tuple(b for k in plan.keys for b in self.keymap.gpu_ids(block_ids, keys[k]))
+        job_id = self.ledger.add(Job("store", t.req_id, tuple(plan.keys), gpu_ids=gpu))
+        t.store_jobs.add(job_id)
+        for b in gpu:
+            self._sources.setdefault(b, set()).add(job_id)
+        for k in plan.keys:
+            self._remember(request, keys[k], k)
+        self._stats.add("store_tokens", len(plan.keys) * bt)
+        return StoreJob(job_id, t.req_id, tuple(plan.keys), tuple(plan.cpu_slots), gpu)
+
+    # ------------------------------------------------------------------ per step
+    def _written_blocks(self, so: Any) -> set[int]:
+        """Engine blocks this step writes: newly allocated ones (computed or loaded into) and
+        copy-on-write destinations. A pending store reading one of them must finish first."""
+        bs = self.settings.block_size
+        out: set[int] = set()
+        for r in so.scheduled_new_reqs:
+            out.update(r.block_ids[0][r.num_computed_tokens // bs:])
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids or set()
+        for i, req_id in enumerate(cached.req_ids):
+            groups = cached.new_block_ids[i]
+            if not groups:
+                continue
+            ids = groups[0]
+            if req_id in resumed:  # the whole table is sent; the local hit is not rewritten
+                ids = ids[cached.num_computed_tokens[i] // bs:]
+            out.update(ids)
+        for copy in getattr(so, "kv_cache_block_copies", None) or ():
+            out.add(copy.dst_block_id)
+        for job in self._step_loads:
+            out.update(job.gpu_ids)
+        out.discard(0)
+        return out
+
+    def build_meta(self, so: Any) -> KVTierConnectorMetadata:
+        written = self._written_blocks(so)
+        flush = sorted({j for b in written for j in self._sources.get(b, ())})
+        stores = []
+        for req_id in so.num_scheduled_tokens:
+            t = self.tracks.get(req_id)
+            if t is not None:
+                job = self._plan_store(t)
+                if job is not None:
+                    stores.append(job)
+        background = []
+        for bg in self.manager.take_background_transfers():
+            job_id = self.ledger.add(Job("background", transfer_id=bg.id, keys=bg.keys))
+            background.append(BackgroundJob(job_id, bg.src, bg.dst))
+        meta = KVTierConnectorMetadata(
+            loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
+            watch=tuple(self._step_watch), forget=tuple(self._step_forget),
+        )
+        self._step_loads, self._step_watch, self._step_forget = [], [], []
+        return meta
+
+    def on_worker_output(self, meta: Any) -> None:
+        if not isinstance(meta, KVTierWorkerMetadata):
+            return
+        for job_id, job in self.ledger.record(meta):
+            self._settle(job_id, job)
+
+    def _unsettled(self, job_id: int) -> bool:
+        return job_id in self.ledger or job_id in self._parked
+
+    def _settle(self, job_id: int, job: Job) -> None:
+        if job.kind == "load":
+            if any(self._unsettled(d) for d in job.after):
+                self._parked[job_id] = job
+                return
+            self._settle_load(job_id, job)
+            progress = True
+            while progress:  # a load may both promote some keys and join others: chains
+                progress = False
+                for parked_id in sorted(self._parked):
+                    parked = self._parked[parked_id]
+                    if not any(self._unsettled(d) for d in parked.after):
+                        del self._parked[parked_id]
+                        self._settle_load(parked_id, parked)
+                        progress = True
+        elif job.kind == "store":
+            self.manager.complete_store(job.keys, success=job.errors == 0)
+            if job.errors:
+                self._stats.add("failed_store_jobs", 1)
+            for b in job.gpu_ids:
+                jobs = self._sources.get(b)
+                if jobs is not None:
+                    jobs.discard(job_id)
+                    if not jobs:
+                        del self._sources[b]
+            t = self.tracks.get(job.req_id)
+            if t is not None:
+                t.store_jobs.discard(job_id)
+                self._drop_if_done(t)
+        else:
+            self.manager.complete_background(job.transfer_id, success=job.errors == 0)
+
+    def _settle_load(self, job_id: int, job: Job) -> None:
+        failed = set(job.failed)
+        self.manager.complete_load(job.keys, failed=[k for k in job.keys if k in failed])
+        if failed:
+            self._stats.add("failed_load_blocks", len(failed))
+        for key, from_disk in zip(job.keys, job.from_disk):
+            if from_disk and self._promoting.get(key) == job_id:
+                del self._promoting[key]
+        if any(job.from_disk):
+            self._step_forget.append(job_id)
+        t = self.tracks.get(job.req_id)
+        if t is not None and t.load_job == job_id:
+            t.load_job = None
+            self._drop_if_done(t)
+
+    def request_finished(self, request: Any) -> bool:
+        """True: vLLM keeps the blocks until workers report the request's stores done."""
+        t = self.tracks.get(request.request_id)
+        if t is None:
+            return False
+        t.finished = True
+        if t.store_jobs:
+            self._step_watch.append(t.req_id)
+            return True
+        self._drop_if_done(t)
+        return False
+
+    # ------------------------------------------------------------------ reporting
+    def has_pending_work(self) -> bool:
+        return bool(len(self.ledger) or self._parked or self._step_loads or self._step_watch
+                    or self._step_forget)
+
+    def take_events(self) -> Iterable[Any]:
+        return self._events.convert(list(self.manager.take_events()))
+
+    def take_stats(self) -> KVTierStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVTierStats()
+        return out

@@ -1,0 +1,205 @@
+"""``KVTierConnector``: kvtier as a vLLM 0.32 KV connector (``KVConnectorBase_V1``).
+
+Load it with ``kv_connector="KVTierConnector"``, ``kv_connector_module_path=
+"kvtier.connectors.vllm"``, ``kv_role="kv_both"`` and ``kv_connector_extra_config=
+{"config": "/etc/kvtier.yaml"}`` (or ``{"kvtier": {...}}`` inline). vLLM builds one instance
+per role: the SCHEDULER one (engine-core process) owns kvtier's manager
+(:mod:`scheduler_side`), each WORKER one owns that worker's CPU pool, disk store and transfer
+engine (:mod:`worker_side`). They share nothing but the metadata of :mod:`metadata`.
+
+Hybrid models: kvtier is not ``SupportsHMA``. vLLM then turns its hybrid allocator off by
+itself (every layer in one group, sliding-window layers kept as full attention), and if the
+user forces it on, vLLM refuses to start naming the connector; kvtier's own check repeats the
+flag (``--disable-hybrid-kv-cache-manager``) if it is ever handed several groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.connectors.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.connectors.scheduler_side import SchedulerSide
+from kvtier.connectors.settings import derive_settings, describe
+from kvtier.connectors.stats import KVTierStats
+from kvtier.connectors.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32",)
+
+__all__ = ["KVTierConnector", "KVTierConnectorMetadata", "KVTierStats", "KVTierWorkerMetadata"]
+
+
+def _check_version() -> None:
+    try:
+        from vllm import __version__ as version
+    except ImportError:  # pragma: no cover
+        return
+    if not any(version.startswith(v + ".") or version == v for v in SUPPORTED_VLLM):
+        log.warning("kvtier: tested with vLLM %s; this is vLLM %s", ", ".join(SUPPORTED_VLLM),
+                    version)
+
+
+def _tp_rank(vllm_config: "VllmConfig") -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+        if model_parallel_is_initialized():
+            return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no distributed state (unit tests): use the config
+        pass
+    return int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _check_version()
+        self.settings = derive_settings(vllm_config, kv_cache_config)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            kvt = vllm_config.kv_transfer_config
+            if kvt.kv_load_failure_policy != "recompute":
+                # kvtier is a cache: a block it cannot read must be recomputed, never fail the
+                # request. vLLM's scheduler reads the policy after building this connector.
+                log.warning("kvtier: setting kv_load_failure_policy='recompute' (was %r): an "
+                            "unreadable cached block is recomputed", kvt.kv_load_failure_policy)
+                kvt.kv_load_failure_policy = "recompute"
+            self._sched = SchedulerSide(self.settings)
+            log.info("kvtier connector (scheduler): %s", describe(self.settings))
+        else:
+            self._worker = WorkerSide(self.settings, _tp_rank(vllm_config))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a future miss, never a correctness issue
+
+    # ================================================================== scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: "Request") -> None:
+        if self._sched is not None:
+            self._sched.track(request)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.plan_load(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request",
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        if self._sched is None or num_external_tokens == 0:
+            return {}
+        hits = self._sched.hit_sources(request)
+        out = {CacheHitSource.HOST: hits.get("CPU", 0), CacheHitSource.DISK: hits.get("DISK", 0)}
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self._sched is not None:
+            self._sched.on_worker_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is None:
+            return False, None
+        return self._sched.request_finished(request), None
+
+    def take_events(self) -> Iterable[Any]:
+        return self._sched.take_events() if self._sched is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        if self._sched is not None:
+            return self._sched.take_stats()
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        return KVTierStats(data=dict(data or {}))
+
+    # ================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self._worker is not None:
+            self._worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs only after its load finished
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # stores are taken from the paged cache after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.build_worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

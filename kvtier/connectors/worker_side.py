@@ -1,0 +1,302 @@
+"""The worker half: owns CPU pool, disk store and transfer engine; executes, decides nothing.
+
+Per step (vLLM's model runner calls these in this order):
+
+1. ``handle_preemptions(meta)``: before the forward, wait for the store jobs the scheduler
+   fenced (their source blocks are rewritten this step).
+2. ``bind(meta)`` and ``start_load``: submit this step's loads. A load that joined another
+   load's disk promotion waits (here, not in the engine) until that load finished on this
+   worker, then copies what the promotion read; keys it failed to read are failed here too.
+3. ``wait_for_save``: this step's forward has written its blocks (on CUDA the compute stream
+   is synchronised first), so the stores of blocks it completed are submitted now, plus the
+   manager's background moves.
+4. ``get_finished``: collect finished jobs; loads report their request in
+   ``finished_recving`` (and the engine blocks that could not be filled as load errors, in
+   the same step), watched finished requests with no store left in ``finished_sending``.
+5. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys, errors).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
+from kvtier.connectors.metadata import (
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadJob,
+    StoreJob,
+)
+from kvtier.connectors.settings import ConnectorSettings, ConnectorSetupError
+from kvtier.connectors.stats import KVTierStats, direction_delta
+from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.runtime.worker import WorkerRuntime
+from kvtier.tiers.gpu_view import GpuKvView
+from kvtier.transfer import JobResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Running:
+    kind: str  # "load" | "store" | "background"
+    req_id: str | None = None
+    load: LoadJob | None = None
+    excluded: frozenset[BlockKey] = frozenset()  # joined keys whose promotion failed
+    gpu_by_key: dict[BlockKey, tuple[int, ...]] = field(default_factory=dict)
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, tp_rank: int) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.runtime: WorkerRuntime | None = None
+        self._device_type = "cpu"
+        self._running: dict[int, _Running] = {}
+        self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
+        self._promotions: dict[int, frozenset[BlockKey]] = {}  # finished load -> keys it failed
+        self._stores_of: dict[str, set[int]] = {}
+        self._watch: set[str] = set()
+        self._meta: KVTierConnectorMetadata | None = None
+        self._loads_taken = self._saves_taken = True
+        self._recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._done: dict[int, int] = {}
+        self._failed: dict[int, tuple[BlockKey, ...]] = {}
+        self._errors: dict[int, int] = {}
+        self._stats_before: dict = {}
+
+    # ------------------------------------------------------------------ set-up
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        missing = [n for n in self.settings.layer_names if n not in kv_caches]
+        if missing:
+            raise ConnectorSetupError(
+                f"kvtier: KV caches of layers {missing[:4]} were not registered (got "
+                f"{list(kv_caches)[:4]}...)"
+            )
+        layers = {n: kv_caches[n] for n in self.settings.layer_names}
+        view = GpuKvView(layers, "block_pages")
+        if view.page_bytes != self.settings.page_bytes:
+            raise ConnectorSetupError(
+                f"kvtier: registered KV pages hold {view.page_bytes} B per block and layer, the "
+                f"KV cache spec says {self.settings.page_bytes} B; unsupported cache layout"
+            )
+        self._device_type = view.device.type
+        geometry = self.settings.geometry(self.tp_rank)
+        config = self.settings.rank_config(self.tp_rank)
+        self.runtime = WorkerRuntime.create(config, view, geometry)
+        if self.runtime.store is not None:
+            register_open_store(config.disk.path, self.runtime.store)
+        self._stats_before = self.runtime.engine.stats()
+        log.info("kvtier: worker rank %d: %d layers, %s, %d CPU slots%s", self.tp_rank,
+                 view.num_layers, geometry.describe(), self.runtime.pool.num_slots,
+                 f", disk {config.disk.path}" if config.disk is not None else "")
+
+    def shutdown(self) -> None:
+        rt, self.runtime = self.runtime, None
+        if rt is None:
+            return
+        store = rt.store
+        try:
+            rt.close()
+        finally:
+            if store is not None:
+                unregister_open_store(store.root, store)
+
+    def _rt(self) -> WorkerRuntime:
+        if self.runtime is None:
+            raise RuntimeError("kvtier: register_kv_caches was not called before transfers")
+        return self.runtime
+
+    # ------------------------------------------------------------------ step hooks
+    def handle_preemptions(self, meta: Any) -> None:
+        if not isinstance(meta, KVTierConnectorMetadata) or not meta.flush:
+            return
+        self._poll()
+        ids = [j for j in meta.flush if j in self._running and self._running[j].kind == "store"]
+        if ids:
+            for result in self._rt().engine.wait(ids):
+                self._on_result(result)
+
+    def bind(self, meta: Any) -> None:
+        if not isinstance(meta, KVTierConnectorMetadata):
+            raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
+        self._meta = meta
+        self._loads_taken = self._saves_taken = False
+        if meta.forget:
+            self._poll()
+            self._submit_ready_loads()  # nothing waiting may still need a forgotten result
+            for job_id in meta.forget:
+                self._promotions.pop(job_id, None)
+        self._watch.update(meta.watch)
+
+    def start_load(self) -> None:
+        meta = self._meta
+        if meta is None or self._loads_taken:
+            return
+        self._loads_taken = True  # the metadata object is shared: never modify it
+        if not meta.loads:
+            return
+        self._poll()
+        self._deferred.extend(meta.loads)
+        self._submit_ready_loads()
+
+    def wait_for_save(self) -> None:
+        self.start_load()  # in case vLLM skipped start_load_kv this step
+        meta = self._meta
+        if meta is None or self._saves_taken:
+            return
+        self._saves_taken = True
+        if meta.stores and self._device_type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the forward must have written them
+        rt = self._rt() if (meta.stores or meta.background) else None
+        for job in meta.stores:
+            self._submit_store(rt, job)
+        for bg in meta.background:
+            self._running[bg.job_id] = _Running("background")
+            self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
+                         bg.job_id)
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._poll()
+        recving, self._recving = self._recving, set()
+        sending = {r for r in self._watch if not self._stores_of.get(r)}
+        self._watch -= sending
+        return sending or None, recving or None
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_worker_meta(self) -> KVTierWorkerMetadata | None:
+        if not (self._done or self._failed or self._errors):
+            return None
+        meta = KVTierWorkerMetadata(self._done, self._failed, self._errors)
+        self._done, self._failed, self._errors = {}, {}, {}
+        return meta
+
+    def take_stats(self) -> KVTierStats | None:
+        if self.runtime is None:
+            return None
+        now = self.runtime.engine.stats()
+        delta = direction_delta(now, self._stats_before)
+        self._stats_before = now
+        if not delta:
+            return None
+        stats = KVTierStats()
+        stats.add_directions(delta)
+        return stats
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._deferred)
+
+    # ------------------------------------------------------------------ submitting
+    def _submit(self, fn, job_id: int, first_hop: tuple[Medium, Medium] = (Medium.GPU, Medium.CPU)
+                ) -> None:
+        """Submit; a refused submission (bad addresses, closed engine) fails the job visibly."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported to the scheduler as a job error
+            log.error("kvtier: job %d could not be submitted: %s", job_id, exc)
+            self._on_result(JobResult(job_id, False, str(exc), (), 0, 0.0, first_hop))
+
+    def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
+        self._running[job.job_id] = _Running("store", job.req_id)
+        self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
+        self._submit(lambda: rt.engine.submit(LoadStoreSpec.gpu(job.gpu_ids),
+                                              LoadStoreSpec.cpu(job.cpu_slots),
+                                              job_id=job.job_id), job.job_id)
+
+    def _submit_ready_loads(self) -> None:
+        """Submit deferred loads whose promoting loads finished here (in arrival order)."""
+        waiting: list[LoadJob] = []
+        for job in self._deferred:
+            if all(d in self._promotions for d in job.after):
+                self._submit_load(job)
+            else:
+                waiting.append(job)
+        self._deferred = waiting
+
+    def _submit_load(self, job: LoadJob) -> None:
+        k = self.settings.engine_blocks_per_block
+        excluded: set[BlockKey] = set()
+        for dep in job.after:
+            excluded |= self._promotions.get(dep, frozenset())
+        excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
+        gpu_by_key = {key: job.gpu_ids[i * k:(i + 1) * k] for i, key in enumerate(job.keys)}
+        running = _Running("load", job.req_id, job, frozenset(excluded), gpu_by_key)
+        self._running[job.job_id] = running
+        disk = [(key, slot) for key, slot, d in zip(job.keys, job.cpu_slots, job.from_disk) if d]
+        copy = [(key, slot) for key, slot in zip(job.keys, job.cpu_slots) if key not in excluded]
+        hops = []
+        if disk:
+            hops.append((LoadStoreSpec.disk([key for key, _ in disk]),
+                         LoadStoreSpec.cpu([slot for _, slot in disk])))
+        if copy:
+            hops.append((LoadStoreSpec.cpu([slot for _, slot in copy]),
+                         LoadStoreSpec.gpu([b for key, _ in copy for b in gpu_by_key[key]])))
+        if not hops:  # nothing left to move (all truncated or all joined promotions failed)
+            self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
+                                      (Medium.CPU, Medium.GPU)))
+            return
+        rt = self._rt()
+        self._submit(lambda: rt.engine.submit_chain(hops, job_id=job.job_id), job.job_id,
+                     (hops[0][0].medium, hops[0][1].medium))
+
+    # ------------------------------------------------------------------ results
+    def _poll(self) -> None:
+        if self.runtime is None:
+            return
+        results = self.runtime.poll()
+        for result in results:
+            self._on_result(result)
+        if results and self._deferred:
+            self._submit_ready_loads()
+
+    def _on_result(self, r: JobResult) -> None:
+        running = self._running.pop(r.job_id, None)
+        if running is None:
+            log.warning("kvtier: result for unknown job %d ignored", r.job_id)
+            return
+        self._done[r.job_id] = 1
+        if running.kind == "load":
+            self._on_load(r, running)
+        elif running.kind == "store":
+            if not r.ok:
+                self._errors[r.job_id] = 1
+                log.warning("kvtier: store job %d failed: %s", r.job_id, r.error)
+            jobs = self._stores_of.get(running.req_id)
+            if jobs is not None:
+                jobs.discard(r.job_id)
+                if not jobs:
+                    del self._stores_of[running.req_id]
+        else:
+            if not r.ok:
+                self._errors[r.job_id] = 1
+
+    def _on_load(self, r: JobResult, running: _Running) -> None:
+        job = running.load
+        assert job is not None
+        disk_keys = {key for key, d in zip(job.keys, job.from_disk) if d}
+        failed = set(r.failed_keys) | set(running.excluded)
+        bad_gpu: set[int] = set(job.unloaded_gpu_ids)
+        if r.error is not None:
+            log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
+            if r.direction == (Medium.DISK, Medium.CPU):  # nothing reached the CPU slots
+                failed |= disk_keys
+            bad_gpu.update(job.gpu_ids)  # whatever reached the GPU is not trusted
+        for key in failed:
+            bad_gpu.update(running.gpu_by_key.get(key, ()))
+        if failed:
+            self._failed[r.job_id] = tuple(k for k in job.keys if k in failed)
+        if disk_keys:  # loads that joined its promotions need to know what it could not read
+            self._promotions[r.job_id] = frozenset(failed & disk_keys)
+        self._load_errors |= bad_gpu
+        self._recving.add(job.req_id)
