@@ -423,6 +423,9 @@ def test_manager_bus_drops_mark_the_stream_lost():
     m = TieredOffloadingManager(cpu_blocks=4)
     with EventPublisher(cfg(), block_tokens=16) as pub:
         feed = ManagerFeed(m, pub)
+        pub.flush()  # the initial resync has gone out
+        feed.pump()
+        assert pub.stats().resyncs == 1 and not pub.wants_resync
         m.events.dropped += 1  # as if the bus overflowed between two pumps
         feed.pump()
         assert pub.stats().resyncs == 2

@@ -27,6 +27,8 @@ class ManagerStats:
     failed_loads: int = 0
     failed_stores: dict[str, int] = field(default_factory=_per_tier)
     protocol_errors: int = 0  # complete_* for something never prepared (caller bug), ignored
+    disk_degraded: bool = False  # demotions keep failing (disk full / EIO): disk admits only probes
+    disk_degradations: int = 0  # episodes of disk_degraded so far
 
     def snapshot(self) -> dict:
         return asdict(self)

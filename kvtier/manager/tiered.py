@@ -21,6 +21,7 @@ from typing import Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
+from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
 from kvtier.manager.specs import (
@@ -51,6 +52,7 @@ class TieredOffloadingManager(OffloadingManager):
         disk_admission: AdmissionPolicy | None = None,
         initial_disk_keys: Iterable[BlockKey] = (),
         flush_reserve: int | None = None,
+        disk_health: DiskHealth | None = None,
     ) -> None:
         self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
         self.disk = (
@@ -63,6 +65,7 @@ class TieredOffloadingManager(OffloadingManager):
         if flush_reserve is None:  # bounded: the flush walk runs on the request path
             flush_reserve = min(cpu_blocks, max(8, min(256, cpu_blocks // 16)))
         self.flush_reserve = max(1, flush_reserve)
+        self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.stats = ManagerStats()
         self.events = EventBus()
         self._bg_ids = itertools.count(1)
@@ -217,6 +220,8 @@ class TieredOffloadingManager(OffloadingManager):
                 continue
             if not self.cpu_admission.admit(key):
                 self.stats.admission_rejected["CPU"] += 1
+                if self.disk is None or self.disk.ready(key) is None:
+                    break  # prefix semantics: nothing after an unstored block can be hit
                 continue
             wanted.append(key)
         evicted: list[BlockKey] = []
@@ -265,9 +270,9 @@ class TieredOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ eviction and flushes
     def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
-        if entry.on_disk or entry.flush_failed or self.disk is None:
+        if entry.on_disk or entry.flush_failed or self.disk is None or self.disk_health.degraded:
             return True
-        return key in self._pending_drops or not self.disk_admission.admit(key)
+        return key in self._pending_drops or not self.disk_admission.would_admit(key)
 
     def _evict_cpu(self, n: int) -> list[BlockKey]:
         victims = self.cpu.victims(n, self._cpu_evictable)
@@ -305,6 +310,7 @@ class TieredOffloadingManager(OffloadingManager):
                 self.stats.admission_rejected["DISK"] += 1
                 continue
             admitted.append(key)
+        admitted = admitted[: self.disk_health.admit(len(admitted))]  # degraded: probes only
         if not admitted:
             return
         need = len(admitted) - self.disk.free_count
@@ -313,6 +319,7 @@ class TieredOffloadingManager(OffloadingManager):
         admitted = admitted[: max(0, self.disk.free_count)]
         if not admitted:
             return
+        self.disk_health.on_demotion_started()
         slots = []
         for key in admitted:
             entry = self.cpu.entries[key]
@@ -372,6 +379,9 @@ class TieredOffloadingManager(OffloadingManager):
                 stored.append(key)
             else:
                 self.disk.remove(key)
+        self.disk_health.on_demotion(success)
+        self.stats.disk_degraded = self.disk_health.degraded
+        self.stats.disk_degradations = self.disk_health.degradations
         if success:
             self.stats.stored_blocks["DISK"] += len(stored)
             self.events.emit(BlockStored(Medium.DISK, tuple(stored)))

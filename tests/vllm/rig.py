@@ -97,10 +97,76 @@ def bad_checks(rig: Rig) -> list:
     return [c for c in rig.checks if c[2]]
 
 
-def settle(rig: Rig, max_steps: int = 50) -> None:
+def settle(rig: Rig) -> None:
     """Run (empty) steps until no kvtier transfer is in flight."""
-    for _ in range(max_steps):
-        if not rig.loop.busy():
-            return
-        rig.loop.step()
-    raise AssertionError("kvtier still has work in flight")
+    rig.loop.run_until_idle()
+
+
+class StoreGate:
+    """Holds every GPU->CPU copy of a worker until released, so stores are deterministically
+    in flight across steps. ``open()`` releases them (also done around fenced waits, where
+    the worker must be able to finish the fenced stores)."""
+
+    def __init__(self, worker_connector) -> None:
+        import asyncio
+        import threading
+
+        from kvtier.manager.specs import Medium
+
+        self.event = threading.Event()
+        ws = worker_connector._worker
+        handler = ws.runtime.engine._handlers[(Medium.GPU, Medium.CPU)]
+        original = handler.run
+        gate = self.event
+
+        async def gated_run(src, dst):
+            await asyncio.get_running_loop().run_in_executor(None, gate.wait)
+            return await original(src, dst)
+
+        handler.run = gated_run
+        self.flushes = 0
+        orig_hp = ws.handle_preemptions
+
+        def handle_preemptions(meta):
+            if getattr(meta, "flush", ()):
+                self.flushes += 1
+                was = gate.is_set()
+                gate.set()
+                try:
+                    orig_hp(meta)
+                finally:
+                    if not was:
+                        gate.clear()
+            else:
+                orig_hp(meta)
+
+        ws.handle_preemptions = handle_preemptions
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def assert_cpu_tier_exact(rig: Rig, requests, worker: int = 0) -> int:
+    """Every READY block in the CPU tier holds exactly the KV of its tokens; returns how many
+    blocks were checked (the tier's bytes are compared to the fake model's values)."""
+    import torch
+
+    known = {}
+    for req in requests:
+        for i, h in enumerate(req.block_hashes):
+            known[bytes(h)] = (list(req.all_token_ids), i)
+    pool = rig.worker_side(worker).runtime.pool
+    tier = rig.side.manager.cpu
+    checked = 0
+    for key, entry in tier.entries.items():
+        if entry.state.name != "READY" or key not in known:
+            continue
+        tokens, index = known[key]
+        slot = pool.slot_view(entry.slot).view(torch.float32)  # [layer, 1, 1, page floats]
+        for layer in range(slot.shape[0]):
+            page = slot[layer, 0, 0].view(2, BS, 64)  # [H, N, 2D]
+            for t in range(BS):
+                want = vh.token_kv_value(tokens, index * BS + t, layer)
+                assert torch.all(page[:, t, :] == want), (key.hex()[:8], layer, t)
+        checked += 1
+    return checked

@@ -8,9 +8,18 @@ load of the wrong block, into the wrong block, or a store that read a reused blo
 from __future__ import annotations
 
 import vllm_harness as vh
-from rig import BS, bad_checks, kvtier_config, make_rig, settle
+from rig import BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig, settle
 
 from kvtier.connectors.metadata import KVTierConnectorMetadata
+from kvtier.manager.specs import Medium
+
+
+def metas(records):
+    return [r.scheduler_output.kv_connector_metadata for r in records]
+
+
+def keys_of(req, n):
+    return [bytes(h) for h in req.block_hashes[:n]]
 
 
 def test_store_then_reload_after_prefix_cache_reset(model_dir):
@@ -19,23 +28,149 @@ def test_store_then_reload_after_prefix_cache_reset(model_dir):
     prompt = vh.random_tokens(70, seed=1)
     a = make(prompt, max_tokens=3)
     rig.loop.add(a)
-    records = rig.loop.run_until_idle()
-    metas = [r.scheduler_output.kv_connector_metadata for r in records]
-    assert all(isinstance(m, KVTierConnectorMetadata) for m in metas)
-    stored = [j for m in metas for j in m.stores]
-    assert sum(len(j.keys) for j in stored) == 4  # 70 prompt + 2 decoded tokens: 4 full blocks
-    assert rig.side.manager.lookup([bytes(h) for h in a.block_hashes[:4]]).num_hits == 4
+    ms = metas(rig.loop.run_until_idle())
+    assert all(isinstance(m, KVTierConnectorMetadata) for m in ms)
+    assert sum(len(j.keys) for m in ms for j in m.stores) == 4  # 72 tokens: 4 full blocks
+    assert rig.side.manager.lookup(keys_of(a, 4)).tiers == (Medium.CPU,) * 4
     assert rig.sched.reset_prefix_cache()
 
     b = make(prompt, max_tokens=3)
     c = make(vh.random_tokens(70, seed=2), max_tokens=3)  # control: nothing cached
     rig.loop.add(b, c)
-    rig.loop.run_until_idle()
-    assert rig.loop.prefill[b.request_id] == (0, 64)
+    ms = metas(rig.loop.run_until_idle())
+    loads = [j for m in ms for j in m.loads]
+    assert [(j.req_id, len(j.keys)) for j in loads] == [(b.request_id, 4)]
+    assert rig.loop.prefill[b.request_id] == (0, 64)  # 64 of 70 prompt tokens from kvtier
     assert rig.loop.prefill[c.request_id] == (0, 0)
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     assert any(rid == b.request_id for rid, _, _ in rig.checks)
     assert bad_checks(rig) == []
     vh.assert_no_leaks(rig.sched)
     assert rig.side.manager.pins() == 0 and not rig.connector.has_pending_push_work()
+    rig.close()
+
+
+def test_never_claims_the_last_prompt_token(model_dir):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(64, seed=3)  # exactly 4 blocks
+    rig.loop.add(make(prompt, max_tokens=2))
+    rig.loop.run_until_idle()
+    assert rig.sched.reset_prefix_cache()
+    b = make(prompt, max_tokens=2)
+    assert rig.connector.get_num_new_matched_tokens(b, 0) == (48, True)  # not 64
+    rig.loop.add(b)
+    rig.loop.run_until_idle()
+    assert rig.loop.prefill[b.request_id] == (0, 48)
+    assert bad_checks(rig) == []
+    rig.close()
+
+
+def test_disk_tier_reload_after_cpu_eviction_is_byte_exact(model_dir, tmp_path):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "disk"))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=4)
+    a = make(prompt, max_tokens=3)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    rig.loop.add(make(vh.random_tokens(70, seed=5), max_tokens=3))  # pushes a out of CPU
+    rig.loop.run_until_idle()
+    m = rig.side.manager
+    assert m.lookup(keys_of(a, 4)).tiers == (Medium.DISK,) * 4
+    assert rig.sched.reset_prefix_cache()
+    b = make(prompt, max_tokens=3)
+    rig.loop.add(b)
+    ms = metas(rig.loop.run_until_idle())
+    (load,) = [j for mm in ms for j in mm.loads]
+    assert load.from_disk == (True,) * 4
+    assert rig.loop.prefill[b.request_id] == (0, 64)
+    assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+    assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
+    settle(rig)
+    assert m.pins() == 0
+    vh.assert_no_leaks(rig.sched)
+    rig.close()
+
+
+def test_corrupt_disk_record_is_a_load_error_and_gets_recomputed(model_dir, tmp_path):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "disk"))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=6)
+    a = make(prompt, max_tokens=3)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    rig.loop.add(make(vh.random_tokens(70, seed=7), max_tokens=3))
+    rig.loop.run_until_idle()
+    store = rig.worker_side().runtime.store
+    bad_key = keys_of(a, 4)[2]
+    entry = store._index.get(bad_key)
+    with open(store._files.path(entry.segment), "r+b") as f:  # flip bytes inside the payload
+        f.seek(entry.offset + entry.length - 64)
+        chunk = f.read(16)
+        f.seek(entry.offset + entry.length - 64)
+        f.write(bytes(x ^ 0xFF for x in chunk))
+    assert rig.sched.reset_prefix_cache()
+    b = make(prompt, max_tokens=3)
+    rig.loop.add(b)
+    records = rig.loop.run_until_idle()
+    invalid = set().union(*(r.kv_output.invalid_block_ids for r in records if r.kv_output))
+    assert len(invalid) == 1  # exactly the corrupt block was reported
+    # vLLM truncated the hit at the bad block and recomputed from there: still exact KV
+    assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
+    assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+    m = rig.side.manager
+    assert m.lookup(keys_of(a, 4)).num_hits == 2  # the bad block is forgotten
+    assert m.stats.failed_loads == 1
+    settle(rig)
+    assert m.pins() == 0
+    vh.assert_no_leaks(rig.sched)
+    rig.close()
+
+
+def test_preemption_in_the_middle_of_stores_keeps_kv_exact(model_dir):
+    """Too few GPU blocks for two long requests: vLLM preempts one while its stores are in
+    flight; its freed blocks are reallocated at once. The fence must finish those stores
+    before the forward overwrites the blocks, and the resumed request reloads from kvtier."""
+    gate = None
+
+    def release_when_drained(i, w, so):  # stores stay in flight while requests run
+        if gate is not None and not rig.sched.running and not rig.sched.waiting:
+            gate.open()
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=64), num_blocks=10,
+                   max_num_batched_tokens=64, after_forward=release_when_drained)
+    gate = StoreGate(rig.workers[0])
+    make = vh.RequestMaker(BS)
+    reqs = [make(vh.random_tokens(40, seed=10 + i), max_tokens=60) for i in range(2)]
+    rig.loop.add(*reqs)
+    records = rig.loop.run_until_idle(max_steps=400)
+    preempted = [r for r in records if r.scheduler_output.preempted_req_ids]
+    assert preempted, "scenario must actually preempt"
+    assert gate.flushes and any(m.flush for m in metas(records)), "a store must be fenced"
+    resumed_loads = [j for m in metas(records) for j in m.loads]
+    assert resumed_loads, "the resumed request should reload stored blocks"
+    assert bad_checks(rig) == []
+    for r in reqs:
+        assert len(rig.loop.outputs[r.request_id]) == 60
+    settle(rig)
+    assert rig.side.manager.pins() == 0
+    assert assert_cpu_tier_exact(rig, reqs) >= 8  # no store read a block after its reuse
+    vh.assert_no_leaks(rig.sched)
+    rig.close()
+
+
+def test_requests_finishing_with_stores_in_flight_hold_their_blocks(model_dir):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    a = make(vh.random_tokens(40, seed=20), max_tokens=1)  # finishes in its first step
+    rig.loop.add(a)
+    rec = rig.loop.step()
+    meta = rec.scheduler_output.kv_connector_metadata
+    assert [len(j.keys) for j in meta.stores] == [2]
+    assert rig.side.tracks[a.request_id].finished
+    records = rig.loop.run_until_idle()
+    sent = [r for r in records if r.kv_output and r.kv_output.finished_sending]
+    assert sent and a.request_id in sent[0].kv_output.finished_sending
+    assert a.request_id in metas(records)[0].watch
+    vh.assert_no_leaks(rig.sched)
     rig.close()

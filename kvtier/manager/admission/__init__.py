@@ -7,5 +7,6 @@ from kvtier.manager.admission.base import (
     make_admission,
     register_admission,
 )
+from kvtier.manager.admission import reuse_gate as _reuse_gate  # noqa: F401  (registers it)
 
 __all__ = ["AdmissionPolicy", "AdmitAll", "SightingThreshold", "make_admission", "register_admission"]

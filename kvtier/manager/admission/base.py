@@ -30,7 +30,13 @@ class AdmissionPolicy(ABC):
 
     @abstractmethod
     def admit(self, key: BlockKey) -> bool:
-        """May ``key`` be written into this tier now?"""
+        """May ``key`` be written into this tier now? Called once per actual write decision:
+        a policy may count it (an admitted block awaits its outcome)."""
+
+    def would_admit(self, key: BlockKey) -> bool:
+        """``admit`` without side effects, for questions such as "is this block worth keeping
+        dirty until it can be demoted?". Stateless policies need not override it."""
+        return self.admit(key)
 
 
 class AdmitAll(AdmissionPolicy):

@@ -136,6 +136,10 @@ class ReuseGate(AdmissionPolicy):
         self._remember(self._pending, key, cls, self.capacity)
         return True
 
+    def would_admit(self, key: BlockKey) -> bool:
+        cls = self._first.get(key)
+        return cls is None or self.reuse.get(cls, 1.0) >= self.bar * self.pressure
+
     # -- internals ----------------------------------------------------------------------
     def _outcome(self, cls: Class, value: float) -> None:
         old = self.reuse.get(cls, 1.0)

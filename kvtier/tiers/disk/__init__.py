@@ -6,6 +6,7 @@ from kvtier.tiers.disk.errors import (
     DiskStoreBusy,
     DiskWriteError,
     NotADiskStore,
+    UnsafeDiskDirectory,
 )
 from kvtier.tiers.disk.stats import DiskStats
 from kvtier.tiers.disk.store import DiskStore
@@ -18,4 +19,5 @@ __all__ = [
     "DiskStoreBusy",
     "DiskWriteError",
     "NotADiskStore",
+    "UnsafeDiskDirectory",
 ]

@@ -119,7 +119,7 @@ class Compactor:
         good: list[tuple[bytes, IndexEntry, bytearray]] = []
         bad: list[tuple[bytes, IndexEntry, ReadFailure]] = []
         for key, e in items:
-            r = read_record(w.files, key, e)
+            r = read_record(w.files, key, e, w.block_bytes)
             if isinstance(r, ReadFailure):
                 log.warning(
                     "kvtier disk tier: compaction drops block %s (segment %d @ %d): %s",

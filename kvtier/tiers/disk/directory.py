@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 
 import lmdb
 
-from kvtier.tiers.disk.errors import DiskLayoutMismatch, DiskStoreBusy, NotADiskStore
+from kvtier.tiers.disk.errors import (
+    DiskIndexUnreadable,
+    DiskLayoutMismatch,
+    DiskStoreBusy,
+    NotADiskStore,
+    UnsafeDiskDirectory,
+)
 from kvtier.tiers.disk.index import BlockIndex, IndexWriter
 from kvtier.tiers.disk.record import FORMAT_VERSION
 from kvtier.tiers.disk.segments import SegmentFiles
@@ -26,6 +33,37 @@ from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.layout import BlockGeometry
 
 _OURS = {"LOCK", "index.lmdb", "segments"}
+_MAX_SEQ = 1 << 62  # record headers hold 64-bit sequence numbers, index locations 32-bit segments
+_MAX_SEGMENT = 1 << 31
+
+
+def check_private(path: Path, follow: bool) -> None:
+    """Refuse a directory another user could write to (or that belongs to another user).
+
+    Blocks are derived from users' prompts, and a planted record or a swapped sub-directory
+    would be read back as KV: the store directory must be ours alone. ``follow``: whether a
+    symbolic link is acceptable (the configured path itself may be one; our sub-directories
+    never are).
+    """
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeDiskDirectory(
+            f"disk tier directory {path} is a symbolic link; kvtier creates its sub-directories "
+            "itself and refuses links planted in their place. Remove it, or use a new directory."
+        )
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise UnsafeDiskDirectory(
+            f"disk tier directory {path} is owned by uid {st.st_uid}, not by this process's user "
+            f"(uid {uid}); refusing it because another user controls what it holds. Use a "
+            "directory of your own (or chown it to this user)."
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafeDiskDirectory(
+            f"disk tier directory {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"anyone could plant or replace cached blocks in it. Run `chmod 700 {path}` or use "
+            "a new directory (kvtier creates it 0700)."
+        )
 
 
 def prepare(root: Path) -> int:
@@ -33,6 +71,7 @@ def prepare(root: Path) -> int:
     if root.exists():
         if not root.is_dir():
             raise NotADiskStore(f"disk tier path {root} exists and is not a directory")
+        check_private(root, follow=True)
         entries = set(os.listdir(root))
         if "index.lmdb" not in entries and entries - _OURS:
             raise NotADiskStore(
@@ -47,9 +86,10 @@ def prepare(root: Path) -> int:
     if fresh:
         os.chmod(root, 0o700)
     for sub in (index_dir(root), segments_dir(root)):
-        if not sub.exists():
+        if not os.path.lexists(sub):
             sub.mkdir(mode=0o700)
             os.chmod(sub, 0o700)
+        check_private(sub, follow=False)
     fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,6 +145,12 @@ def check_meta(index: BlockIndex, root: Path, geometry: BlockGeometry) -> tuple[
     if ages:  # no counter recorded (should not happen): never reuse a sequence number
         with index.read() as v:
             next_seq = max((e.seq for e in map(v.entry, ages) if e), default=0) + 1
+    if next_seq >= _MAX_SEQ or next_seg >= _MAX_SEGMENT:
+        raise DiskIndexUnreadable(
+            f"disk tier index in {root} records impossible counters (next sequence {next_seq}, "
+            f"next segment {next_seg}): it is damaged. Delete {root} (it is a cache) and start "
+            "again."
+        )
     return max(next_seq, 1), max(next_seg, 1)
 
 

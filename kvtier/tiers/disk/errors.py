@@ -19,6 +19,12 @@ class NotADiskStore(ValueError):
     """The path exists but is not a kvtier disk-tier directory (refused to avoid clobbering it)."""
 
 
+class UnsafeDiskDirectory(NotADiskStore):
+    """The directory (or one of its sub-directories) is owned by another user, world-writable
+    or a symbolic link: someone else could read the cached KV (derived from users' prompts) or
+    plant blocks in it, so the store refuses to use it."""
+
+
 class DiskStoreBusy(RuntimeError):
     """Another DiskStore (this process or another) already has the directory open."""
 

@@ -62,6 +62,13 @@ class SegmentInfo(NamedTuple):
     live_records: int
 
 
+def _segment_info(raw: bytes | None) -> SegmentInfo | None:
+    """``None`` for a missing or malformed value (treated as a missing segment record)."""
+    if raw is None or len(raw) != _SEG.size:
+        return None
+    return SegmentInfo(*_SEG.unpack(raw))
+
+
 class BlockIndex:
     """Thin typed wrapper over the LMDB environment; callers serialise writers themselves."""
 
@@ -92,9 +99,13 @@ class BlockIndex:
 
     # -- reads (any thread) -------------------------------------------------------------
     def get(self, key: bytes) -> IndexEntry | None:
-        with self.env.begin(db=self.blocks) as txn:
-            raw = txn.get(key)
+        raw = self.get_raw(key)
         return None if raw is None else IndexEntry.unpack(raw)
+
+    def get_raw(self, key: bytes) -> bytes | None:
+        """The stored value as is (tells a damaged entry from a miss)."""
+        with self.env.begin(db=self.blocks) as txn:
+            return txn.get(key)
 
     def read(self) -> "IndexView":
         return IndexView(self, self.env.begin())
@@ -128,12 +139,18 @@ class IndexView:
         return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
 
     def segment(self, seg: int) -> SegmentInfo | None:
-        raw = self.txn.get(_U64.pack(seg), db=self.ix.segments)
-        return None if raw is None else SegmentInfo(*_SEG.unpack(raw))
+        return _segment_info(self.txn.get(_U64.pack(seg), db=self.ix.segments))
 
     def segments(self) -> dict[int, SegmentInfo]:
+        """Every readable segment record; a malformed one reads as absent (its file is then
+        an orphan, and entries pointing into it fail verification: misses, never wrong data)."""
         with self.txn.cursor(db=self.ix.segments) as cur:
-            return {_U64.unpack(k)[0]: SegmentInfo(*_SEG.unpack(v)) for k, v in cur}
+            out = {}
+            for k, v in cur:
+                info = _segment_info(v)
+                if info is not None and len(k) == _U64.size:
+                    out[_U64.unpack(k)[0]] = info
+            return out
 
     def keys_by_age(self) -> list[bytes]:
         with self.txn.cursor(db=self.ix.ages) as cur:
@@ -151,6 +168,8 @@ class IndexView:
             if not cur.set_range(_LOC.pack(seg, 0)):
                 return
             for k, v in cur:
+                if len(k) != _LOC.size:
+                    continue  # not written by this code: skip it
                 s, off = _LOC.unpack(k)
                 if s != seg:
                     return

@@ -74,6 +74,8 @@ def read_into(
     stored_len = _stored_len(key, entry)
     if stored_len < 0:
         return _bad("index record length too small")
+    if stored_len > entry.raw_len:  # compressed copies are kept only when smaller
+        return _bad("index record length larger than the block")
     if entry.codec == CODEC_NONE:
         if stored_len != entry.raw_len:
             return _bad("uncompressed record of the wrong length")
@@ -85,6 +87,8 @@ def read_into(
         n = files.pread(entry.segment, [head, payload], entry.offset)
     except OSError as exc:
         return ReadFailure(READ_ERROR, f"segment {entry.segment}: {exc.strerror or exc}")
+    except (OverflowError, ValueError):  # an offset no file can have (damaged index)
+        return _bad(f"index offset {entry.offset} out of range")
     if n != entry.length:
         return ReadFailure(READ_ERROR, f"short read ({n} of {entry.length} bytes)")
     failure = verify(key, entry, head, payload)
@@ -95,14 +99,18 @@ def read_into(
 
 
 def read_record(
-    files: SegmentFiles, key: bytes, entry: IndexEntry
+    files: SegmentFiles, key: bytes, entry: IndexEntry, block_bytes: int
 ) -> bytearray | ReadFailure:
     """The whole verified record (header + key + stored payload), for compaction's copy."""
+    if entry.raw_len != block_bytes or entry.length > HEADER_BYTES + len(key) + block_bytes:
+        return _bad("index record length disagrees with the block size")
     buf = bytearray(entry.length)
     try:
         n = files.pread(entry.segment, [buf], entry.offset)
     except OSError as exc:
         return ReadFailure(READ_ERROR, f"segment {entry.segment}: {exc.strerror or exc}")
+    except (OverflowError, ValueError):
+        return _bad(f"index offset {entry.offset} out of range")
     if n != entry.length:
         return ReadFailure(READ_ERROR, f"short read ({n} of {entry.length} bytes)")
     mv = memoryview(buf)

@@ -25,7 +25,7 @@ from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.compaction import Compactor
 from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskWriteError
 from kvtier.tiers.disk.index import BlockIndex, IndexEntry, IndexWriter
-from kvtier.tiers.disk.reader import ReadFailure, read_into
+from kvtier.tiers.disk.reader import CHECKSUM_FAILURE, ReadFailure, read_into
 from kvtier.tiers.disk.segments import Buffer, SegmentFiles
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.disk.writer import SegmentWriter, as_bytes_view, valid_key
@@ -150,7 +150,16 @@ class DiskStore:
         """Fill ``out`` (writable, block_bytes) with the block; False = miss (out is garbage)."""
         self._check_open()
         view = self._out_view(out)
-        return valid_key(key) and self._read(key, self._index.get(key), view)
+        if not valid_key(key):
+            return False
+        raw = self._index.get_raw(key)
+        if raw is None:
+            return False
+        entry = IndexEntry.unpack(raw)
+        if entry is None:  # a value this code cannot parse: damaged index
+            self._drop_unreadable(key)
+            return False
+        return self._read(key, entry, view)
 
     def _out_view(self, out: memoryview) -> memoryview:
         view = as_bytes_view(out)
@@ -193,6 +202,23 @@ class DiskStore:
             except DiskWriteError:
                 return
             self._compactor.drop_empty({entry.segment})
+
+    def _drop_unreadable(self, key: bytes) -> None:
+        log.warning("kvtier disk tier: dropping block %s: unreadable index entry", key.hex()[:32])
+        with self._writer.exclusive():  # no commit can replace the value under us
+            if self._closed:
+                return
+
+            def drop(w: IndexWriter) -> None:
+                raw = w.txn.get(key, db=w.ix.blocks)
+                if raw is not None and IndexEntry.unpack(raw) is None:  # still unreadable
+                    w.delete(key)
+                    w.add_meta_int(CHECKSUM_FAILURE, 1)
+
+            try:
+                self._writer.commit(drop, "dropping an unreadable entry")
+            except DiskWriteError:
+                return
 
     # -- deleting and reclaiming ------------------------------------------------------------
     def delete_many(self, keys: Iterable[bytes]) -> int:
