@@ -224,7 +224,7 @@ def test_bad_values_cite_file_line_and_key(tmp_path, text, line, key, fragment):
 
 def test_unknown_key_lists_allowed_keys(tmp_path):
     err = error_of(tmp_path, "tiers:\n  cpu:\n    capacty: 1GiB\n")
-    assert err.allowed == "capacity, eviction, pin"
+    assert err.allowed == "capacity, eviction, pin, admission"
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -132,7 +132,10 @@ class Replay:
                     for i in range(g.num_layers)}
         self.view = GpuKvView(self.gpu, layout="kv_first")
         self.worker = WorkerRuntime.create(config, self.view, g)
-        self.manager = build_manager(config, g.block_bytes, self.worker.disk_keys())
+        # a trace block is one kvtier block of 512 tokens, whatever block_tokens the YAML says
+        # (the manager's cost model prices recompute per block with it)
+        self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
+                                     g.block_bytes, self.worker.disk_keys())
         self.engine_cache = EngineCache(gpu_blocks)
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
@@ -220,6 +223,15 @@ class Replay:
         self.result.blocks[tier] += n
         self.result.tokens[tier] += sum(req.block_tokens(i) for i in range(first, first + n))
 
+    def _record_load(self, before: dict, after: dict) -> None:
+        """Feed the manager's cost model one load's achieved bandwidth per hop. A JobResult only
+        sums its hops; loads are waited for one at a time and nothing else uses the DISK->CPU
+        and CPU->GPU lanes here, so the lanes' counters around the wait are this load's hops."""
+        for route, medium in (("DISK->CPU", Medium.DISK), ("CPU->GPU", Medium.CPU)):
+            a, b = after.get(route), before.get(route)
+            if a is not None and b is not None and a.bytes > b.bytes:
+                self.manager.record_load(medium, a.bytes - b.bytes, a.seconds - b.seconds)
+
     def run_request(self, req: TraceRequest) -> None:
         keys = [block_key(h) for h in req.hash_ids]
         n_gpu = self.engine_cache.prefix_hits(keys)
@@ -231,7 +243,9 @@ class Replay:
             plan = self.manager.prepare_load(rest[:hits]) if hits else None
             if plan is not None and plan.keys:
                 ids = self._allocate(plan.keys)
+                before = self.worker.engine.stats()
                 res = self.worker.engine.wait([self.worker.submit_load(plan, ids)])[0]
+                self._record_load(before, self.worker.engine.stats())
                 self.engine_cache.pin(ids, -1)
                 failed = set(res.failed_keys) if res.error is None else set(plan.keys)
                 self.manager.complete_load(plan.keys, failed)
@@ -300,6 +314,9 @@ class Replay:
         }
         if self.worker.store is not None:
             out["disk"] = self.worker.store.stats().to_dict()
+        cost = getattr(self.manager, "cost", None)
+        if cost is not None:
+            out["cost"] = cost.snapshot()
         return out
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -12,8 +13,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtier.bench.compare import DEFAULT_POLICIES
 from kvtier.bench.replay import Replay
 from kvtier.bench.trace import load_trace
+from kvtier.bench.trace_gen import SHAPES, generate
 from kvtier.cli.errors import user_errors
 from kvtier.config import format_size, load_config
 
@@ -64,14 +67,70 @@ def print_report(report: dict, console: Console) -> None:
         d = report["disk"]
         lines.append(f"disk: {d['num_blocks']} blocks, compression ratio {d['compression_ratio']:.3f}, "
                      f"checksum failures {d['checksum_failures']}")
+    if "cost" in report:
+        c, skipped = report["cost"], m["skipped_slower_than_recompute"]
+        lines.append(f"cost-aware loading: load GB/s CPU {c['load_gbps']['CPU']}, DISK "
+                     f"{c['load_gbps']['DISK']} (break-even {c['break_even_gbps']}); hits skipped as "
+                     f"slower than recompute: CPU {skipped['CPU']}, DISK {skipped['DISK']}")
     lines.append(f"wrong blocks served: {report['wrong_blocks']}; failed loads: {report['failed_loads']}")
     for line in lines:
         console.print(line)
 
 
+def _int_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter("every capacity must be at least 1 block")
+    return out
+
+
+def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool) -> None:
+    """``--compare``: the policy table (real manager per policy, Belady, infinite cache)."""
+    from kvtier.bench.compare import as_rows, check_specs, compare
+    from kvtier.bench.policy_sim import format_table, infinite
+
+    try:
+        specs = check_specs(policies.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policies") from None
+    t0 = time.perf_counter()
+    results = compare(trace, capacities, specs)
+    ceiling = infinite(trace)
+    seconds = time.perf_counter() - t0
+    blocks = sum(len(r.hash_ids) for r in trace)
+    if as_json:
+        click.echo(json.dumps({
+            "trace": trace_name, "requests": len(trace), "blocks": blocks,
+            "seconds": round(seconds, 3), "rows": as_rows(results),
+            "infinite": ceiling.as_dict(),
+        }))
+        return
+    click.echo(f"kvtier bench --compare: {trace_name}, {len(trace):,} requests, {blocks:,} "
+               f"block lookups, {seconds:.1f}s (capacity in 512-token trace blocks; gap closed "
+               "= share of the LRU->Belady hit-rate gap; wasted = written, evicted unread)\n")
+    click.echo(format_table(results, ceiling))
+
+
 @click.command()
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Mooncake-format JSONL trace (default: a small bundled sample).")
+@click.option("--shape", type=click.Choice(SHAPES),
+              help="Replay a generated trace of this shape instead of --trace.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --shape.")
+@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=4000,
+              show_default=True, help="Requests of --shape.")
+@click.option("--compare", "do_compare", is_flag=True,
+              help="Compare placement policies instead: replay the trace through the manager "
+                   "(CPU tier, no bytes) once per policy and capacity, with Belady's optimum.")
+@click.option("--capacity-blocks", callback=_int_list, default="1000,4000,16000",
+              show_default=True, help="--compare: tier capacities, in trace blocks.")
+@click.option("--policies", default=",".join(DEFAULT_POLICIES), show_default=True,
+              help="--compare: eviction[+admission] specs (lru is always run).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
               help="kvtier YAML (default: 16MiB CPU tier + 96MiB zstd disk tier in a temp dir).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -81,14 +140,32 @@ def print_report(report: dict, console: Console) -> None:
 @click.option("--gpu-blocks", type=click.IntRange(min=1),
               help="Engine prefix-cache size in blocks (default: 2x the longest request).")
 @user_errors
-def bench(trace_path, config_path, as_json, limit, block_kib, gpu_blocks):
+def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, policies, config_path,
+          as_json, limit, block_kib, gpu_blocks):
     """Replay a request trace through kvtier's manager, transfer workers and tiers.
 
     Prints per-tier hit rates (GPU/CPU/disk/miss, in blocks and tokens), bytes and GB/s per
     transfer direction, evictions, the disk compression ratio, and the number of wrong blocks
     served (every load is checked byte for byte; it must be 0).
+
+    With --compare: one table of block and token hit rate, blocks written, wasted writes
+    (evicted before a single hit), share of the LRU->Belady gap closed and writes relative to
+    LRU, per policy and capacity.
     """
-    trace = load_trace(trace_path, limit)
+    if shape and trace_path:
+        raise click.UsageError("give --trace or --shape, not both")
+    if do_compare and (config_path or gpu_blocks):
+        raise click.UsageError("--compare replays the manager alone: --config and --gpu-blocks "
+                               "do not apply")
+    if shape:
+        trace = generate(shape, n_requests, seed)[:limit]
+        trace_name = f"generated {shape} (seed {seed})"
+    else:
+        trace = load_trace(trace_path, limit)
+        trace_name = str(trace_path) if trace_path else "<bundled sample>"
+    if do_compare:
+        run_compare(trace, trace_name, capacity_blocks, policies, as_json)
+        return
     longest = max(len(r.hash_ids) for r in trace)
     gpu_blocks = gpu_blocks or max(64, 2 * longest)
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
@@ -106,7 +183,7 @@ def bench(trace_path, config_path, as_json, limit, block_kib, gpu_blocks):
         finally:
             replay.close()
     report["config"] = config.to_dict()
-    report["trace"] = str(trace_path) if trace_path else "<bundled sample>"
+    report["trace"] = trace_name
     if as_json:
         click.echo(json.dumps(report, default=str))
     else:

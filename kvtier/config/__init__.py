@@ -4,9 +4,11 @@ from kvtier.config.errors import ConfigError
 from kvtier.config.env import ENV_OVERRIDES
 from kvtier.config.loader import load_config
 from kvtier.config.schema import (
+    ADMISSION_POLICIES,
     COMPRESSIONS,
     EVICTION_POLICIES,
     AdmissionConfig,
+    CostConfig,
     CpuTierConfig,
     DiskTierConfig,
     KvtierConfig,
@@ -15,11 +17,13 @@ from kvtier.config.schema import (
 from kvtier.config.sizes import format_size, parse_size
 
 __all__ = [
+    "ADMISSION_POLICIES",
     "COMPRESSIONS",
     "ENV_OVERRIDES",
     "EVICTION_POLICIES",
     "AdmissionConfig",
     "ConfigError",
+    "CostConfig",
     "CpuTierConfig",
     "DiskTierConfig",
     "KvtierConfig",

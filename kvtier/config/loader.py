@@ -27,6 +27,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from kvtier.config.env import ENV_OVERRIDES
 from kvtier.config.errors import ConfigError
 from kvtier.config.schema import (
+    ADMISSION_POLICIES,
     COMPRESSIONS,
     DEFAULT_CPU_CAPACITY,
     DEFAULT_DISK_CAPACITY,
@@ -34,10 +35,12 @@ from kvtier.config.schema import (
     DEFAULT_EVENTS_ENDPOINT,
     DEFAULT_METRICS_HOST,
     DEFAULT_METRICS_PORT,
+    DEFAULT_PRIOR_LOAD_GBPS,
     DEFAULT_SEGMENT_BYTES,
     ENDPOINT_ALLOWED,
     EVICTION_POLICIES,
     AdmissionConfig,
+    CostConfig,
     CpuTierConfig,
     DiskTierConfig,
     EventsConfig,
@@ -51,22 +54,24 @@ from kvtier.config.sizes import parse_size
 
 SIZE_ALLOWED = "a size such as 512MiB, 32GiB, 2TB or plain bytes"
 _POLICY = "eviction policy"
+_ADMISSION = "admission policy"
 
 # Allowed keys of every section; a dotted name here is a section, anything else a value.
 _LAYOUT: dict[str, tuple[str, ...]] = {
-    "": ("block_tokens", "tiers", "admission", "stats", "events", "metrics"),
+    "": ("block_tokens", "tiers", "admission", "stats", "events", "metrics", "cost"),
     "tiers": ("cpu", "disk"),
-    "tiers.cpu": ("capacity", "eviction", "pin"),
+    "tiers.cpu": ("capacity", "eviction", "pin", "admission"),
     "tiers.disk": ("path", "capacity", "eviction", "compression", "zstd_level", "fsync",
-                   "segment_bytes", "store_threshold"),
+                   "segment_bytes", "store_threshold", "admission"),
     "admission": ("store_threshold", "offload_ratio", "max_offload_tokens"),
     "stats": ("snapshot_path", "interval_s"),
     "events": ("endpoint", "replay_endpoint", "topic", "buffer_batches", "allow_remote"),
     "metrics": ("port", "host"),
+    "cost": ("recompute_us_per_token", "recompute_tokens_per_s", "prior_load_gbps"),
 }
 
 # Sections that exist only when configured: a KVTIER_* variable for one of their keys enables it.
-_OPTIONAL_SECTIONS = ("tiers.disk", "events", "metrics")
+_OPTIONAL_SECTIONS = ("tiers.disk", "events", "metrics", "cost")
 
 
 @dataclass(frozen=True)
@@ -318,6 +323,8 @@ class _Reader:
             capacity=self.get_size("tiers.cpu.capacity", DEFAULT_CPU_CAPACITY),
             eviction=self.get_choice("tiers.cpu.eviction", "lru", EVICTION_POLICIES, _POLICY),
             pin=self.get_bool("tiers.cpu.pin", None, nullable=True),
+            admission=self.get_choice("tiers.cpu.admission", "all", ADMISSION_POLICIES,
+                                      _ADMISSION),
         )
         disk = self.build_disk() if "tiers.disk" in self.items else None
         admission = AdmissionConfig(
@@ -333,12 +340,14 @@ class _Reader:
         )
         events = self.build_events() if "events" in self.items else None
         metrics = self.build_metrics() if "metrics" in self.items else None
+        cost = self.build_cost() if "cost" in self.items else None
         origins = {
             key: ("<env>", None, item.env) if item.env else (self.source, item.line, key)
             for key, item in self.items.items()
         }
         return KvtierConfig(block_tokens=block_tokens, cpu=cpu, disk=disk, admission=admission,
-                            stats=stats, events=events, metrics=metrics, source=self.source,
+                            stats=stats, events=events, metrics=metrics, cost=cost,
+                            source=self.source,
                             origins=origins)
 
     def build_events(self) -> EventsConfig:
@@ -372,12 +381,44 @@ class _Reader:
             host=host,
         )
 
+    def build_cost(self) -> CostConfig:
+        us, tps = "cost.recompute_us_per_token", "cost.recompute_tokens_per_s"
+        both = "exactly one of recompute_us_per_token and recompute_tokens_per_s"
+        if (us in self.items) == (tps in self.items):
+            key = tps if tps in self.items else "cost"
+            self.fail(key, self.items[key], "give the engine's recompute speed once", both)
+        positive = "a positive number"
+        if us in self.items:
+            per_token = self.get_float(us, 0.0, positive + " of microseconds", lambda v: v > 0)
+        else:
+            per_token = 1e6 / self.get_float(tps, 0.0, positive + " of tokens per second",
+                                             lambda v: v > 0)
+        return CostConfig(
+            recompute_us_per_token=per_token,
+            prior_load_gbps=self.get_float("cost.prior_load_gbps", DEFAULT_PRIOR_LOAD_GBPS,
+                                           positive + " of GB/s", lambda v: v > 0),
+        )
+
+    def disk_admission(self, store_threshold: int) -> str:
+        """``store_threshold`` > 1 alone means threshold admission; naming another policy next
+        to it is a contradiction, reported rather than guessed."""
+        key = "tiers.disk.admission"
+        if key not in self.items:
+            return "threshold" if store_threshold > 1 else "all"
+        name = self.get_choice(key, "all", ADMISSION_POLICIES, _ADMISSION)
+        if name != "threshold" and store_threshold > 1:
+            self.fail(key, self.items[key],
+                      f"{name!r} contradicts store_threshold: {store_threshold}",
+                      "threshold (or drop store_threshold)")
+        return name
+
     def build_disk(self) -> DiskTierConfig:
         path = self.get_path("tiers.disk.path")
         if path is None:
             where = self.items.get("tiers.disk.path") or self.items["tiers.disk"]
             self.fail("tiers.disk.path", where, "the disk tier needs a directory",
                       "a writable directory path")
+        threshold = self.get_int("tiers.disk.store_threshold", 1)
         return DiskTierConfig(
             path=self.writable_dir("tiers.disk.path", path),
             capacity=self.get_size("tiers.disk.capacity", DEFAULT_DISK_CAPACITY),
@@ -387,7 +428,8 @@ class _Reader:
             zstd_level=self.get_int("tiers.disk.zstd_level", 1, 1, 22),
             fsync=self.get_bool("tiers.disk.fsync", True),
             segment_bytes=self.get_size("tiers.disk.segment_bytes", DEFAULT_SEGMENT_BYTES),
-            store_threshold=self.get_int("tiers.disk.store_threshold", 1),
+            store_threshold=threshold,
+            admission=self.disk_admission(threshold),
         )
 
 

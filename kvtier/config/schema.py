@@ -18,6 +18,11 @@ from kvtier.config.sizes import format_size
 EVICTION_POLICIES = ("lru", "arc")
 """Names the manager's policy registry provides; a test keeps the two in step."""
 
+ADMISSION_POLICIES = ("all", "threshold", "reuse_gate")
+"""Per-tier admission plug-ins (the manager's admission registry; a test keeps them in step)."""
+
+DEFAULT_PRIOR_LOAD_GBPS = 100.0  # optimistic: an unmeasured tier is tried, then measured
+
 COMPRESSIONS = ("none", "zstd")
 
 GiB = 1 << 30
@@ -41,6 +46,7 @@ class CpuTierConfig:
     capacity: int
     eviction: str = "lru"
     pin: bool | None = None  # None: pin when CUDA is available
+    admission: str = "all"  # which new blocks are written: all | threshold (2nd sighting) | reuse_gate
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,7 @@ class DiskTierConfig:
     fsync: bool = True
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     store_threshold: int = 1  # demote a block to disk only once it was seen this many times
+    admission: str = "all"  # all | threshold (store_threshold sightings, at least 2) | reuse_gate
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -63,6 +70,19 @@ class AdmissionConfig:
     store_threshold: int = 1  # store a block after it was seen this many times
     offload_ratio: float = 1.0  # fraction of each prompt's blocks to offload, front first
     max_offload_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Cost-aware loading: a hit is loaded only while its estimated load time (per-tier load
+    bandwidth, measured) beats recomputing its tokens. Absent from the config = always load."""
+
+    recompute_us_per_token: float  # engine prefill time per token (YAML: or recompute_tokens_per_s)
+    prior_load_gbps: float = DEFAULT_PRIOR_LOAD_GBPS  # assumed until a tier's loads are measured
+
+    def __post_init__(self) -> None:
+        if not self.recompute_us_per_token > 0 or not self.prior_load_gbps > 0:
+            raise ValueError("cost.recompute_us_per_token and cost.prior_load_gbps must be > 0")
 
 
 @dataclass(frozen=True)
@@ -159,6 +179,7 @@ class KvtierConfig:
     stats: StatsConfig = field(default_factory=StatsConfig)
     events: EventsConfig | None = None
     metrics: MetricsConfig | None = None
+    cost: CostConfig | None = None
     source: str = "<defaults>"
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)
 

@@ -62,6 +62,7 @@ class SchedulerSide:
         self._step_loads: list[LoadJob] = []
         self._step_watch: list[str] = []
         self._step_forget: list[int] = []
+        self._step_background: list[BackgroundJob] = []
         # token ids are needed until a block's last event (its demotion to disk at the latest,
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
         self._events = VllmEventConverter(settings.block_tokens,
@@ -154,12 +155,14 @@ class SchedulerSide:
         self._events.remember(key, self.keymap.tokens(request, index), parent,
                               getattr(lora, "lora_name", None))
 
-    def _plan_store(self, t: RequestTrack) -> StoreJob | None:
+    def _plan_store(self, t: RequestTrack, num_scheduled: int) -> StoreJob | None:
         request = t.request
         if t.params.skip_store or self.kv_cache_manager is None:
             return None
         bt = self.settings.block_tokens
-        computed = min(request.num_computed_tokens, request.num_tokens)
+        # build_connector_meta runs before vLLM adds this step's tokens to num_computed_tokens;
+        # tokens not known yet (speculative drafts) are never stored
+        computed = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
         stop = min(computed // bt, self.keymap.num_keyed(request))
         first = t.next_store
         if stop <= first:
@@ -220,16 +223,14 @@ class SchedulerSide:
         written = self._written_blocks(so)
         flush = sorted({j for b in written for j in self._sources.get(b, ())})
         stores = []
-        for req_id in so.num_scheduled_tokens:
+        for req_id, num_scheduled in so.num_scheduled_tokens.items():
             t = self.tracks.get(req_id)
             if t is not None:
-                job = self._plan_store(t)
+                job = self._plan_store(t, num_scheduled)
                 if job is not None:
                     stores.append(job)
-        background = []
-        for bg in self.manager.take_background_transfers():
-            job_id = self.ledger.add(Job("background", transfer_id=bg.id, keys=bg.keys))
-            background.append(BackgroundJob(job_id, bg.src, bg.dst))
+        self._take_background()
+        background, self._step_background = self._step_background, []
         meta = KVTierConnectorMetadata(
             loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
             watch=tuple(self._step_watch), forget=tuple(self._step_forget),
@@ -237,11 +238,18 @@ class SchedulerSide:
         self._step_loads, self._step_watch, self._step_forget = [], [], []
         return meta
 
+    def _take_background(self) -> None:
+        """Turn the manager's queued moves (demotions, deletions) into jobs for the workers."""
+        for bg in self.manager.take_background_transfers():
+            job_id = self.ledger.add(Job("background", transfer_id=bg.id, keys=bg.keys))
+            self._step_background.append(BackgroundJob(job_id, bg.src, bg.dst))
+
     def on_worker_output(self, meta: Any) -> None:
         if not isinstance(meta, KVTierWorkerMetadata):
             return
         for job_id, job in self.ledger.record(meta):
             self._settle(job_id, job)
+        self._take_background()  # settling may plan demotions: they count as pending work
 
     def _unsettled(self, job_id: int) -> bool:
         return job_id in self.ledger or job_id in self._parked
@@ -308,7 +316,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ reporting
     def has_pending_work(self) -> bool:
         return bool(len(self.ledger) or self._parked or self._step_loads or self._step_watch
-                    or self._step_forget)
+                    or self._step_forget or self._step_background)
 
     def take_events(self) -> Iterable[Any]:
         return self._events.convert(list(self.manager.take_events()))

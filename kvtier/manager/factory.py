@@ -6,10 +6,28 @@ from typing import Iterable
 
 from kvtier.config import KvtierConfig
 from kvtier.manager.abstract import OffloadingManager
-from kvtier.manager.admission import make_admission
+from kvtier.manager.admission import AdmissionPolicy, make_admission
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission, StoreThresholdAdmission
+from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.specs import BlockKey
 from kvtier.manager.tiered import TieredOffloadingManager
+
+
+def tier_admission(name: str, store_threshold: int, capacity_blocks: int) -> AdmissionPolicy | None:
+    """The admission plug-in a tier's ``admission`` names (None: admit all). ``threshold``
+    waits for ``store_threshold`` sightings, at least two (one would admit everything)."""
+    if name == "all":
+        return None
+    return make_admission(name, threshold=max(2, store_threshold), capacity_blocks=capacity_blocks)
+
+
+def build_cost_model(config: KvtierConfig, block_bytes: int) -> LoadCostModel | None:
+    cost = config.cost
+    if cost is None:
+        return None
+    return LoadCostModel(block_bytes=block_bytes, block_tokens=config.block_tokens,
+                         recompute_s_per_token=cost.recompute_us_per_token * 1e-6,
+                         prior_bytes_per_s=cost.prior_load_gbps * 1e9)
 
 
 def build_manager(
@@ -22,17 +40,18 @@ def build_manager(
     disk = config.disk
     disk_blocks = config.disk_blocks(block_bytes) if disk is not None else 0
     disk_admission = None
-    if disk is not None and disk.store_threshold > 1:
-        disk_admission = make_admission(
-            "threshold", threshold=disk.store_threshold, capacity_blocks=disk_blocks
-        )
+    if disk is not None:  # store_threshold > 1 alone means threshold admission (older configs)
+        name = "threshold" if disk.store_threshold > 1 and disk.admission == "all" else disk.admission
+        disk_admission = tier_admission(name, disk.store_threshold, disk_blocks)
     manager: OffloadingManager = TieredOffloadingManager(
         cpu_blocks=cpu_blocks,
         cpu_eviction=config.cpu.eviction,
         disk_blocks=disk_blocks,
         disk_eviction=disk.eviction if disk is not None else "lru",
+        cpu_admission=tier_admission(config.cpu.admission, 2, cpu_blocks),
         disk_admission=disk_admission,
         initial_disk_keys=initial_disk_keys,
+        cost=build_cost_model(config, block_bytes),
     )
     adm = config.admission
     if adm.store_threshold > 1:

@@ -24,6 +24,8 @@ class ManagerStats:
     admission_rejected: dict[str, int] = field(default_factory=_per_tier)
     store_skipped_no_space: int = 0
     load_truncated_no_space: int = 0
+    # resident hits lookup did not report: loading them was estimated slower than recompute
+    skipped_slower_than_recompute: dict[str, int] = field(default_factory=_per_tier)
     failed_loads: int = 0
     failed_stores: dict[str, int] = field(default_factory=_per_tier)
     protocol_errors: int = 0  # complete_* for something never prepared (caller bug), ignored

@@ -21,6 +21,7 @@ from typing import Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
+from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
@@ -53,6 +54,7 @@ class TieredOffloadingManager(OffloadingManager):
         initial_disk_keys: Iterable[BlockKey] = (),
         flush_reserve: int | None = None,
         disk_health: DiskHealth | None = None,
+        cost: LoadCostModel | None = None,
     ) -> None:
         self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
         self.disk = (
@@ -66,6 +68,7 @@ class TieredOffloadingManager(OffloadingManager):
             flush_reserve = min(cpu_blocks, max(8, min(256, cpu_blocks // 16)))
         self.flush_reserve = max(1, flush_reserve)
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
+        self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self.stats = ManagerStats()
         self.events = EventBus()
         self._bg_ids = itertools.count(1)
@@ -91,7 +94,18 @@ class TieredOffloadingManager(OffloadingManager):
                 tiers.append(Medium.DISK)
             else:
                 break
+        if self.cost is not None and tiers:
+            keep = self.cost.worth_loading(tiers)
+            for medium in tiers[keep:]:  # resident, but recomputing them is faster
+                self.stats.skipped_slower_than_recompute[medium.value] += 1
+            del tiers[keep:]
         return LookupResult(tuple(tiers))
+
+    def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
+        """A load hop out of ``medium`` moved ``nbytes`` in ``seconds`` (DISK: the DISK -> CPU
+        hop of a promotion; CPU: CPU -> GPU). Feeds the cost model; a no-op without one."""
+        if self.cost is not None:
+            self.cost.record_load(medium, nbytes, seconds)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         return self._prepare_load(keys, join=False)
@@ -116,11 +130,12 @@ class TieredOffloadingManager(OffloadingManager):
         joined: list[bool] = []
         cpu_hits: list[BlockKey] = []
         disk_hits: list[BlockKey] = []
+        touched: list[tuple] = []  # (policy, key), applied last-to-first below
         for key in keys:
             entry = self.cpu.ready(key)
             if entry is not None:
                 entry.readers += 1
-                self.cpu.policy.access(key)
+                touched.append((self.cpu.policy, key))
                 self.cpu_admission.on_hit(key)
                 cpu_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
@@ -129,7 +144,7 @@ class TieredOffloadingManager(OffloadingManager):
             entry = self.cpu.get(key)
             if join and entry is not None and entry.promoted and entry.state is BlockState.WRITING:
                 entry.readers += 1  # pins the slot past the promotion's own completion
-                self.disk.policy.access(key)
+                touched.append((self.disk.policy, key))
                 disk_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
                 joined.append(True)
@@ -141,13 +156,17 @@ class TieredOffloadingManager(OffloadingManager):
                 self.stats.load_truncated_no_space += 1
                 break
             d.readers += 1
-            self.disk.policy.access(key)
+            touched.append((self.disk.policy, key))
             self.disk_admission.on_hit(key)
             entry = self.cpu.add(key, BlockState.WRITING)
             entry.promoted = entry.on_disk = True
             disk_hits.append(key)
             out_keys.append(key), slots.append(entry.slot), from_disk.append(True)
             joined.append(False)
+        # Last-to-first, so the prefix's first block ends up the most recent: it is needed
+        # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
+        for policy, key in reversed(touched):
+            policy.access(key)
         self.stats.hit_blocks["CPU"] += len(cpu_hits)
         self.stats.hit_blocks["DISK"] += len(disk_hits)
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
@@ -215,8 +234,13 @@ class TieredOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
         wanted: list[BlockKey] = []
+        seen: set[BlockKey] = set()
         for key in keys:
-            if key in self.cpu or key in wanted:
+            if key in seen:
+                continue
+            seen.add(key)
+            if key in self.cpu:  # resident behind a gap: keep it, it becomes reachable again
+                self.cpu.policy.access(key)
                 continue
             if not self.cpu_admission.admit(key):
                 self.stats.admission_rejected["CPU"] += 1

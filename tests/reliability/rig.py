@@ -11,7 +11,7 @@ engine is counted in ``wrong_blocks``: the one number that must always be zero.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -81,6 +81,7 @@ class StackRig:
         self.free_gpu = list(range(gpu_blocks))
         self.ops: dict[int, _Op] = {}
         self.c = RigCounters()
+        self.events: deque = deque(maxlen=4096)  # the latest events, for tests to inspect
 
     # -- the engine's own KV (host tensors standing in for GPU memory) -------------------------
     def _write_gpu(self, key: bytes, b: int) -> None:
@@ -161,6 +162,7 @@ class StackRig:
                 if not res.ok:
                     self.c.failed_jobs[f"bg->{op.dst.value}"] += 1
                 self.manager.complete_background(op.bg_id, res.ok)
+        self.events.extend(self.manager.take_events())  # the connector forwards these each step
 
     def _settle_load(self, op: _Op, res) -> None:
         failed = set(op.keys) if res.error is not None else set(res.failed_keys)
@@ -178,6 +180,16 @@ class StackRig:
 
     def in_flight(self) -> int:
         return len(self.ops)
+
+    def throttle(self, max_in_flight: int, timeout: float = 60.0) -> None:
+        """Pump until at most ``max_in_flight`` jobs are running (an engine step's cadence)."""
+        deadline = time.monotonic() + timeout
+        self.pump()
+        while len(self.ops) > max_in_flight:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.ops)} jobs still in flight after {timeout}s")
+            time.sleep(0.0002)
+            self.pump()
 
     def drain(self, timeout: float = 60.0) -> None:
         """Run until no job is in flight and the manager wants nothing more moved."""

@@ -145,6 +145,9 @@ class StoreGate:
     def open(self) -> None:
         self.event.set()
 
+    def close(self) -> None:
+        self.event.clear()
+
 
 def assert_cpu_tier_exact(rig: Rig, requests, worker: int = 0) -> int:
     """Every READY block in the CPU tier holds exactly the KV of its tokens; returns how many

@@ -133,12 +133,12 @@ def test_preemption_in_the_middle_of_stores_keeps_kv_exact(model_dir):
     before the forward overwrites the blocks, and the resumed request reloads from kvtier."""
     gate = None
 
-    def release_when_drained(i, w, so):  # stores stay in flight while requests run
-        if gate is not None and not rig.sched.running and not rig.sched.waiting:
-            gate.open()
+    def release_when_blocked(i, w, so):  # stores stay in flight while requests make progress
+        if gate is not None:
+            gate.open() if so.total_num_scheduled_tokens == 0 else gate.close()
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=64), num_blocks=10,
-                   max_num_batched_tokens=64, after_forward=release_when_drained)
+                   max_num_batched_tokens=64, after_forward=release_when_blocked)
     gate = StoreGate(rig.workers[0])
     make = vh.RequestMaker(BS)
     reqs = [make(vh.random_tokens(40, seed=10 + i), max_tokens=60) for i in range(2)]
@@ -167,7 +167,7 @@ def test_requests_finishing_with_stores_in_flight_hold_their_blocks(model_dir):
     rec = rig.loop.step()
     meta = rec.scheduler_output.kv_connector_metadata
     assert [len(j.keys) for j in meta.stores] == [2]
-    assert rig.side.tracks[a.request_id].finished
+    assert a.is_finished() and a.request_id in rig.sched.requests  # blocks held, not freed
     records = rig.loop.run_until_idle()
     sent = [r for r in records if r.kv_output and r.kv_output.finished_sending]
     assert sent and a.request_id in sent[0].kv_output.finished_sending

@@ -300,6 +300,7 @@ class StepRecord:
     scheduler_output: SchedulerOutput
     kv_output: KVConnectorOutput | None
     finished: list[str] = field(default_factory=list)
+    kv_connector_stats: list[dict] = field(default_factory=list)  # as the stats logger gets them
 
 
 class EngineLoop:
@@ -369,6 +370,9 @@ class EngineLoop:
         engine_outputs = self.scheduler.update_from_output(so, merged)
         rec = StepRecord(so, merged.kv_connector_output)
         for eco in engine_outputs.values():
+            stats = getattr(eco, "scheduler_stats", None)
+            if stats is not None and stats.kv_connector_stats:
+                rec.kv_connector_stats.append(stats.kv_connector_stats)
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 ps = o.prefill_stats

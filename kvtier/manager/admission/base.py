@@ -92,6 +92,10 @@ def make_admission(name: str, *, threshold: int = 1, capacity_blocks: int = 0) -
     return factory(threshold=threshold, capacity_blocks=capacity_blocks)
 
 
+def admission_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
 register_admission("all", lambda threshold=1, capacity_blocks=0: AdmitAll())
 register_admission(
     "threshold",

@@ -153,8 +153,14 @@ class IndexView:
             return out
 
     def keys_by_age(self) -> list[bytes]:
+        """Each key once, oldest first (a damaged ``ages`` table cannot list a key twice)."""
         with self.txn.cursor(db=self.ix.ages) as cur:
-            return [bytes(v) for v in cur.iternext(keys=False, values=True)]
+            seen: dict[bytes, None] = {}
+            for v in cur.iternext(keys=False, values=True):
+                k = bytes(v)
+                seen.pop(k, None)  # the newest age wins
+                seen[k] = None
+            return list(seen)
 
     def oldest_newest(self) -> tuple[IndexEntry | None, IndexEntry | None]:
         with self.txn.cursor(db=self.ix.ages) as cur:

