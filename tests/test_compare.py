@@ -120,3 +120,16 @@ def test_cli_compare_rejects_bad_input():
     assert run("--compare", "--capacity-blocks", "0").exit_code == 2
     assert run("--compare", "--gpu-blocks", "64").exit_code == 2
     assert run("--shape", "zipf", "--trace", "x.jsonl").exit_code == 2
+
+
+def test_threshold_wrapper_stops_at_the_first_refused_block():
+    from kvtier.manager.admission.wrappers import StoreThresholdAdmission
+
+    inner = TieredOffloadingManager(cpu_blocks=8)
+    inner.complete_store(inner.prepare_store([5]).keys)
+    m = StoreThresholdAdmission(inner, threshold=2, max_tracked=100)
+    m.lookup([1, 2, 3, 5, 6])
+    m.lookup([1, 3, 6])  # 1, 3 and 6 seen twice; 2 and 5 once
+    assert m.prepare_store([1, 2, 3]).keys == (1,)  # 3 sits behind the refused 2
+    assert m.prepare_store([5, 6]).keys == (6,)  # 5 is refused but resident: 6 is reachable
+    assert m.rejected == 2 + 1

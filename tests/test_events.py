@@ -140,10 +140,29 @@ def test_bad_events_config_cites_line_and_key(tmp_path, text, line, key, fragmen
     ("tcp://*:5557", True, False), ("tcp://0.0.0.0:1", True, False), ("tcp://[::]:1", True, False),
     ("tcp://192.168.1.2:1", True, False), ("tcp://example.com:1", True, False),
     ("tcp://127.0.0.1:-1", False, False), ("http://127.0.0.1:1", False, False), ("", False, False),
+    ("tcp://127.0.0.1:٣", False, False), ("tcp://127.0.0.1:", False, False),
 ])
 def test_endpoint_problem(endpoint, remote_ok, local_ok):
     assert (endpoint_problem(endpoint, allow_remote=True) is None) == remote_ok
     assert (endpoint_problem(endpoint, allow_remote=False) is None) == local_ok
+
+
+_SCALARS = (st.none() | st.booleans() | st.integers(-5, 70000) | st.text(max_size=12)
+            | st.sampled_from(["tcp://127.0.0.1:0", "tcp://*:1", "ipc:///x", "tcp://[::1]:٣",
+                               "tcp://127.0.0.1:5570", "inproc://a"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(["endpoint", "replay_endpoint", "topic", "buffer_batches",
+                                        "allow_remote", "port", "host"]), _SCALARS, max_size=5),
+       st.sampled_from(["events", "metrics"]))
+def test_schema_shaped_events_and_metrics_give_config_or_config_error(section, name):
+    try:
+        c = load_config(data={name: section}, env={})
+    except ConfigError as err:
+        assert err.key and err.key.startswith(name)
+    else:
+        assert getattr(c, name) is not None
 
 
 def test_events_config_checks_direct_construction():

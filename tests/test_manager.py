@@ -284,3 +284,13 @@ def test_policy_names_match_config():
     from kvtier.manager.policies import policy_names
 
     assert set(EVICTION_POLICIES) <= set(policy_names())
+
+
+def test_repeated_lookups_of_one_request_count_one_sighting():
+    m = StoreThresholdAdmission(TieredOffloadingManager(cpu_blocks=8), threshold=2, max_tracked=100)
+    m.lookup([k(0)])
+    m.lookup([k(0)], sighting=False)  # the same waiting request asked again
+    m.lookup([k(0)], sighting=False)
+    assert m.prepare_store([k(0)]).keys == ()
+    m.lookup([k(0)])  # a second request
+    assert m.prepare_store([k(0)]).keys == (k(0),)

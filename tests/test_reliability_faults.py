@@ -18,7 +18,6 @@ from reliability.faults import DiskFaults
 from reliability.rig import StackRig
 
 from kvtier.manager.disk_health import DiskHealth
-from kvtier.tiers.disk import DiskStore  # noqa: F401  (the rig's store type)
 
 WRITE_FAULTS = ["write_enospc", "write_eio", "torn_write", "fsync_eio", "index_full"]
 

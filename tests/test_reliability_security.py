@@ -34,6 +34,7 @@ import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from reliability.blocks import GEO, block, key
 
@@ -41,8 +42,8 @@ import kvtier
 from kvtier.bench.trace import TraceError, load_trace, parse_line
 from kvtier.cli.stats_cmd import collect_stats, print_stats
 from kvtier.config import ENV_OVERRIDES, ConfigError, KvtierConfig, load_config
-from kvtier.manager.tiered import TieredOffloadingManager
 from kvtier.events.wire import DecodeError, decode_batch, decode_gap
+from kvtier.manager.tiered import TieredOffloadingManager
 from kvtier.metrics.scrape import ScrapeError, parse as parse_metrics
 from kvtier.runtime.snapshot import read_snapshot, write_snapshot
 from kvtier.tiers.disk import (
@@ -398,15 +399,11 @@ def test_trace_files_of_any_bytes_load_or_raise_trace_error(tmp_path, data):
     assert reqs and all(r.input_length >= 1 and r.hash_ids for r in reqs)
 
 
-@pytest.mark.xfail(strict=True, reason="kvtier/bench/trace.py: json.loads RecursionError escapes "
-                   "parse_line (fix: catch RecursionError -> TraceError); see reliability report")
 def test_deeply_nested_trace_line_is_a_trace_error():
     with pytest.raises(TraceError):
         parse_line("[" * 100_000, "deep:1")
 
 
-@pytest.mark.xfail(strict=True, reason="kvtier/bench/trace.py accepts NaN/Infinity timestamps "
-                   "(fix: require math.isfinite(ts)); see reliability report")
 @pytest.mark.parametrize("ts", ["NaN", "Infinity"])
 def test_non_finite_trace_timestamp_is_refused(ts):
     line = f'{{"timestamp": {ts}, "input_length": 10, "output_length": 1, "hash_ids": [1]}}'
@@ -448,10 +445,6 @@ def test_deeply_nested_config_is_a_config_error():
             load_config(text=text, env={})
 
 
-@pytest.mark.xfail(strict=True, reason="kvtier/runtime/snapshot.py read_snapshot returns any JSON "
-                   "object with format 1; kvtier/cli/stats_cmd.py then raises AttributeError / "
-                   "ValueError on mistyped sections (fix: validate section types when reading); "
-                   "see reliability report")
 @FUZZ
 @given(snap=st.dictionaries(st.sampled_from(["manager", "usage", "transfers", "requests", "disk",
                                              "pid", "written_at", "events"]), _JSONISH, max_size=5))
@@ -462,6 +455,4 @@ def test_stats_snapshot_of_any_json_is_shown_or_refused(tmp_path, snap):
         data = collect_stats(None, None, snapshot_path=f)
     except ConfigError:
         return
-    from rich.console import Console
-
     print_stats(data, Console(file=io.StringIO()))

@@ -2,9 +2,10 @@
 
 ``policy_sim`` drives the eviction/admission plug-ins directly; this module drives the
 ``TieredOffloadingManager`` itself (CPU tier only, capacity in trace blocks) the way a connector
-does, so what it reports is what the manager would do in production, admission wrappers and
-stop-at-the-first-refused-block included. No bytes move: every ``prepare_*`` is completed at
-once, so a 4,000-request trace replays in a second or two per policy and capacity.
+does, so what it reports is what the manager would do in production (its per-tier admission,
+touch order and stop-at-the-first-refused-block rule included). No bytes move: every
+``prepare_*`` is completed at once, so a 4,000-request trace replays in about a second per
+policy and capacity.
 
 Per request (prefix semantics, one sighting per request): ``lookup`` of all the request's
 blocks, ``prepare_load`` of the hits, ``prepare_store`` of the rest while the hits are still

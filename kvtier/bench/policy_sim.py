@@ -172,10 +172,13 @@ def infinite(trace: Sequence[TraceRequest]) -> SimResult:
     return res
 
 
+MIN_GAP = 0.001  # below 0.1 point LRU is as good as Belady: a share of that gap means nothing
+
+
 def gap_closed(res: SimResult, lru: SimResult, best: SimResult) -> float | None:
     """Share of the LRU -> Belady hit-rate gap that ``res`` closes (None if there is no gap)."""
     gap = best.hit_rate - lru.hit_rate
-    return None if gap <= 1e-12 else (res.hit_rate - lru.hit_rate) / gap
+    return None if gap < MIN_GAP else (res.hit_rate - lru.hit_rate) / gap
 
 
 def compare(

@@ -265,8 +265,9 @@ class Replay:
         if misses:
             if self.metadata is not None:
                 for i in range(first_miss, len(keys)):
-                    self.metadata.remember(keys[i], synth_tokens(req.hash_ids[i], req.block_tokens(i)),
-                                           keys[i - 1] if i else None)
+                    if req.block_tokens(i):
+                        self.metadata.remember(keys[i], synth_tokens(req.hash_ids[i], req.block_tokens(i)),
+                                               keys[i - 1] if i else None)
             ids = self._allocate(misses)
             for key, block in zip(misses, ids):
                 self._write_gpu(key, block)

@@ -9,6 +9,7 @@ field (a trace is input from users; silently skipping lines would skew every hit
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -48,10 +49,12 @@ def parse_line(line: str, where: str) -> TraceRequest | None:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     ts = obj.get("timestamp", 0)
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
         raise TraceError(f"{where}: field 'timestamp' must be a number >= 0, got {ts!r}")
     input_length = _int_field(obj, "input_length", where, 1)
     output_length = _int_field(obj, "output_length", where, 0)

@@ -11,7 +11,9 @@ from kvtier.config.schema import (
     CostConfig,
     CpuTierConfig,
     DiskTierConfig,
+    EventsConfig,
     KvtierConfig,
+    MetricsConfig,
     StatsConfig,
 )
 from kvtier.config.sizes import format_size, parse_size
@@ -26,7 +28,9 @@ __all__ = [
     "CostConfig",
     "CpuTierConfig",
     "DiskTierConfig",
+    "EventsConfig",
     "KvtierConfig",
+    "MetricsConfig",
     "StatsConfig",
     "format_size",
     "load_config",

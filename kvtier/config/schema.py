@@ -115,7 +115,7 @@ def endpoint_problem(endpoint: object, allow_remote: bool = False) -> str | None
     host, colon, port = rest.rpartition(":")
     if not colon or not host:
         return f"tcp endpoint {endpoint!r} needs HOST:PORT"
-    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
         return f"bad port {port!r} in {endpoint!r}"
     if not allow_remote and not _is_loopback(host):
         return f"{endpoint!r} is not a loopback address; set allow_remote: true to publish on it"

@@ -62,6 +62,7 @@ class RequestTrack:
     hit_tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens of the last load
     store_jobs: set[int] = field(default_factory=set)  # unsettled stores of its blocks
     finished: bool = False
+    sighted: bool = False  # its blocks were counted once for admission (vLLM asks every step)
 
     @property
     def req_id(self) -> str:

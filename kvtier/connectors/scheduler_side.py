@@ -96,7 +96,9 @@ class SchedulerSide:
         stop = min((request.num_tokens - 1) // bt, self.keymap.num_keyed(request))
         if stop <= start:
             return 0, False
-        hits = self.manager.lookup(self.keymap.keys(request, start, stop)).num_hits
+        hits = self.manager.lookup(self.keymap.keys(request, start, stop),
+                                   sighting=not t.sighted).num_hits
+        t.sighted = True
         self._stats.add("lookup_tokens", (stop - start) * bt)
         if hits == 0:
             return 0, False
@@ -203,7 +205,7 @@ class SchedulerSide:
         for r in so.scheduled_new_reqs:
             out.update(r.block_ids[0][r.num_computed_tokens // bs:])
         cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids or set()
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
         for i, req_id in enumerate(cached.req_ids):
             groups = cached.new_block_ids[i]
             if not groups:

@@ -60,15 +60,20 @@ class EventSubscriber:
         self._ctx = context or zmq.Context()
         self._topic = topic.encode()
         self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, SUB_HWM)
-        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        self._sub.connect(endpoint)
         self._replay: zmq.Socket | None = None
-        if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.RCVHWM, 0)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(replay_endpoint)
+        try:
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.RCVHWM, SUB_HWM)
+            self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            self._sub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.DEALER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.RCVHWM, 0)
+                self._replay.connect(replay_endpoint)
+        except zmq.ZMQError:
+            self.close()  # a bad endpoint must not leave a context that blocks at exit
+            raise
         self._poller = zmq.Poller()
         self._poller.register(self._sub, zmq.POLLIN)
         if self._replay is not None:

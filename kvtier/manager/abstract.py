@@ -17,8 +17,11 @@ from kvtier.manager.specs import BlockKey, LoadPlan, LookupResult, RequestContex
 
 class OffloadingManager(ABC):
     @abstractmethod
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        """Leading run of ``keys`` that is ready to load, and the tier of each hit."""
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
+        """Leading run of ``keys`` that is ready to load, and the tier of each hit.
+
+        ``sighting``: count this as one sighting of the keys for admission. A caller asking
+        again about the same request (vLLM does, every step it waits) passes False."""
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:

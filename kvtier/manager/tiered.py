@@ -80,12 +80,13 @@ class TieredOffloadingManager(OffloadingManager):
             self._restore_disk(initial_disk_keys)
 
     # ------------------------------------------------------------------ lookups and loads
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(keys)
-        self.cpu_admission.record_lookup(keys)
-        if self.disk_admission is not self.cpu_admission:
-            self.disk_admission.record_lookup(keys)
+        if sighting:
+            self.cpu_admission.record_lookup(keys)
+            if self.disk_admission is not self.cpu_admission:
+                self.disk_admission.record_lookup(keys)
         tiers: list[Medium] = []
         for key in keys:
             if self.cpu.ready(key) is not None:

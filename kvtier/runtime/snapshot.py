@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -29,13 +30,53 @@ def write_snapshot(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+_NESTED = ("usage", "transfers")  # tier/direction -> {name: number}
+_FLAT = ("manager", "requests", "disk", "events")  # name -> number | {name: number} | text
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _scalar(v: object) -> bool:
+    return v is None or isinstance(v, (bool, str)) or _number(v)
+
+
+def _well_formed(data: dict) -> bool:
+    """Shape check of a snapshot: a file is input like any other, and ``kvtier stats`` must
+    never trip over a damaged or hostile one (it is refused instead)."""
+    if data.get("format") != SNAPSHOT_FORMAT:
+        return False
+    if not (isinstance(data.get("pid"), int) and not isinstance(data.get("pid"), bool)):
+        return False
+    if not _number(data.get("written_at")):
+        return False
+    for name in _NESTED:
+        section = data.get(name, {})
+        if not isinstance(section, dict) or not all(
+            isinstance(v, dict) and all(_scalar(x) for x in v.values()) for v in section.values()
+        ):
+            return False
+    for name in _FLAT:
+        section = data.get(name, {})
+        if section is None:
+            continue
+        if not isinstance(section, dict) or not all(
+            _scalar(v) or (isinstance(v, dict) and all(_scalar(x) for x in v.values()))
+            for v in section.values()
+        ):
+            return False
+    return True
+
+
 def read_snapshot(path: Path) -> dict | None:
-    """The snapshot at ``path`` (parsed as JSON only), or None if absent or unreadable."""
+    """The snapshot at ``path`` (parsed as JSON only, shape-checked), or None if absent,
+    unreadable or malformed."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) and data.get("format") == SNAPSHOT_FORMAT else None
+    return data if isinstance(data, dict) and _well_formed(data) else None
 
 
 class SnapshotWriter:

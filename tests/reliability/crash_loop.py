@@ -143,6 +143,7 @@ def run_crash_iterations(root: Path, iterations: int, seed: int = 0, *,
     summary = summary or CrashSummary()
     rng = random.Random(seed)
     root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
     store_dir = root / "store"
     state: dict[int, int] = {}
     for it in range(iterations):

