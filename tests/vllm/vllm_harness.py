@@ -29,15 +29,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
 
-ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-for _k, _v in ENV.items():
-    os.environ.setdefault(_k, _v)
+from vllm_env import ENV  # noqa: E402,F401  (sets the variables before vLLM loads)
 
 import torch  # noqa: E402
 
