@@ -28,8 +28,12 @@ class VllmEventConverter:
 
     def __init__(self, block_tokens: int, capacity_blocks: int) -> None:
         self.metadata = MetadataCache(max(1024, capacity_blocks))
-        self._convert = EventConverter(block_tokens, self.metadata,
-                                       wire_hash=lambda key: maybe_convert_block_hash(key))
+        self._convert = EventConverter(block_tokens, self.metadata, wire_hash=self.wire_hash)
+
+    @staticmethod
+    def wire_hash(key: BlockKey):
+        """A block key as vLLM puts it on the wire (int or bytes, per vLLM's setting)."""
+        return maybe_convert_block_hash(key)
 
     def remember(self, key: BlockKey, token_ids: Sequence[int], parent: BlockKey | None,
                  lora_name: str | None) -> None:

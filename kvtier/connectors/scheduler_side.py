@@ -24,6 +24,7 @@ from typing import Any, Iterable
 from kvtier.connectors.disk_keys import initial_keys
 from kvtier.connectors.events import VllmEventConverter
 from kvtier.connectors.jobs import Job, JobLedger
+from kvtier.connectors.observability import SchedulerObservability
 from kvtier.connectors.metadata import (
     BackgroundJob,
     KVTierConnectorMetadata,
@@ -68,6 +69,9 @@ class SchedulerSide:
         self._events = VllmEventConverter(settings.block_tokens,
                                           2 * settings.config.cpu_slots(bb) + 1024)
         self._stats = KVTierStats()
+        self.observability = SchedulerObservability(
+            settings.config, manager, block_tokens=settings.block_tokens, block_bytes=bb,
+            metadata=self._events.metadata, wire_hash=self._events.wire_hash)
         log.info("kvtier: scheduler side ready: %d CPU blocks, %d disk blocks (%d restored), "
                  "%d B per block", settings.config.cpu_slots(bb),
                  settings.config.disk_blocks(bb), len(disk_keys), bb)
@@ -321,7 +325,12 @@ class SchedulerSide:
                     or self._step_forget or self._step_background)
 
     def take_events(self) -> Iterable[Any]:
-        return self._events.convert(list(self.manager.take_events()))
+        events = list(self.manager.take_events())
+        self.observability.publish(events)
+        return self._events.convert(events)
+
+    def shutdown(self) -> None:
+        self.observability.close()
 
     def take_stats(self) -> KVTierStats | None:
         if self._stats.is_empty():

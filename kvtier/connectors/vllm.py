@@ -201,5 +201,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self._worker.build_worker_meta() if self._worker is not None else None
 
     def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.shutdown()
         if self._worker is not None:
             self._worker.shutdown()

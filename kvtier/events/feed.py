@@ -42,8 +42,11 @@ class ManagerFeed:
         bus = getattr(self.manager, "events", None)
         return int(getattr(bus, "dropped", 0))
 
-    def pump(self) -> None:
-        events = self.manager.take_events()
+    def pump(self, events=None) -> None:
+        """Publish the manager's new events. A caller that drains ``take_events`` itself (the
+        vLLM connector hands them to vLLM too) passes what it drained."""
+        if events is None:
+            events = self.manager.take_events()
         dropped = self._dropped()
         if dropped != self._bus_dropped:
             self._bus_dropped = dropped

@@ -209,3 +209,50 @@ def test_extra_config_forms(tmp_path):
     assert load_kvtier_config({"kvtier": {"block_tokens": 48}}).block_tokens == 48
     with pytest.raises(ConnectorSetupError, match="unknown key"):
         load_kvtier_config({"kvtiers": {}})
+
+
+def test_kvtier_event_stream_metrics_and_snapshot_run_in_the_scheduler(model_dir, tmp_path):
+    """With events/metrics/snapshot configured, an operator sees kvtier inside vLLM: its own
+    event stream (hits included), a Prometheus endpoint and the stats file `kvtier stats` reads."""
+    import json
+
+    from kvtier.events import EventSubscriber
+    from kvtier.metrics import scrape
+
+    snap = tmp_path / "stats.json"
+    rig = make_rig(model_dir, kvtier_config(
+        cpu_blocks=8, events={"endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"},
+        metrics={"port": 0}, stats={"snapshot_path": str(snap), "interval_s": 0.1}))
+    obs = rig.side.observability
+    assert obs.active and obs.feed is not None and obs.metrics is not None
+    pub = obs.feed.publisher
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=90)
+    rig.loop.add(make(prompt, max_tokens=1))
+    rig.loop.run_until_idle()
+    rig.sched.reset_prefix_cache()
+    rig.loop.add(make(prompt, max_tokens=1))  # CPU hits
+    rig.loop.run_until_idle()
+    settle(rig)
+    stats = rig.side.manager.stats
+    assert stats.stored_blocks["CPU"] >= 4 and stats.hit_blocks["CPU"] >= 4
+    scraped = scrape(obs.metrics.url)
+    assert scraped["manager"]["stored_blocks"]["CPU"] == stats.stored_blocks["CPU"]
+    assert scraped["manager"]["hit_blocks"]["CPU"] == stats.hit_blocks["CPU"]
+    obs.snapshot.write_now()
+    data = json.loads(snap.read_text())
+    assert data["manager"]["hit_blocks"]["CPU"] == stats.hit_blocks["CPU"]
+    assert pub.flush(5.0)
+    sub = EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint)
+    try:
+        items = sub.sync()
+    finally:
+        sub.close()
+    batches = [i.batch for i in items if hasattr(i, "batch")]
+    stored = [e for b in batches for e in b.events if type(e).__name__ == "BlockStored"
+              and e.medium == "CPU"]
+    accessed = [e for b in batches for e in (b.access or ()) if e.medium == "CPU"]
+    assert stored and stored[0].token_ids == prompt[:len(stored[0].token_ids)]
+    assert sum(len(e.block_hashes) for e in accessed) == stats.hit_blocks["CPU"]
+    rig.connector.shutdown()
+    rig.close()
