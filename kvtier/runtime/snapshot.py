@@ -13,6 +13,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,8 @@ SNAPSHOT_FORMAT = 1
 
 def write_snapshot(path: Path, data: dict) -> None:
     payload = {"format": SNAPSHOT_FORMAT, "pid": os.getpid(), "written_at": time.time(), **data}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # unique per writer: two instances in one process (a restart in tests) must not collide
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump(payload, fh, default=str)
