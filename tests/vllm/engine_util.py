@@ -121,6 +121,22 @@ def scheduler_connector(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
+def record_loads(conn) -> list:
+    """Wrap the scheduler side's load planning; the returned list fills with each planned load
+    job (which tier each block came from, how many blocks)."""
+    side = conn._sched
+    loads: list = []
+    original = side.plan_load
+
+    def plan_load(request, blocks, n):
+        before = len(side._step_loads)
+        original(request, blocks, n)
+        loads.extend(side._step_loads[before:])
+
+    side.plan_load = plan_load
+    return loads
+
+
 def drain(llm, max_steps: int = 10_000) -> None:
     """Step the engine until kvtier has nothing in flight (``LLM.generate`` returns as soon as
     its requests finish; demotions and stores still running settle on later steps)."""

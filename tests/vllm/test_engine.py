@@ -26,21 +26,6 @@ N_PROMPTS, PROMPT_LEN = 4, 100  # 3 full blocks of 32 per prompt (the last token
 HIT = 3 * eu.BLOCK
 
 
-def _record_loads(conn):
-    """Wrap the scheduler side's load planning to see which tier each load came from."""
-    side = conn._sched
-    loads = []
-    original = side.plan_load
-
-    def plan_load(request, blocks, n):
-        before = len(side._step_loads)
-        original(request, blocks, n)
-        loads.extend(side._step_loads[before:])
-
-    side.plan_load = plan_load
-    return loads
-
-
 def _disk_only(manager, keys) -> bool:
     from kvtier.manager.specs import Medium
 
@@ -61,7 +46,7 @@ def runs(tmp_path_factory):
 
     llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=64))  # (b) CPU tier only
     conn = eu.scheduler_connector(llm)
-    loads = _record_loads(conn)
+    loads = eu.record_loads(conn)
     out["cpu_first"] = eu.generate(llm, ps)
     eu.drain(llm)
     llm.reset_prefix_cache()
@@ -73,7 +58,7 @@ def runs(tmp_path_factory):
     llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=16, disk_dir=disk))
     conn = eu.scheduler_connector(llm)
     manager = conn._sched.manager
-    loads = _record_loads(conn)
+    loads = eu.record_loads(conn)
     eu.generate(llm, ps)
     eu.drain(llm)
     keys = [k for p in ps for k in _block_keys(p, 3)]

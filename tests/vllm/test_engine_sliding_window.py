@@ -25,16 +25,7 @@ def runs(tmp_path_factory):
     llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=64))
     conn = eu.scheduler_connector(llm)
     out["spec"] = type(conn._kv_cache_config.kv_cache_groups[0].kv_cache_spec).__name__
-    side = conn._sched
-    loads = []
-    original = side.plan_load
-
-    def plan_load(request, blocks, n):
-        before = len(side._step_loads)
-        original(request, blocks, n)
-        loads.extend(side._step_loads[before:])
-
-    side.plan_load = plan_load
+    loads = eu.record_loads(conn)
     out["first"] = eu.generate(llm, ps)
     eu.drain(llm)
     llm.reset_prefix_cache()
