@@ -152,21 +152,26 @@ class Replay:
         path = config.snapshot_path()
         self.snapshot = SnapshotWriter(path, self.live_stats, config.stats.interval_s) if path else None
 
+    def _tier_stats(self) -> dict:
+        """Manager, tier and transfer counters: shared by the live stats and the final report."""
+        out = {
+            "block_bytes": self.geometry.block_bytes,
+            "transfers": {k: v.to_dict() for k, v in self.worker.engine.stats().items()},
+            "manager": self.manager.stats.snapshot(),
+            "usage": self.manager.usage(),
+        }
+        if self.worker.store is not None:
+            out["disk"] = self.worker.store.stats().to_dict()
+        return out
+
     def live_stats(self) -> dict:
         """What ``kvtier stats`` shows for this running instance (and its metrics endpoint)."""
         r = self.result
         blocks, tokens = dict(r.blocks), dict(r.tokens)
-        out = {
-            "manager": self.manager.stats.snapshot(),
-            "usage": self.manager.usage(),
-            "transfers": {k: v.to_dict() for k, v in self.worker.engine.stats().items()},
-            "block_bytes": self.geometry.block_bytes,
-            "requests": {"hit_blocks": {t: blocks[t] for t in ("GPU", "CPU", "DISK")},
-                         "hit_tokens": {t: tokens[t] for t in ("GPU", "CPU", "DISK")},
-                         "miss_blocks": blocks["MISS"], "miss_tokens": tokens["MISS"]},
-        }
-        if self.worker.store is not None:
-            out["disk"] = self.worker.store.stats().to_dict()
+        out = self._tier_stats()
+        out["requests"] = {"hit_blocks": {t: blocks[t] for t in ("GPU", "CPU", "DISK")},
+                           "hit_tokens": {t: tokens[t] for t in ("GPU", "CPU", "DISK")},
+                           "miss_blocks": blocks["MISS"], "miss_tokens": tokens["MISS"]}
         if self.events is not None:
             pub = self.events.publisher
             out["events"] = {**pub.stats().to_dict(), "endpoint": pub.endpoint,
@@ -296,25 +301,19 @@ class Replay:
 
     def report(self) -> dict:
         r = self.result
-        engine_stats = {k: v.to_dict() for k, v in self.worker.engine.stats().items()}
         out = {
             "requests": r.requests,
             "seconds": round(r.seconds, 3),
-            "block_bytes": self.geometry.block_bytes,
             "blocks": r.blocks,
             "tokens": r.tokens,
             "block_hit_rate": {k: round(v, 4) for k, v in r.rates(r.blocks).items()},
             "token_hit_rate": {k: round(v, 4) for k, v in r.rates(r.tokens).items()},
-            "transfers": engine_stats,
-            "manager": self.manager.stats.snapshot(),
-            "usage": self.manager.usage(),
+            **self._tier_stats(),
             "wrong_blocks": r.wrong_blocks,
             "failed_loads": r.failed_loads,
             "failed_jobs": r.failed_jobs,
             "gpu_is_simulated": self.view.device.type != "cuda",
         }
-        if self.worker.store is not None:
-            out["disk"] = self.worker.store.stats().to_dict()
         cost = getattr(self.manager, "cost", None)
         if cost is not None:
             out["cost"] = cost.snapshot()
