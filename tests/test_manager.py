@@ -248,7 +248,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(m.cpu) <= m.cpu.capacity
         slots = [e.slot for e in m.cpu.entries.values()]
         assert len(slots) == len(set(slots))
-        assert len(slots) + len(m.cpu._free) == m.cpu.capacity
+        assert len(slots) + len(m.cpu.free_handles()) == m.cpu.capacity
+        assert not set(slots) & set(m.cpu.free_handles())
         assert len(m.disk) <= m.disk.capacity
         assert len(m.cpu.policy) == len(m.cpu) and len(m.disk.policy) == len(m.disk)
         for key in (key for p in self.loads for key in p.keys):

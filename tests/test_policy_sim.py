@@ -46,7 +46,7 @@ def test_simulator_rejects_a_policy_offering_pinned_keys():
 
     trace = [req(1), req(1, 2)]  # block 1 is pinned while 2 is stored
     with pytest.raises(RuntimeError, match="non-evictable"):
-        simulate(trace, 1, "x", policy=Broken())
+        simulate(trace, 1, "x", policy=Broken(1))
 
 
 def test_parse_spec_and_bad_capacity():

@@ -152,8 +152,9 @@ def _leak_disk_reader(self, key, bad):
     pass  # never releases the disk pin of a promotion
 
 
-def _drop_cpu_silently(self, key):
-    self.cpu.remove(key)  # evicts without BlockRemoved
+def _drop_cpu_silently(self, keys):
+    for key in keys:
+        self.cpu.remove(key)  # evicts without BlockRemoved
 
 
 def _ready_while_writing(self, key):

@@ -8,14 +8,22 @@ Slot lifecycle (explicit, as SGLang's HiCache does it)::
 A block is only readable (``lookup`` / ``prepare_load``) in READY, and only evictable in READY
 with no readers and no flush in flight. The index never touches bytes; slot ids are handed to
 the worker side, which owns the memory.
+
+Storage is column-wise: each resident block owns a *handle* (its CPU slot id on the CPU tier,
+an internal number on the disk tier) and its state, pin count and flags live in arrays indexed
+by it; ``key -> handle`` is a :class:`KeyShards`. A tier of a million blocks therefore holds
+no per-block Python objects (a full garbage collection does not walk them) and no big dict
+that rebuilds its table on one request. :class:`Entry` is a short-lived view of one handle.
 """
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass
+from array import array
+from collections.abc import Mapping
 from enum import Enum
+from typing import Iterator
 
+from kvtier.manager.keyed_list import KeyShards
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.specs import BlockKey, Medium
 
@@ -25,19 +33,84 @@ class BlockState(Enum):
     READY = "ready"
 
 
-@dataclass
+_STATES = (None, BlockState.WRITING, BlockState.READY)  # column value -> state
+_CODES = {BlockState.WRITING: 1, BlockState.READY: 2}
+_FLUSHING, _ON_DISK, _FLUSH_FAILED, _PROMOTED = 1, 2, 4, 8
+
+
+def _flag(bit: int, doc: str) -> property:
+    def get(self: "Entry") -> bool:
+        return bool(self._ix._flags[self.handle] & bit)
+
+    def put(self: "Entry", on: bool) -> None:
+        flags = self._ix._flags
+        flags[self.handle] = (flags[self.handle] | bit) if on else (flags[self.handle] & ~bit)
+
+    return property(get, put, doc=doc)
+
+
 class Entry:
-    slot: int  # CPU slot id; -1 on tiers addressed by key (disk)
-    state: BlockState
-    readers: int = 0  # in-flight loads reading this block (pins)
-    flushing: bool = False  # CPU only: a copy to disk is reading this slot (pin)
-    on_disk: bool = False  # CPU only: a READY copy also exists on disk (clean)
-    flush_failed: bool = False  # CPU only: the disk refused it; drop instead of retrying
-    promoted: bool = False  # CPU only: WRITING because a load promotes it from disk
+    """View of one resident block's columns; valid until the block is removed."""
+
+    __slots__ = ("_ix", "handle")
+
+    def __init__(self, index: "TierIndex", handle: int) -> None:
+        self._ix = index
+        self.handle = handle
+
+    @property
+    def slot(self) -> int:
+        """CPU slot id; -1 on tiers addressed by key (disk)."""
+        return self.handle if self._ix.with_slots else -1
+
+    @property
+    def state(self) -> BlockState:
+        return _STATES[self._ix._state[self.handle]]
+
+    @state.setter
+    def state(self, state: BlockState) -> None:
+        self._ix._state[self.handle] = _CODES[state]
+
+    @property
+    def readers(self) -> int:
+        """In-flight loads reading this block (pins)."""
+        return self._ix._readers[self.handle]
+
+    @readers.setter
+    def readers(self, n: int) -> None:
+        self._ix._readers[self.handle] = n
+
+    flushing = _flag(_FLUSHING, "CPU only: a copy to disk is reading this slot (pin)")
+    on_disk = _flag(_ON_DISK, "CPU only: a READY copy also exists on disk (clean)")
+    flush_failed = _flag(_FLUSH_FAILED, "CPU only: the disk refused it; drop, don't retry")
+    promoted = _flag(_PROMOTED, "CPU only: WRITING because a load promotes it from disk")
 
     @property
     def pinned(self) -> bool:
-        return self.readers > 0 or self.flushing or self.state is not BlockState.READY
+        ix, h = self._ix, self.handle
+        return ix._readers[h] > 0 or bool(ix._flags[h] & _FLUSHING) or ix._state[h] != 2
+
+
+class _Entries(Mapping):
+    """Read-only ``key -> Entry`` mapping over a tier (stats, resyncs, tests)."""
+
+    def __init__(self, index: "TierIndex") -> None:
+        self._ix = index
+
+    def __getitem__(self, key: BlockKey) -> Entry:
+        entry = self._ix.get(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._ix
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return self._ix._handles.keys()
+
+    def __len__(self) -> int:
+        return len(self._ix)
 
 
 class TierIndex:
@@ -47,61 +120,106 @@ class TierIndex:
                  with_slots: bool) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"{medium.value} tier capacity must be at least one block")
+        n = self.capacity = capacity_blocks
         self.medium = medium
-        self.capacity = capacity_blocks
         self.policy = policy
-        self.entries: dict[BlockKey, Entry] = {}
-        self._with_slots = with_slots
-        self._free: list[int] = list(range(capacity_blocks)) if with_slots else []
+        self.with_slots = with_slots
         self.evictions = 0
+        self._handles = KeyShards(n)  # key -> handle
+        self._shards, self._nshards = self._handles.shards, self._handles.n
+        self._len = 0
+        self._state = bytearray(n)  # 0 free, 1 WRITING, 2 READY
+        self._flags = bytearray(n)
+        self._readers = array("i", bytes(4 * n))
+        # Free handles, chained: _free_next[h] is the next free one; n ends the chain. The
+        # lowest handle goes first while the tier fills (the CPU pool fills front to back).
+        self._free_next = array("i", range(1, n + 1))
+        self._free_head = 0
+        self.entries = _Entries(self)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.entries
+        return key in self._shards[hash(key) % self._nshards]
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return self._len
 
     def get(self, key: BlockKey) -> Entry | None:
-        return self.entries.get(key)
+        h = self._shards[hash(key) % self._nshards].get(key)
+        return None if h is None else Entry(self, h)
 
     def ready(self, key: BlockKey) -> Entry | None:
-        e = self.entries.get(key)
-        return e if e is not None and e.state is BlockState.READY else None
+        h = self._shards[hash(key) % self._nshards].get(key)
+        return Entry(self, h) if h is not None and self._state[h] == 2 else None
+
+    def is_ready(self, key: BlockKey) -> bool:
+        h = self._shards[hash(key) % self._nshards].get(key)
+        return h is not None and self._state[h] == 2
+
+    def items(self) -> Iterator[tuple[BlockKey, Entry]]:
+        for key, h in self._handles.items():
+            yield key, Entry(self, h)
 
     @property
     def free_count(self) -> int:
-        return self.capacity - len(self.entries)
+        return self.capacity - self._len
 
     def add(self, key: BlockKey, state: BlockState, parent: BlockKey | None = None) -> Entry:
-        """Take a free slot (lowest id first) for ``key``; caller made sure one is free."""
-        if key in self.entries:
+        """Take a free slot for ``key``; caller made sure one is free."""
+        shard = self._shards[hash(key) % self._nshards]
+        if key in shard:
             raise KeyError(f"{self.medium.value}: block already present")
-        if len(self.entries) >= self.capacity:
+        h = self._free_head
+        if h >= self.capacity:
             raise RuntimeError(f"{self.medium.value}: add() with no free capacity")
-        slot = heapq.heappop(self._free) if self._with_slots else -1
-        entry = Entry(slot=slot, state=state)
-        self.entries[key] = entry
+        self._free_head = self._free_next[h]
+        shard[key] = h
+        self._len += 1
+        self._state[h] = _CODES[state]
+        self._flags[h] = 0
+        self._readers[h] = 0
         self.policy.insert(key, parent)
-        return entry
+        return Entry(self, h)
 
-    def remove(self, key: BlockKey) -> Entry | None:
-        entry = self.entries.pop(key, None)
-        if entry is None:
-            return None
+    def remove(self, key: BlockKey) -> bool:
+        """Forget ``key`` and free its handle; False if it was not here. Views of it die."""
+        h = self._shards[hash(key) % self._nshards].pop(key, None)
+        if h is None:
+            return False
+        self._len -= 1
         self.policy.remove(key)
-        if self._with_slots:
-            heapq.heappush(self._free, entry.slot)
-        return entry
+        self._state[h] = 0
+        self._free_next[h] = self._free_head
+        self._free_head = h
+        return True
 
     def victims(self, n: int, evictable) -> list[BlockKey]:
         if n <= 0:
             return []
+        shards, nshards = self._shards, self._nshards
+        state, readers, flags = self._state, self._readers, self._flags
 
         def ok(key: BlockKey) -> bool:
-            e = self.entries.get(key)
-            return e is not None and not e.pinned and evictable(key, e)
+            h = shards[hash(key) % nshards].get(key)
+            if h is None or state[h] != 2 or readers[h] > 0 or flags[h] & _FLUSHING:
+                return False
+            return evictable(key, Entry(self, h))
 
         return self.policy.victims(n, ok)
 
+    def free_handles(self) -> list[int]:
+        """The free chain, in the order it hands handles out. O(capacity): checks only."""
+        out, h = [], self._free_head
+        while h < self.capacity and len(out) <= self.capacity:
+            out.append(h)
+            h = self._free_next[h]
+        return out
+
     def used_slots(self) -> int:
-        return len(self.entries)
+        return self._len
+
+    def pins(self) -> int:
+        """Pins held in this tier: readers, flushes in flight, blocks being written."""
+        state, readers, flags = self._state, self._readers, self._flags
+        return sum(readers[h] + (flags[h] & _FLUSHING) + (state[h] == 1)
+                   for h in self._handles.values())
+

@@ -88,10 +88,12 @@ class TieredOffloadingManager(OffloadingManager):
             if self.disk_admission is not self.cpu_admission:
                 self.disk_admission.record_lookup(keys)
         tiers: list[Medium] = []
+        cpu_ready = self.cpu.is_ready
+        disk_ready = self.disk.is_ready if self.disk is not None else (lambda _key: False)
         for key in keys:
-            if self.cpu.ready(key) is not None:
+            if cpu_ready(key):
                 tiers.append(Medium.CPU)
-            elif self.disk is not None and self.disk.ready(key) is not None:
+            elif disk_ready(key):
                 tiers.append(Medium.DISK)
             else:
                 break
@@ -212,7 +214,7 @@ class TieredOffloadingManager(OffloadingManager):
             elif entry.readers > 0:
                 entry.readers -= 1
                 if key in failed:
-                    self._drop_cpu(key)
+                    self._drop_cpu((key,))
             else:
                 self.stats.protocol_errors += 1
         self.stats.failed_loads += len(failed)
@@ -259,11 +261,12 @@ class TieredOffloadingManager(OffloadingManager):
             wanted = wanted[:room]
         slots: list[int] = []
         parents = self._parents(keys, ctx)
+        disk_ready = self.disk.is_ready if self.disk is not None else None
         for key in wanted:
             entry = self.cpu.add(key, BlockState.WRITING, parents.get(key))
-            d = self.disk.ready(key) if self.disk is not None else None
-            entry.on_disk = d is not None
-            slots.append(entry.slot)
+            if disk_ready is not None and disk_ready(key):
+                entry.on_disk = True
+            slots.append(entry.handle)
         self._plan_flushes()
         return StorePlan(tuple(wanted), tuple(slots), {Medium.CPU: tuple(evicted)} if evicted else {})
 
@@ -301,15 +304,16 @@ class TieredOffloadingManager(OffloadingManager):
 
     def _evict_cpu(self, n: int) -> list[BlockKey]:
         victims = self.cpu.victims(n, self._cpu_evictable)
-        for key in victims:
-            self._drop_cpu(key)
+        self._drop_cpu(victims)
         return victims
 
-    def _drop_cpu(self, key: BlockKey) -> None:
-        if self.cpu.remove(key) is not None:
-            self.stats.evicted_blocks["CPU"] += 1
+    def _drop_cpu(self, keys: Sequence[BlockKey]) -> None:
+        """Evict ``keys`` from the CPU tier: one event for the batch, not one per block."""
+        gone = [key for key in keys if self.cpu.remove(key)]
+        for key in gone:
             self.cpu_admission.on_evict(key)
-            self.events.emit(BlockRemoved(Medium.CPU, (key,)))
+        self.stats.evicted_blocks["CPU"] += len(gone)
+        self.events.emit(BlockRemoved(Medium.CPU, tuple(gone)))
 
     def _make_room(self, n: int) -> bool:
         if self.cpu.free_count < n:
@@ -325,11 +329,11 @@ class TieredOffloadingManager(OffloadingManager):
             return not (e.on_disk or e.flush_failed) and key not in self._pending_drops
 
         candidates = self.cpu.victims(self.flush_reserve, lambda k, e: True)
-        keys = [k for k in candidates if dirty(k, self.cpu.entries[k])]
+        keys = [k for k in candidates if dirty(k, self.cpu.get(k))]
         admitted: list[BlockKey] = []
         for key in keys:
             if key in self.disk:  # already there (or being written): nothing to copy
-                self.cpu.entries[key].on_disk = self.disk.ready(key) is not None
+                self.cpu.get(key).on_disk = self.disk.ready(key) is not None
                 continue
             if not self.disk_admission.admit(key):
                 self.stats.admission_rejected["DISK"] += 1
@@ -347,7 +351,7 @@ class TieredOffloadingManager(OffloadingManager):
         self.disk_health.on_demotion_started()
         slots = []
         for key in admitted:
-            entry = self.cpu.entries[key]
+            entry = self.cpu.get(key)
             entry.flushing = True
             slots.append(entry.slot)
             self.disk.add(key, BlockState.WRITING)
@@ -439,7 +443,5 @@ class TieredOffloadingManager(OffloadingManager):
 
     def pins(self) -> int:
         """Outstanding pins across tiers (0 when nothing is in flight; tests check leaks)."""
-        n = sum(e.readers + e.flushing + (e.state is BlockState.WRITING) for e in self.cpu.entries.values())
-        if self.disk is not None:
-            n += sum(e.readers + (e.state is BlockState.WRITING) for e in self.disk.entries.values())
+        n = self.cpu.pins() + (self.disk.pins() if self.disk is not None else 0)
         return n + len(self._bg_pending)

@@ -242,7 +242,8 @@ class ManagerModel:
         assert len(cpu) <= cpu.capacity and len(disk) <= disk.capacity
         slots = [e.slot for e in cpu.entries.values()]
         assert len(slots) == len(set(slots)) and all(0 <= s < cpu.capacity for s in slots)
-        assert len(slots) + len(cpu._free) == cpu.capacity
+        assert len(slots) + len(cpu.free_handles()) == cpu.capacity
+        assert not set(slots) & set(cpu.free_handles())
         assert len(cpu.policy) == len(cpu) and len(disk.policy) == len(disk)
         pins, want = m.pins(), self.expected_pins()
         assert pins == want, f"manager holds {pins} pins, outstanding operations account for {want}"

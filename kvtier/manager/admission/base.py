@@ -10,9 +10,9 @@ never evicts. Policies are chosen by name per tier (``store_threshold`` in the Y
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from typing import Callable, Sequence
 
+from kvtier.manager.keyed_list import KeyedList
 from kvtier.manager.specs import BlockKey
 
 
@@ -58,20 +58,17 @@ class SightingThreshold(AdmissionPolicy):
             raise ValueError(f"threshold must be >= 1, got {threshold}")
         self.threshold = threshold
         self.max_tracked = max(1024, max_tracked)
-        self._seen: OrderedDict[BlockKey, int] = OrderedDict()
+        self._seen = KeyedList(self.max_tracked) if threshold > 1 else None  # key -> sightings
 
     def record_lookup(self, keys: Sequence[BlockKey]) -> None:
-        if self.threshold <= 1:
-            return
         seen = self._seen
+        if seen is None:
+            return
         for k in keys:
-            seen[k] = seen.get(k, 0) + 1
-            seen.move_to_end(k)
-        while len(seen) > self.max_tracked:
-            seen.popitem(last=False)
+            seen.push_bounded(k, seen.get(k, 0) + 1)
 
     def admit(self, key: BlockKey) -> bool:
-        return self.threshold <= 1 or self._seen.get(key, 0) >= self.threshold
+        return self._seen is None or self._seen.get(key, 0) >= self.threshold
 
 
 _REGISTRY: dict[str, Callable[..., AdmissionPolicy]] = {}

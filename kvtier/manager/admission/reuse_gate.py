@@ -19,17 +19,18 @@ measured to be read before they would be evicted, and only when evictions are hu
   open, so a large tier never loses hits to admit-all; under pressure the bar is
   ``GATE_BAR * pressure``.
 
-Every call is O(1) per key. Memory: a two-generation bitset doorkeeper (16-32 bytes per tier
-block) plus maps of keys awaiting a decision or an outcome, bounded to 1x (sighted, admitted)
-and 2x (refused) the tier's capacity.
+Every call is O(1) per key, with no pause proportional to the history (the maps are
+:class:`KeyedList`, values packed into ints). Memory: a two-generation bitset doorkeeper (16-32
+bytes per tier block) plus maps of keys awaiting a decision or an outcome, bounded to 1x
+(sighted, admitted) and 2x (refused) the tier's capacity.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Hashable, Sequence
 
 from kvtier.manager.admission.base import AdmissionPolicy, register_admission
+from kvtier.manager.keyed_list import KeyedList
 from kvtier.manager.specs import BlockKey
 
 GATE_BAR = 0.3  # first-timers must be read at least this often (at full pressure) to be written
@@ -37,7 +38,10 @@ RATE = 0.01  # weight of one outcome in the running means
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 
-Class = tuple[bool, bool, bool]  # (extends a seen prefix, not the first new block, last block)
+# A first-timer's class, 3 bits: extends a seen prefix (4), not the first new block of its
+# lookup (2), the lookup's last block (1). Packed so the maps hold plain ints.
+Class = int
+EXTENDS, DEEPER, LAST = 4, 2, 1
 
 
 class SightingFilter:
@@ -84,9 +88,9 @@ class ReuseGate(AdmissionPolicy):
         self.capacity = max(1024, capacity_blocks)  # 0 (unknown) still gets a usable history
         self.bar = bar
         self._seen = SightingFilter(4 * self.capacity)
-        self._first: OrderedDict[BlockKey, Class] = OrderedDict()  # sighted first-timers
-        self._pending: OrderedDict[BlockKey, Class] = OrderedDict()  # admitted, no outcome yet
-        self._refused: OrderedDict[BlockKey, tuple[int, Class]] = OrderedDict()  # (clock, class)
+        self._first = KeyedList(self.capacity)  # sighted first-timers -> class
+        self._pending = KeyedList(self.capacity)  # admitted, no outcome yet -> class
+        self._refused = KeyedList(2 * self.capacity)  # -> clock * 8 + class
         self._clock = 0  # blocks admitted so far
         self.reuse: dict[Class, float] = {}  # per class: share of first-timers read in time
         self.pressure = 0.0
@@ -98,25 +102,25 @@ class ReuseGate(AdmissionPolicy):
         deeper = False  # an earlier block of this lookup is new too
         last = len(keys) - 1
         for i, key in enumerate(keys):
-            refused = self._refused.pop(key, None)
+            refused = self._refused.pop(key)
             if refused is not None:
-                self._outcome(refused[1], 1.0)
+                self._outcome(refused & 7, 1.0)
             if self._seen.seen_then_add(key):
                 known_prefix = True
-                self._first.pop(key, None)  # sighted twice before being stored: proven
+                self._first.pop(key)  # sighted twice before being stored: proven
             else:
-                cls = (known_prefix, deeper, i == last)
-                self._remember(self._first, key, cls, self.capacity)
+                cls = (EXTENDS if known_prefix else 0) | (DEEPER if deeper else 0) | (i == last)
+                self._first.push_bounded(key, cls)
                 deeper = True
         self._expire_refused()
 
     def on_hit(self, key: BlockKey) -> None:
-        cls = self._pending.pop(key, None)
+        cls = self._pending.pop(key)
         if cls is not None:
             self._outcome(cls, 1.0)
 
     def on_evict(self, key: BlockKey) -> None:
-        cls = self._pending.pop(key, None)
+        cls = self._pending.pop(key)
         wasted = cls is not None
         if wasted:
             self._outcome(cls, 0.0)
@@ -124,16 +128,16 @@ class ReuseGate(AdmissionPolicy):
 
     # -- decision -----------------------------------------------------------------------
     def admit(self, key: BlockKey) -> bool:
-        cls = self._first.pop(key, None)
+        cls = self._first.pop(key)
         if cls is None:  # seen before (or not tracked any more): worth writing
             self._clock += 1
             return True
         if self.reuse.get(cls, 1.0) < self.bar * self.pressure:
-            self._remember(self._refused, key, (self._clock, cls), 2 * self.capacity)
+            self._refused.push_bounded(key, self._clock * 8 + cls)  # what falls out: no outcome
             self.refused += 1
             return False
         self._clock += 1
-        self._remember(self._pending, key, cls, self.capacity)
+        self._pending.push_bounded(key, cls)
         return True
 
     def would_admit(self, key: BlockKey) -> bool:
@@ -145,25 +149,17 @@ class ReuseGate(AdmissionPolicy):
         old = self.reuse.get(cls, 1.0)
         self.reuse[cls] = old + RATE * (value - old)
 
-    @staticmethod
-    def _remember(od: OrderedDict, key: BlockKey, value: object, bound: int) -> None:
-        """Bounded FIFO insert; what falls out simply gets no outcome."""
-        od[key] = value
-        od.move_to_end(key)
-        if len(od) > bound:
-            od.popitem(last=False)
-
     def _expire_refused(self) -> None:
         """A refused block not sighted again before ``capacity`` more blocks were admitted would
         have been evicted unread: count it as a correct refusal."""
         horizon = self._clock - self.capacity
         refused = self._refused
         while refused:
-            key, (clock, cls) = next(iter(refused.items()))
-            if clock > horizon:
+            _, packed = refused.first()
+            if packed >> 3 > horizon:
                 break
-            refused.popitem(last=False)
-            self._outcome(cls, 0.0)
+            refused.pop_first()
+            self._outcome(packed & 7, 0.0)
 
 
 register_admission(

@@ -7,14 +7,15 @@ ARC resistant to one-time scans (they only churn T1) while still following recen
 
 In kvtier the manager, not the policy, decides when to evict: ``victims`` only *proposes* keys
 following ARC's REPLACE rule, and a key enters a ghost list when ``remove`` is called. Every
-operation is O(1) amortised (ordered dicts; ghost trimming pops each ghost at most once).
+operation is O(1) amortised (four :class:`KeyedList`, so nothing pauses in proportion to the
+cache size; ghost trimming pops each ghost at most once).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Iterable, Iterator
 
+from kvtier.manager.keyed_list import KeyedList
 from kvtier.manager.policies.base import Evictable, EvictionPolicy, register_policy
 from kvtier.manager.specs import BlockKey
 
@@ -22,21 +23,14 @@ from kvtier.manager.specs import BlockKey
 class ARCPolicy(EvictionPolicy):
     name = "arc"
 
-    def __init__(self, capacity_blocks: int = 0) -> None:
-        if capacity_blocks < 0:
-            raise ValueError(f"capacity_blocks must be >= 0, got {capacity_blocks}")
-        # 0 = unknown: the capacity is then taken as the largest resident count seen.
-        self._fixed_capacity = capacity_blocks
-        self._peak = 0
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+        c = self.capacity = capacity_blocks
         self.p = 0.0  # target size of T1
-        self._t1: OrderedDict[BlockKey, None] = OrderedDict()
-        self._t2: OrderedDict[BlockKey, None] = OrderedDict()
-        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
-        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
-
-    @property
-    def capacity(self) -> int:
-        return self._fixed_capacity or max(1, self._peak)
+        # Bounds: the manager keeps |T1|+|T2| <= c; _trim_ghosts keeps |B1| <= c, |B2| <= 2c.
+        self._t1, self._t2 = KeyedList(c), KeyedList(c)
+        self._b1, self._b2 = KeyedList(c), KeyedList(2 * c)
 
     # -- contract --------------------------------------------------------------------------
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
@@ -47,32 +41,28 @@ class ARCPolicy(EvictionPolicy):
         if key in self._b1:  # T1 was too small: grow its target
             delta = max(len(self._b2) / len(self._b1), 1.0)
             self.p = min(float(c), self.p + delta)
-            del self._b1[key]
-            self._t2[key] = None
+            self._b1.pop(key)
+            self._t2.push(key)
         elif key in self._b2:  # T2 was too small: shrink T1's target
             delta = max(len(self._b1) / len(self._b2), 1.0)
             self.p = max(0.0, self.p - delta)
-            del self._b2[key]
-            self._t2[key] = None
+            self._b2.pop(key)
+            self._t2.push(key)
         else:
-            self._t1[key] = None
-        self._peak = max(self._peak, len(self._t1) + len(self._t2))
+            self._t1.push(key)
         self._trim_ghosts()
 
     def access(self, key: BlockKey) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._t2[key] = None
-        elif key in self._t2:
+        if self._t1.pop(key) is not None:
+            self._t2.push(key)
+        else:
             self._t2.move_to_end(key)
 
     def remove(self, key: BlockKey) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._b1[key] = None
-        elif key in self._t2:
-            del self._t2[key]
-            self._b2[key] = None
+        if self._t1.pop(key) is not None:
+            self._b1.push(key)
+        elif self._t2.pop(key) is not None:
+            self._b2.push(key)
         else:
             return
         self._trim_ghosts()
@@ -118,14 +108,14 @@ class ARCPolicy(EvictionPolicy):
         """Keep ARC's invariants |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c."""
         c = self.capacity
         while self._b1 and len(self._t1) + len(self._b1) > c:
-            self._b1.popitem(last=False)
+            self._b1.pop_first()
         while self._b2 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
-            self._b2.popitem(last=False)
+            self._b2.pop_first()
         while self._b1 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
-            self._b1.popitem(last=False)
+            self._b1.pop_first()
 
 
-def _evictable_iter(order: OrderedDict[BlockKey, None], evictable: Evictable) -> Iterator[BlockKey]:
+def _evictable_iter(order: KeyedList, evictable: Evictable) -> Iterator[BlockKey]:
     """LRU-first keys of ``order`` that pass ``evictable`` (pinned keys are rare: short walk)."""
     for key in order:
         if evictable(key):
