@@ -67,8 +67,9 @@ class KeyedList:
     written out inline: this class sits on every block's request path.
     """
 
+    # ``size`` is the number of keys (an attribute, so hot callers skip a ``len()`` call).
     __slots__ = ("capacity", "_kshards", "_kn", "_nodes", "_vals", "_prev", "_next",
-                 "_free", "_nil", "_len")
+                 "_free", "_nil", "size")
     # Free nodes are chained through ``_next`` too (``_free`` is the first, ``_nil`` ends it),
     # so an empty list of a million nodes costs its arrays and nothing else. ``node -> key``
     # lives in dicts of 64 consecutive nodes (``_nodes[node >> 6]``).
@@ -86,17 +87,17 @@ class KeyedList:
         self._next = array("i", range(1, capacity + 2))
         self._next[nil] = nil
         self._free = 0
-        self._len = 0
+        self.size = 0
 
     # -- reading ------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._len
+        return self.size
 
     def __contains__(self, key: object) -> bool:
         return key in self._kshards[hash(key) % self._kn]
 
     def __bool__(self) -> bool:
-        return self._len > 0
+        return self.size > 0
 
     def get(self, key: Hashable, default: int | None = None) -> int | None:
         node = self._kshards[hash(key) % self._kn].get(key)
@@ -133,7 +134,7 @@ class KeyedList:
             self._free = nxt[node]
             shard[key] = node
             self._nodes[node >> 6][node] = key
-            self._len += 1
+            self.size += 1
         else:  # unlink
             p, n = prev[node], nxt[node]
             nxt[p] = n
@@ -193,5 +194,5 @@ class KeyedList:
         del self._nodes[node >> 6][node]
         nxt[node] = self._free
         self._free = node
-        self._len -= 1
+        self.size -= 1
         return self._vals[node]

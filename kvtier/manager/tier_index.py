@@ -21,7 +21,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping
 from enum import Enum
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from kvtier.manager.keyed_list import KeyShards
 from kvtier.manager.policies import EvictionPolicy
@@ -165,34 +165,74 @@ class TierIndex:
 
     def add(self, key: BlockKey, state: BlockState, parent: BlockKey | None = None) -> Entry:
         """Take a free slot for ``key``; caller made sure one is free."""
-        shard = self._shards[hash(key) % self._nshards]
-        if key in shard:
-            raise KeyError(f"{self.medium.value}: block already present")
-        h = self._free_head
-        if h >= self.capacity:
+        return Entry(self, self.add_many((key,), state, (parent,))[0])
+
+    def add_many(self, keys: Sequence[BlockKey], state: BlockState,
+                 parents: Sequence[BlockKey | None] | None = None) -> list[int]:
+        """``add`` for a batch (one call per request, not per block); returns the handles.
+        Checks everything first, so a refused batch changes nothing."""
+        if self.capacity - self._len < len(keys):
             raise RuntimeError(f"{self.medium.value}: add() with no free capacity")
-        self._free_head = self._free_next[h]
-        shard[key] = h
-        self._len += 1
-        self._state[h] = _CODES[state]
-        self._flags[h] = 0
-        self._readers[h] = 0
-        self.policy.insert(key, parent)
-        return Entry(self, h)
+        shards, nshards = self._shards, self._nshards
+        if len(set(keys)) != len(keys) or any(k in shards[hash(k) % nshards] for k in keys):
+            raise KeyError(f"{self.medium.value}: block already present")
+        code = _CODES[state]
+        free_next, st, flags, readers = self._free_next, self._state, self._flags, self._readers
+        out: list[int] = []
+        h = self._free_head
+        for key in keys:
+            shards[hash(key) % nshards][key] = h
+            st[h] = code
+            flags[h] = 0
+            readers[h] = 0
+            out.append(h)
+            h = free_next[h]
+        self._free_head = h
+        self._len += len(keys)
+        self.policy.insert_many(keys, parents)
+        return out
+
+    def stored_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The ``keys`` that are WRITING because of a store (not a promotion), in order."""
+        shards, nshards, st, flags = self._shards, self._nshards, self._state, self._flags
+        out: list[BlockKey] = []
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is not None and st[h] == 1 and not flags[h] & _PROMOTED:
+                out.append(key)
+        return out
+
+    def mark_ready(self, keys: Sequence[BlockKey]) -> None:
+        """The bytes of ``keys`` (present) are written: they become readable."""
+        shards, nshards, st = self._shards, self._nshards, self._state
+        for key in keys:
+            st[shards[hash(key) % nshards][key]] = 2
 
     def remove(self, key: BlockKey) -> bool:
         """Forget ``key`` and free its handle; False if it was not here. Views of it die."""
-        h = self._shards[hash(key) % self._nshards].pop(key, None)
-        if h is None:
-            return False
-        self._len -= 1
-        self.policy.remove(key)
-        self._state[h] = 0
-        self._free_next[h] = self._free_head
-        self._free_head = h
-        return True
+        return bool(self.remove_many((key,)))
 
-    def victims(self, n: int, evictable) -> list[BlockKey]:
+    def remove_many(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Forget the ``keys`` that are here (returned, in order) and free their handles."""
+        shards, nshards, st, free_next = self._shards, self._nshards, self._state, self._free_next
+        gone: list[BlockKey] = []
+        head = self._free_head
+        for key in keys:
+            h = shards[hash(key) % nshards].pop(key, None)
+            if h is None:
+                continue
+            st[h] = 0
+            free_next[h] = head
+            head = h
+            gone.append(key)
+        self._free_head = head
+        self._len -= len(gone)
+        self.policy.remove_many(gone)
+        return gone
+
+    def victims(self, n: int, evictable=None) -> list[BlockKey]:
+        """Up to ``n`` unpinned READY keys, in the policy's order, that also pass
+        ``evictable(key, entry)`` when given."""
         if n <= 0:
             return []
         shards, nshards = self._shards, self._nshards
@@ -202,7 +242,7 @@ class TierIndex:
             h = shards[hash(key) % nshards].get(key)
             if h is None or state[h] != 2 or readers[h] > 0 or flags[h] & _FLUSHING:
                 return False
-            return evictable(key, Entry(self, h))
+            return evictable is None or evictable(key, Entry(self, h))
 
         return self.policy.victims(n, ok)
 

@@ -259,14 +259,12 @@ class TieredOffloadingManager(OffloadingManager):
         if room < len(wanted):
             self.stats.store_skipped_no_space += len(wanted) - room
             wanted = wanted[:room]
-        slots: list[int] = []
         parents = self._parents(keys, ctx)
-        disk_ready = self.disk.is_ready if self.disk is not None else None
-        for key in wanted:
-            entry = self.cpu.add(key, BlockState.WRITING, parents.get(key))
-            if disk_ready is not None and disk_ready(key):
-                entry.on_disk = True
-            slots.append(entry.handle)
+        slots = self.cpu.add_many(wanted, BlockState.WRITING, [parents.get(k) for k in wanted])
+        if self.disk is not None:
+            for key, slot in zip(wanted, slots):
+                if self.disk.is_ready(key):
+                    Entry(self.cpu, slot).on_disk = True
         self._plan_flushes()
         return StorePlan(tuple(wanted), tuple(slots), {Medium.CPU: tuple(evicted)} if evicted else {})
 
@@ -280,36 +278,33 @@ class TieredOffloadingManager(OffloadingManager):
         return out
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
-        done: list[BlockKey] = []
-        for key in keys:
-            entry = self.cpu.get(key)
-            if entry is None or entry.state is not BlockState.WRITING or entry.promoted:
-                self.stats.protocol_errors += 1
-                continue
-            if success:
-                entry.state = BlockState.READY
-                done.append(key)
-            else:
-                self.cpu.remove(key)
-                self.stats.failed_stores["CPU"] += 1
-        self.stats.stored_blocks["CPU"] += len(done)
-        self.events.emit(BlockStored(Medium.CPU, tuple(done)))
+        stored = self.cpu.stored_writes(keys)  # WRITING by a store (not a promotion)
+        self.stats.protocol_errors += len(keys) - len(stored)
+        if success:
+            self.cpu.mark_ready(stored)
+            self.stats.stored_blocks["CPU"] += len(stored)
+            self.events.emit(BlockStored(Medium.CPU, tuple(stored)))
+        else:
+            self.cpu.remove_many(stored)
+            self.stats.failed_stores["CPU"] += len(stored)
         self._plan_flushes()
 
     # ------------------------------------------------------------------ eviction and flushes
     def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
-        if entry.on_disk or entry.flush_failed or self.disk is None or self.disk_health.degraded:
+        if entry.on_disk or entry.flush_failed:
             return True
         return key in self._pending_drops or not self.disk_admission.would_admit(key)
 
     def _evict_cpu(self, n: int) -> list[BlockKey]:
-        victims = self.cpu.victims(n, self._cpu_evictable)
+        # Without a (healthy) disk any unpinned block may go: no per-block check at all.
+        anything = self.disk is None or self.disk_health.degraded
+        victims = self.cpu.victims(n, None if anything else self._cpu_evictable)
         self._drop_cpu(victims)
         return victims
 
     def _drop_cpu(self, keys: Sequence[BlockKey]) -> None:
         """Evict ``keys`` from the CPU tier: one event for the batch, not one per block."""
-        gone = [key for key in keys if self.cpu.remove(key)]
+        gone = self.cpu.remove_many(keys)
         for key in gone:
             self.cpu_admission.on_evict(key)
         self.stats.evicted_blocks["CPU"] += len(gone)
@@ -328,7 +323,7 @@ class TieredOffloadingManager(OffloadingManager):
         def dirty(key: BlockKey, e: Entry) -> bool:
             return not (e.on_disk or e.flush_failed) and key not in self._pending_drops
 
-        candidates = self.cpu.victims(self.flush_reserve, lambda k, e: True)
+        candidates = self.cpu.victims(self.flush_reserve)
         keys = [k for k in candidates if dirty(k, self.cpu.get(k))]
         admitted: list[BlockKey] = []
         for key in keys:
@@ -358,7 +353,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._queue_bg(LoadStoreSpec.cpu(slots), LoadStoreSpec.disk(admitted), admitted)
 
     def _evict_disk(self, n: int) -> None:
-        victims = self.disk.victims(n, lambda k, e: True)
+        victims = self.disk.victims(n)
         for key in victims:
             self.disk.remove(key)
             self.disk_admission.on_evict(key)

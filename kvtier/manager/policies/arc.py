@@ -38,15 +38,12 @@ class ARCPolicy(EvictionPolicy):
             self.access(key)
             return
         c = self.capacity
-        if key in self._b1:  # T1 was too small: grow its target
-            delta = max(len(self._b2) / len(self._b1), 1.0)
-            self.p = min(float(c), self.p + delta)
-            self._b1.pop(key)
+        b1, b2 = self._b1, self._b2
+        if b1.pop(key) is not None:  # T1 was too small: grow its target
+            self.p = min(float(c), self.p + max(b2.size / (b1.size + 1), 1.0))
             self._t2.push(key)
-        elif key in self._b2:  # T2 was too small: shrink T1's target
-            delta = max(len(self._b1) / len(self._b2), 1.0)
-            self.p = max(0.0, self.p - delta)
-            self._b2.pop(key)
+        elif b2.pop(key) is not None:  # T2 was too small: shrink T1's target
+            self.p = max(0.0, self.p - max(b1.size / (b2.size + 1), 1.0))
             self._t2.push(key)
         else:
             self._t1.push(key)
@@ -107,12 +104,13 @@ class ARCPolicy(EvictionPolicy):
     def _trim_ghosts(self) -> None:
         """Keep ARC's invariants |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c."""
         c = self.capacity
-        while self._b1 and len(self._t1) + len(self._b1) > c:
-            self._b1.pop_first()
-        while self._b2 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
-            self._b2.pop_first()
-        while self._b1 and len(self) + len(self._b1) + len(self._b2) > 2 * c:
-            self._b1.pop_first()
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        while b1.size and t1.size + b1.size > c:
+            b1.pop_first()
+        while b2.size and t1.size + t2.size + b1.size + b2.size > 2 * c:
+            b2.pop_first()
+        while b1.size and t1.size + t2.size + b1.size + b2.size > 2 * c:
+            b1.pop_first()
 
 
 def _evictable_iter(order: KeyedList, evictable: Evictable) -> Iterator[BlockKey]:

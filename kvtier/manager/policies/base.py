@@ -9,7 +9,7 @@ request path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from kvtier.manager.specs import BlockKey
 
@@ -30,6 +30,17 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def remove(self, key: BlockKey) -> None:
         """``key`` left the tier (evicted or invalidated). Unknown keys are ignored."""
+
+    def insert_many(self, keys: Sequence[BlockKey],
+                    parents: Sequence[BlockKey | None] | None = None) -> None:
+        """``insert`` for a batch, in order (policies may override it to save per-key calls)."""
+        for i, key in enumerate(keys):
+            self.insert(key, parents[i] if parents is not None else None)
+
+    def remove_many(self, keys: Iterable[BlockKey]) -> None:
+        """``remove`` for a batch."""
+        for key in keys:
+            self.remove(key)
 
     @abstractmethod
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:

@@ -22,6 +22,16 @@ class LRUPolicy(EvictionPolicy):
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
         self._order.push(key)
 
+    def insert_many(self, keys, parents=None) -> None:
+        push = self._order.push
+        for key in keys:
+            push(key)
+
+    def remove_many(self, keys) -> None:
+        pop = self._order.pop
+        for key in keys:
+            pop(key)
+
     def access(self, key: BlockKey) -> None:
         self._order.move_to_end(key)
 
