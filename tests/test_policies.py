@@ -247,6 +247,16 @@ def _churn(gate: ReuseGate, start: int, n: int, hit: bool) -> None:
             gate.on_evict(key)
 
 
+def _fresh_admitted(gate: ReuseGate, start: int, n: int = 20) -> int:
+    """How many of ``n`` never-seen one-block lookups the gate admits. Several probes, since
+    the sighting filter's false positives (hash-seed dependent, ~1 %) look like seen keys."""
+    admitted = 0
+    for i in range(start, start + n):
+        gate.record_lookup([k(i)])
+        admitted += gate.admit(k(i))
+    return admitted
+
+
 def test_reuse_gate_open_without_eviction_pressure():
     gate = ReuseGate(1024)
     for i in range(3000):
@@ -257,9 +267,8 @@ def test_reuse_gate_open_without_eviction_pressure():
 def test_reuse_gate_refuses_never_read_first_timers_but_keeps_proven_blocks():
     gate = ReuseGate(1024)
     _churn(gate, 0, 3000, hit=False)  # every written first-timer died unread
-    assert gate.refused > 1000
-    gate.record_lookup([k(9000)])
-    assert not gate.admit(k(9000))
+    assert gate.refused > 500  # of 3000 (when it closes depends on the hash seed)
+    assert _fresh_admitted(gate, 9000) <= 3  # a sighting-filter false positive may pass
     gate.record_lookup([k(9001)])
     gate.record_lookup([k(9001)])  # seen in an earlier lookup: proven
     assert gate.admit(k(9001))
@@ -294,11 +303,9 @@ def test_reuse_gate_learns_per_class():
 def test_reuse_gate_reopens_when_refused_blocks_come_back():
     gate = ReuseGate(1024)
     _churn(gate, 0, 3000, hit=False)
-    gate.record_lookup([k(5000)])
-    assert not gate.admit(k(5000))
+    assert _fresh_admitted(gate, 5000) <= 3
     for i in range(10_000, 10_600):  # refused first-timers that are asked for again soon
         gate.record_lookup([k(i)])
         gate.admit(k(i))
         gate.record_lookup([k(i)])
-    gate.record_lookup([k(20_000)])
-    assert gate.admit(k(20_000))  # measured reuse is high again: the gate is open
+    assert _fresh_admitted(gate, 20_000) == 20  # measured reuse is high again: the gate is open
