@@ -14,7 +14,10 @@ The slowest batch is the figure that matters for a scheduler step, and it only s
 once the cache has churned: a dict of 1M keys rebuilds its table every ~0.5M inserts and a
 full garbage collection comes every few 100k new objects. So the number of timed batches
 defaults to ``--churn 1.0`` times the resident count (every resident block replaced once),
-with garbage collection left on, as in a server. Also printed: the 99th-percentile batch.
+with garbage collection left on, as in a server. Also printed: the 99th-percentile batch, and
+a noise floor measured in the same run: a fixed pure-Python workload (``NOISE_OPS`` dict reads
+on a small dict) timed once per batch, whose slowest run shows what the machine itself adds
+(preemption, frequency changes) to any batch.
 
     python benchmarks/manager_overhead.py [--sizes 10000,100000,1000000]
         [--policies lru,arc,lru+reuse_gate,arc+reuse_gate] [--churn 1.0] [--json]
@@ -30,6 +33,7 @@ from kvtier.manager.admission import make_admission
 from kvtier.manager.tiered import TieredOffloadingManager
 
 BATCH = 64
+NOISE_OPS = 4096
 
 
 def key(i: int) -> bytes:
@@ -50,6 +54,9 @@ def measure(policy: str, resident: int, batches: int) -> dict:
            "prepare+complete_load": 0.0, "dict_baseline": 0.0}
     worst = 0.0
     batch_ms: list[float] = []
+    noise_ms: list[float] = []
+    small = {key(i): i for i in range(256)}
+    probe = [key(i % 256) for i in range(NOISE_OPS)]
     stored = 0
     nxt = resident
     worst_split: dict[str, float] = {}
@@ -78,6 +85,9 @@ def measure(policy: str, resident: int, batches: int) -> dict:
         for k in hits:
             baseline.get(k)
         t6 = time.perf_counter()
+        for k in probe:
+            small.get(k)
+        noise_ms.append((time.perf_counter() - t6) * 1e3)
         split = dict(zip(ops, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)))
         for name, dt in split.items():
             ops[name] += dt
@@ -85,11 +95,13 @@ def measure(policy: str, resident: int, batches: int) -> dict:
             worst, worst_split = t5 - t0, {k: round(v * 1e3, 3) for k, v in split.items()}
         batch_ms.append((t5 - t0) * 1e3)
     batch_ms.sort()
+    noise_ms.sort()
     per_block = {k: v / (batches * BATCH) * 1e6 for k, v in ops.items()}
     assert m.pins() == 0
     return {"policy": policy, "resident": resident, "us_per_block": per_block,
             "worst_batch_ms": worst * 1e3, "p99_batch_ms": batch_ms[int(0.99 * (len(batch_ms) - 1))],
-            "worst_batch_split_ms": worst_split, "batches": batches, "stored_share": stored / (batches * BATCH),
+            "worst_batch_split_ms": worst_split,
+            "noise_median_ms": noise_ms[len(noise_ms) // 2], "noise_worst_ms": noise_ms[-1], "batches": batches, "stored_share": stored / (batches * BATCH),
             "lookup_vs_dict": per_block["lookup"] / max(per_block["dict_baseline"], 1e-9)}
 
 
@@ -116,6 +128,8 @@ def main() -> None:
         print(f"{r['policy']:14} {r['resident']:>9} " + " ".join(f"{r['us_per_block'][c]:>20.2f}us" for c in cols)
               + f" {r['p99_batch_ms']:>13.3f} {r['worst_batch_ms']:>18.3f} {r['lookup_vs_dict']:>11.1f}")
         print(f"{'':25}slowest batch, ms per step: {r['worst_batch_split_ms']}")
+        print(f"{'':25}noise floor ({NOISE_OPS} dict reads per batch): median "
+              f"{r['noise_median_ms']:.3f} ms, slowest {r['noise_worst_ms']:.3f} ms")
 
 
 if __name__ == "__main__":
