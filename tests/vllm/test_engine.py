@@ -26,6 +26,14 @@ N_PROMPTS, PROMPT_LEN = 4, 100  # 3 full blocks of 32 per prompt (the last token
 HIT = 3 * eu.BLOCK
 
 
+def _swap_cpu_slots(tier, a, b) -> None:
+    """Point two resident keys at each other's CPU slot (the tier's key -> slot map is
+    sharded; the slot's own state stays with the slot)."""
+    sa = tier._shards[hash(a) % tier._nshards]
+    sb = tier._shards[hash(b) % tier._nshards]
+    sa[a], sb[b] = sb[b], sa[a]
+
+
 def _disk_only(manager, keys) -> bool:
     from kvtier.manager.specs import Medium
 
@@ -75,12 +83,11 @@ def runs(tmp_path_factory):
     out["disk_loads"] = [(j.from_disk, j.joined) for j in loads]
 
     # negative control: the CPU copies of two blocks (now promoted) swap places
-    cpu = manager.cpu.entries
     a, b = keys[1], keys[3 + 1]
-    cpu[a].slot, cpu[b].slot = cpu[b].slot, cpu[a].slot
+    _swap_cpu_slots(manager.cpu, a, b)
     llm.reset_prefix_cache()
     out["wrong_block"] = eu.generate(llm, ps)
-    cpu[a].slot, cpu[b].slot = cpu[b].slot, cpu[a].slot
+    _swap_cpu_slots(manager.cpu, a, b)
     eu.drain(llm)
     eu.shutdown(llm)  # closes the disk store
 
