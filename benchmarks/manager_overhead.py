@@ -99,9 +99,10 @@ def measure(policy: str, resident: int, batches: int) -> dict:
     per_block = {k: v / (batches * BATCH) * 1e6 for k, v in ops.items()}
     assert m.pins() == 0
     return {"policy": policy, "resident": resident, "us_per_block": per_block,
-            "worst_batch_ms": worst * 1e3, "p99_batch_ms": batch_ms[int(0.99 * (len(batch_ms) - 1))],
-            "worst_batch_split_ms": worst_split,
-            "noise_median_ms": noise_ms[len(noise_ms) // 2], "noise_worst_ms": noise_ms[-1], "batches": batches, "stored_share": stored / (batches * BATCH),
+            "worst_batch_ms": worst * 1e3, "worst_batch_split_ms": worst_split,
+            "p99_batch_ms": batch_ms[int(0.99 * (len(batch_ms) - 1))],
+            "noise_median_ms": noise_ms[len(noise_ms) // 2], "noise_worst_ms": noise_ms[-1],
+            "batches": batches, "stored_share": stored / (batches * BATCH),
             "lookup_vs_dict": per_block["lookup"] / max(per_block["dict_baseline"], 1e-9)}
 
 
@@ -114,6 +115,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=0, help="fixed number of timed batches")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+
     def batches(n: int) -> int:
         return args.batches or max(300, int(args.churn * n / BATCH))
 

@@ -8,8 +8,9 @@ an ``OrderedDict`` node value) makes every full garbage collection walk a millio
 
 * :class:`KeyShards` spreads keys over many small dicts (about 64 keys each), so a rebuild
   costs microseconds; a few hundred keys per shard still gave 1-5 ms waves when many shards,
-  filled together, reached their rebuild point in the same stretch of requests. Shard = ``hash(key) % prime``, which keeps the shard choice
-  independent of the low hash bits each small dict probes with, also for sequential ints.
+  filled together, reached their rebuild point in the same stretch of requests. Shard =
+  ``hash(key) % prime``, which keeps the shard choice independent of the low hash bits each
+  small dict probes with, also for sequential ints.
 * :class:`KeyedList` is an ordered map (an ``OrderedDict`` replacement) with a fixed capacity:
   nodes are slot numbers linked through two ``array`` columns, values live in a third one,
   and ``node -> key`` lives in small dicts of 64 consecutive nodes. Nothing per key is seen
@@ -63,8 +64,9 @@ class KeyedList:
     the end, pop of any key and of the first key; iteration oldest first.
 
     ``push`` on a full list raises; ``push_bounded`` first drops the oldest key (a bounded
-    FIFO/LRU history). Do not mutate the list while iterating it. The shard lookups are
-    written out inline: this class sits on every block's request path.
+    FIFO/LRU history). Do not mutate the list while iterating it. Shard lookups and link
+    updates are written out inline rather than in helpers: this class sits on every block's
+    request path, where a Python call costs as much as the work it would wrap.
     """
 
     # ``size`` is the number of keys (an attribute, so hot callers skip a ``len()`` call).

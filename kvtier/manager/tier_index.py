@@ -33,8 +33,9 @@ class BlockState(Enum):
     READY = "ready"
 
 
+_FREE, _WRITING, _READY = 0, 1, 2  # values of the state column
 _STATES = (None, BlockState.WRITING, BlockState.READY)  # column value -> state
-_CODES = {BlockState.WRITING: 1, BlockState.READY: 2}
+_CODES = {BlockState.WRITING: _WRITING, BlockState.READY: _READY}
 _FLUSHING, _ON_DISK, _FLUSH_FAILED, _PROMOTED = 1, 2, 4, 8
 
 
@@ -88,7 +89,7 @@ class Entry:
     @property
     def pinned(self) -> bool:
         ix, h = self._ix, self.handle
-        return ix._readers[h] > 0 or bool(ix._flags[h] & _FLUSHING) or ix._state[h] != 2
+        return ix._readers[h] > 0 or bool(ix._flags[h] & _FLUSHING) or ix._state[h] != _READY
 
 
 class _Entries(Mapping):
@@ -124,11 +125,10 @@ class TierIndex:
         self.medium = medium
         self.policy = policy
         self.with_slots = with_slots
-        self.evictions = 0
         self._handles = KeyShards(n)  # key -> handle
         self._shards, self._nshards = self._handles.shards, self._handles.n
         self._len = 0
-        self._state = bytearray(n)  # 0 free, 1 WRITING, 2 READY
+        self._state = bytearray(n)  # _FREE / _WRITING / _READY
         self._flags = bytearray(n)
         self._readers = array("i", bytes(4 * n))
         # Free handles, chained: _free_next[h] is the next free one; n ends the chain. The
@@ -149,15 +149,11 @@ class TierIndex:
 
     def ready(self, key: BlockKey) -> Entry | None:
         h = self._shards[hash(key) % self._nshards].get(key)
-        return Entry(self, h) if h is not None and self._state[h] == 2 else None
+        return Entry(self, h) if h is not None and self._state[h] == _READY else None
 
     def is_ready(self, key: BlockKey) -> bool:
         h = self._shards[hash(key) % self._nshards].get(key)
-        return h is not None and self._state[h] == 2
-
-    def items(self) -> Iterator[tuple[BlockKey, Entry]]:
-        for key, h in self._handles.items():
-            yield key, Entry(self, h)
+        return h is not None and self._state[h] == _READY
 
     @property
     def free_count(self) -> int:
@@ -198,7 +194,7 @@ class TierIndex:
         out: list[BlockKey] = []
         for key in keys:
             h = shards[hash(key) % nshards].get(key)
-            if h is not None and st[h] == 1 and not flags[h] & _PROMOTED:
+            if h is not None and st[h] == _WRITING and not flags[h] & _PROMOTED:
                 out.append(key)
         return out
 
@@ -206,7 +202,7 @@ class TierIndex:
         """The bytes of ``keys`` (present) are written: they become readable."""
         shards, nshards, st = self._shards, self._nshards, self._state
         for key in keys:
-            st[shards[hash(key) % nshards][key]] = 2
+            st[shards[hash(key) % nshards][key]] = _READY
 
     def remove(self, key: BlockKey) -> bool:
         """Forget ``key`` and free its handle; False if it was not here. Views of it die."""
@@ -221,7 +217,7 @@ class TierIndex:
             h = shards[hash(key) % nshards].pop(key, None)
             if h is None:
                 continue
-            st[h] = 0
+            st[h] = _FREE
             free_next[h] = head
             head = h
             gone.append(key)
@@ -240,7 +236,7 @@ class TierIndex:
 
         def ok(key: BlockKey) -> bool:
             h = shards[hash(key) % nshards].get(key)
-            if h is None or state[h] != 2 or readers[h] > 0 or flags[h] & _FLUSHING:
+            if h is None or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
                 return False
             return evictable is None or evictable(key, Entry(self, h))
 
@@ -260,6 +256,6 @@ class TierIndex:
     def pins(self) -> int:
         """Pins held in this tier: readers, flushes in flight, blocks being written."""
         state, readers, flags = self._state, self._readers, self._flags
-        return sum(readers[h] + (flags[h] & _FLUSHING) + (state[h] == 1)
+        return sum(readers[h] + bool(flags[h] & _FLUSHING) + (state[h] == _WRITING)
                    for h in self._handles.values())
 
