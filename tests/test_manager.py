@@ -210,13 +210,17 @@ class ManagerMachine(RuleBasedStateMachine):
         self.loads.append(plan)
 
     @precondition(lambda self: self.loads)
-    @rule(i=st.integers(0, 100), corrupt=st.booleans())
-    def complete_load(self, i, corrupt):
+    @rule(i=st.integers(0, 100), corrupt=st.booleans(), hop_error=st.booleans())
+    def complete_load(self, i, corrupt, hop_error):
+        """``corrupt``: disk hits fail (bad record). ``hop_error``: a hop raised, so the whole
+        job fails, CPU hits included (their CPU bytes are untouched)."""
         plan = self.loads.pop(i % len(self.loads))
-        failed = []
+        failed = list(plan.keys) if hop_error else []
         for key, slot, from_disk in zip(plan.keys, plan.cpu_slots, plan.from_disk):
             if from_disk:
-                if corrupt:
+                if hop_error:
+                    self.disk_data.pop(key, None)  # treated as bad: the manager forgets it
+                elif corrupt:
                     failed.append(key)
                     self.disk_data.pop(key, None)
                 else:

@@ -212,9 +212,12 @@ class TieredOffloadingManager(OffloadingManager):
                     self._failed_promotions.discard(key)
                     self.cpu.remove(key)
             elif entry.readers > 0:
+                # A CPU hit only had its CPU -> GPU hop, which reads the slot and never writes
+                # it: whatever failed (the hop, or another hop of the same job), the CPU bytes
+                # are intact, so the block stays. Freeing it here freed a slot that a queued
+                # demotion or another load still read: the next store reused it and the
+                # demotion wrote that store's bytes to disk under this key (issue 14.1).
                 entry.readers -= 1
-                if key in failed:
-                    self._drop_cpu((key,))
             else:
                 self.stats.protocol_errors += 1
         self.stats.failed_loads += len(failed)

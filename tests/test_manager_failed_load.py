@@ -1,0 +1,135 @@
+"""A failed load of a CPU hit must not free a slot that a queued demotion still reads (issue 14.1).
+
+The old ``complete_load(keys, failed)`` dropped a failed CPU hit at once. With the block's
+CPU -> DISK demotion already handed out (taken, not yet run), the slot went back to the free
+list, the next store wrote another block into it, and the demotion then copied that block's
+bytes to disk under the first key, with a valid checksum: a later disk hit served wrong bytes.
+The same held for a second load still reading the slot. A CPU hit's only hop (CPU -> GPU) reads
+the slot and never writes it, so the block stays resident after a failed load.
+
+The first test runs the exact sequence through the real manager, CPU pool, disk store and
+transfer engine (the reliability rig's stack), failing the load by a real hop error; the others
+pin down the manager's side with a byte model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from reliability.blocks import block, key
+from reliability.rig import StackRig
+
+from kvtier.manager.specs import LoadStoreSpec, Medium
+from kvtier.manager.tiered import TieredOffloadingManager
+
+
+@pytest.fixture
+def rig(tmp_path):
+    logging.disable(logging.WARNING)
+    # 2 CPU slots and a flush reserve of 2: every stored block is demoted at once
+    r = StackRig(tmp_path / "disk", cpu_blocks=2, disk_blocks=8, gpu_blocks=8,
+                 compression="none", flush_reserve=2)
+    yield r
+    r.close()
+    logging.disable(logging.NOTSET)
+
+
+def _store(rig: StackRig, k: bytes) -> None:
+    """The engine computed ``k``: GPU -> CPU through the real engine, then complete_store."""
+    b = rig.free_gpu.pop()
+    rig._write_gpu(k, b)
+    plan = rig.manager.prepare_store([k])
+    assert plan.keys == (k,)
+    [res] = rig.engine.wait([rig.engine.submit(LoadStoreSpec.gpu([b]), plan.dst)], timeout=30)
+    assert res.ok
+    rig.manager.complete_store(plan.keys, True)
+    rig.free_gpu.append(b)
+
+
+def _load(rig: StackRig, k: bytes, gpu_id: int) -> tuple[bool, bool]:
+    """Load ``k`` into engine block ``gpu_id`` the way the rig does; (job ok, bytes right)."""
+    plan = rig.manager.prepare_load([k])
+    assert plan.keys == (k,)
+    hops = [plan.disk_hop()] if plan.disk_hop() is not None else []
+    hops.append((LoadStoreSpec.cpu(plan.cpu_slots), LoadStoreSpec.gpu([gpu_id])))
+    [res] = rig.engine.wait([rig.engine.submit_chain(hops)], timeout=30)
+    failed = set(plan.keys) if res.error is not None else set(res.failed_keys)
+    right = not failed and rig._gpu_holds(k, gpu_id)
+    rig.manager.complete_load(plan.keys, failed)
+    return res.ok and not failed, right
+
+
+def test_failed_cpu_hit_load_does_not_let_a_queued_demotion_write_another_blocks_bytes(rig):
+    m = rig.manager
+    a, b, c = key(1), key(2), key(3)
+    _store(rig, a)
+    [demotion] = m.take_background_transfers()  # A's CPU -> DISK copy: taken, not yet run
+    assert demotion.keys == (a,) and demotion.dst.medium is Medium.DISK
+
+    # A CPU hit of A whose CPU -> GPU hop errors (engine block id out of range: the hop raises,
+    # as a CUDA error would); the job fails every key, as connectors and the rig do.
+    ok, _ = _load(rig, a, gpu_id=10_000)
+    assert not ok
+
+    _store(rig, b)  # old code: B lands in A's freed slot
+    [res] = rig.engine.wait([rig.engine.submit(demotion.src, demotion.dst)], timeout=30)
+    m.complete_background(demotion.id, res.ok)
+    assert res.ok
+
+    assert rig.store.get(a) == block(a), "the disk record for A holds another block's bytes"
+    # push A out of CPU memory, so the next load of A really comes from disk
+    for t in m.take_background_transfers():
+        [r] = rig.engine.wait([rig.engine.submit(t.src, t.dst)], timeout=30)
+        m.complete_background(t.id, r.ok)
+    _store(rig, c)
+    rig.drain()
+    assert m.lookup([a]).tiers in ((Medium.DISK,), (Medium.CPU,))
+    ok, right = _load(rig, a, gpu_id=rig.free_gpu[0])
+    assert ok and right, "a load of A served bytes that are not A's"
+    rig.drain()
+    assert m.pins() == 0 and m.stats.protocol_errors == 0
+
+
+def test_failed_cpu_hit_keeps_the_block_and_releases_only_its_own_pin():
+    m = TieredOffloadingManager(cpu_blocks=2, disk_blocks=4, flush_reserve=2)
+    a, b = b"A", b"B"
+    plan = m.prepare_store([a])
+    m.complete_store(plan.keys)
+    slot_a = plan.cpu_slots[0]
+    [demotion] = m.take_background_transfers()
+    first = m.prepare_load([a])
+    second = m.prepare_load([a])  # another request reading the same slot
+    assert m.cpu.entries[a].readers == 2
+    m.complete_load(first.keys, failed=first.keys)
+    entry = m.cpu.get(a)
+    assert entry is not None and entry.readers == 1 and entry.flushing
+    assert m.lookup([a]).tiers == (Medium.CPU,)  # the CPU bytes are intact: still a hit
+    plan_b = m.prepare_store([b])
+    assert plan_b.keys == (b,) and plan_b.cpu_slots[0] != slot_a
+    m.complete_store(plan_b.keys)
+    m.complete_load(second.keys)
+    m.complete_background(demotion.id, True)
+    for t in m.take_background_transfers():
+        m.complete_background(t.id, True)
+    assert m.pins() == 0 and m.stats.protocol_errors == 0 and m.stats.failed_loads == 1
+
+
+def test_failed_promotion_still_frees_its_slot():
+    """A failed DISK -> CPU hop left the CPU slot half written: that block must go (and the
+    disk copy is treated as bad), unlike a CPU hit."""
+    m = TieredOffloadingManager(cpu_blocks=1, disk_blocks=4, flush_reserve=1)
+    plan = m.prepare_store([b"A"])
+    m.complete_store(plan.keys)
+    for t in m.take_background_transfers():
+        m.complete_background(t.id, True)
+    plan = m.prepare_store([b"B"])  # A is clean: evicted from CPU, kept on disk
+    m.complete_store(plan.keys)
+    for t in m.take_background_transfers():
+        m.complete_background(t.id, True)
+    load = m.prepare_load([b"A"])
+    assert load.from_disk == (True,)
+    m.complete_load(load.keys, failed=load.keys)
+    assert b"A" not in m.cpu and b"A" not in m.disk and m.cpu.free_count == 1
+    assert m.pins() == 0
