@@ -1,4 +1,8 @@
-"""``kvtier bench``: replay a trace through the real manager, transfer engine and tiers."""
+"""``kvtier bench``: replay a trace through the real manager, transfer engine and tiers.
+
+torch is imported only when a replay actually moves bytes (``kvtier.bench.replay`` is imported
+inside ``bench``): importing it costs 4-5 s, which ``--help``, ``--compare`` and every other
+command must not pay."""
 
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtier.bench.compare import DEFAULT_POLICIES
-from kvtier.bench.replay import Replay
 from kvtier.bench.trace import load_trace
 from kvtier.bench.trace_gen import SHAPES, generate
 from kvtier.cli.errors import user_errors
@@ -168,6 +171,8 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
         return
     longest = max(len(r.hash_ids) for r in trace)
     gpu_blocks = gpu_blocks or max(64, 2 * longest)
+    from kvtier.bench.replay import Replay  # torch: only here, where bytes move
+
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         config = load_config(config_path) if config_path else default_bench_config(Path(tmp) / "disk")
         replay = Replay(config, block_kib * 1024, gpu_blocks)
