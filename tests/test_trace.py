@@ -66,3 +66,64 @@ def test_fuzzed_lines_parse_or_raise_trace_error(line):
     except TraceError:
         return
     assert req is None or (req.input_length >= 1 and all(h >= 0 for h in req.hash_ids))
+
+
+# -- issue 14, items 8 and 13: one line must not exhaust memory or end in a traceback
+
+def _line(n_blocks, **extra):
+    obj = {"input_length": n_blocks * 512, "output_length": 1, "hash_ids": list(range(n_blocks))}
+    obj.update(extra)
+    return json.dumps(obj)
+
+
+def test_request_longer_than_the_bound_is_refused_naming_the_line(tmp_path):
+    from kvtier.bench.trace import MAX_REQUEST_BLOCKS
+
+    p = write(tmp_path, [_line(3), _line(MAX_REQUEST_BLOCKS + 1)])
+    with pytest.raises(TraceError) as err:
+        load_trace(p)
+    assert f"{p}:2" in str(err.value) and "input_length" in str(err.value)
+    # the longest request allowed still loads
+    assert len(load_trace(write(tmp_path, [_line(MAX_REQUEST_BLOCKS)]))[0].hash_ids) == MAX_REQUEST_BLOCKS
+
+
+def test_over_long_line_is_refused_without_reading_it_whole(tmp_path):
+    from kvtier.bench.trace import MAX_LINE_CHARS
+
+    p = tmp_path / "t.jsonl"
+    p.write_text(_line(2) + "\n" + '{"hash_ids": [' + "1, " * MAX_LINE_CHARS)  # no newline
+    with pytest.raises(TraceError) as err:
+        load_trace(p)
+    assert f"{p}:2" in str(err.value) and "line longer" in str(err.value)
+
+
+@pytest.mark.parametrize("line, needle", [
+    (_line(1, hash_ids=[2**64]), "2**64-1"),
+    ('{"input_length": 1' + "0" * 5000 + ', "output_length": 1, "hash_ids": [1]}', "not a valid"),
+    (_line(1, hash_ids=[10**5000 // 10**4000]), "hash_ids"),
+    (_line(1, timestamp=10**400), "timestamp"),
+    (_line(1, output_length=10**300), "output_length"),
+])
+def test_huge_numbers_are_trace_errors(tmp_path, line, needle):
+    p = write(tmp_path, [line])
+    with pytest.raises(TraceError) as err:
+        load_trace(p)
+    assert f"{p}:1" in str(err.value) and needle in str(err.value)
+    assert len(str(err.value)) < 300  # the number is not pasted into the message
+
+
+@pytest.mark.parametrize("line", [
+    _line(5000),
+    _line(1, hash_ids=[2**64]),
+    '{"input_length": 1' + "0" * 5000 + ', "output_length": 1, "hash_ids": [1]}',
+])
+def test_cli_reports_a_bad_line_in_one_line_with_status_2(tmp_path, line):
+    import subprocess
+    import sys
+
+    p = write(tmp_path, [_line(2), line])
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "--trace", str(p),
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and f"{p}:2" in proc.stderr
+    assert "Traceback" not in proc.stderr
