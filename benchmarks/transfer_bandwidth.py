@@ -297,7 +297,7 @@ def bandwidth_table(bench: Bench, quick: bool) -> tuple[str, dict]:
                                       ("CPU->GPU", bench.load.copier, bench.ids_b, bench.slots_b)):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        job = copier.enqueue(ids, slots, None)
+        job = copier.enqueue(ids, slots)
         t1 = time.perf_counter()
         job.done.synchronize()
         t2 = time.perf_counter()

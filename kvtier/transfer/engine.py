@@ -10,6 +10,13 @@ A chained job (DISK->CPU then CPU->GPU) is forwarded from route to route: after 
 it joins the next hop's queue, so every hop obeys its own route's order and concurrency. A hop
 that raises ends the job; a hop that only reports ``failed_keys`` does not (the keys are reported
 and the caller treats them as errors), matching how the manager settles partial loads.
+
+Immediate routes (:class:`ImmediateHandler`, the CUDA GPU<->CPU copies) bypass the loop: their
+hops are enqueued on the submitting thread and their completion is polled by ``get_finished``
+and ``wait`` on the caller's thread. A chain whose later hop is immediate (DISK->CPU->GPU) parks
+after its loop hop until the caller's next call starts it. ``fence`` orders the caller's later
+device work after given jobs (a stream wait for immediate hops, a host wait otherwise), so a
+forward can consume a load without the host ever blocking on the GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
-from kvtier.transfer.handlers import TransferHandler
+from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
 from kvtier.transfer.jobs import (
     DirectionStats,
     Hop,
@@ -46,6 +53,9 @@ class _Job:
     failed_keys: list[BlockKey] = field(default_factory=list)
     error: str | None = None
     last_route: Route | None = None
+    hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run
+    pending: object = None  # an immediate hop's handle while the device runs it
+    started: float = 0.0
 
 
 @dataclass
@@ -102,6 +112,9 @@ class TransferEngine:
         self._closed = False
         self._stopped = False
         self._lanes: dict[Route, _Lane] = {}
+        self._immediate: dict[int, _Job] = {}  # immediate hops running on a device queue
+        self._parked: list[_Job] = []  # jobs whose next hop is immediate, waiting for a caller
+        self._imm_lock = threading.RLock()  # callers' side of immediate hops
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
@@ -124,10 +137,20 @@ class TransferEngine:
     async def _start_lanes(self) -> None:
         for route, h in self._handlers.items():
             lane = _Lane(route, h, asyncio.Queue(), asyncio.Semaphore(h.concurrency))
-            lane.worker = asyncio.ensure_future(self._worker(lane))
+            if not isinstance(h, ImmediateHandler):
+                lane.worker = asyncio.ensure_future(self._worker(lane))
             self._lanes[route] = lane
 
+    def _is_immediate(self, job: _Job) -> bool:
+        return isinstance(self._handlers[route_of(job.hops[job.next_hop])], ImmediateHandler)
+
     def _dispatch(self, job: _Job) -> None:
+        """Loop thread: queue the job's next hop, or park it for the caller if immediate."""
+        if self._is_immediate(job):
+            with self._cond:
+                self._parked.append(job)
+                self._cond.notify_all()  # a waiter must start it
+            return
         self._lanes[route_of(job.hops[job.next_hop])].queue.put_nowait(job)
 
     async def _worker(self, lane: _Lane) -> None:
@@ -173,20 +196,26 @@ class TransferEngine:
             lane.active -= 1
             if lane.active == 0:
                 lane.stats.seconds += now - lane.busy_since
-            lane.stats.jobs += 1
-            lane.stats.bytes += outcome.bytes
-            if error is not None or outcome.failed_keys:
-                lane.stats.failed_jobs += 1
-        job.bytes += outcome.bytes
-        job.seconds += now - t0
-        job.failed_keys.extend(outcome.failed_keys)
-        job.last_route = lane.route
-        job.error = error
+        self._hop_done(lane, job, outcome, error, now - t0)
         if error is None and job.next_hop + 1 < len(job.hops):
             job.next_hop += 1
             self._dispatch(job)
         else:
             self._finish(job)
+
+    def _hop_done(self, lane: _Lane, job: _Job, outcome: TransferOutcome, error: str | None,
+                  seconds: float) -> None:
+        with self._lock:
+            lane.stats.jobs += 1
+            lane.stats.bytes += outcome.bytes
+            if error is not None or outcome.failed_keys:
+                lane.stats.failed_jobs += 1
+        job.bytes += outcome.bytes
+        job.seconds += seconds
+        job.hop_stats.append((lane.route, outcome.bytes, seconds))
+        job.failed_keys.extend(outcome.failed_keys)
+        job.last_route = lane.route
+        job.error = error
 
     def _finish(self, job: _Job) -> None:
         failed = tuple(dict.fromkeys(job.failed_keys))
@@ -198,6 +227,7 @@ class TransferEngine:
             bytes=job.bytes,
             seconds=job.seconds,
             direction=job.last_route or route_of(job.hops[0]),
+            hops=tuple(job.hop_stats),
         )
         with self._cond:
             self._finished[job.job_id] = result
@@ -207,9 +237,10 @@ class TransferEngine:
     async def _shutdown(self) -> None:
         """Stop workers; fail whatever is still running or queued (only after a close timeout)."""
         lanes = list(self._lanes.values())
-        for lane in lanes:
-            lane.worker.cancel()
-        await asyncio.gather(*(lane.worker for lane in lanes), return_exceptions=True)
+        workers = [lane.worker for lane in lanes if lane.worker is not None]
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
         running = [(t, job) for lane in lanes for t, job in lane.running.items()]
         for t, _ in running:
             t.cancel()
@@ -249,8 +280,6 @@ class TransferEngine:
                 raise ValueError(
                     f"no transfer handler for {route_name(route_of((src, dst)))}; known: {known}"
                 )
-        for src, dst in hops:  # on the caller's thread: e.g. capture its CUDA stream position
-            self._handlers[route_of((src, dst))].on_submit(src, dst)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
@@ -265,11 +294,92 @@ class TransferEngine:
                     raise ValueError(f"job id {jid} is already in use")
             self._live.add(jid)
             self._pending += 1
-            self._loop.call_soon_threadsafe(self._dispatch, _Job(jid, hops))
+            job = _Job(jid, hops)
+            if not self._is_immediate(job):
+                self._loop.call_soon_threadsafe(self._dispatch, job)
+                return jid
+        with self._imm_lock:
+            self._start_immediate(job)
         return jid
+
+    # ---- immediate hops (caller threads, under _imm_lock) ---------------------------------------
+
+    def _start_immediate(self, job: _Job) -> None:
+        """Enqueue the job's next hop on its device queue now; a refusal fails the job."""
+        lane = self._lanes[route_of(job.hops[job.next_hop])]
+        src, dst = job.hops[job.next_hop]
+        job.started = time.perf_counter()
+        try:
+            job.pending = lane.handler.start(src, dst)
+        except Exception as exc:  # noqa: BLE001 - a refused hop is a failed job, like on the loop
+            error = f"{lane.name}: {type(exc).__name__}: {exc}"
+            log.warning("%s: job %d failed: %s", self.name, job.job_id, error)
+            self._hop_done(lane, job, TransferOutcome(), error, 0.0)
+            self._finish(job)
+            return
+        self._immediate[job.job_id] = job
+
+    def _complete_immediate(self, job: _Job, outcome: TransferOutcome) -> None:
+        lane = self._lanes[route_of(job.hops[job.next_hop])]
+        del self._immediate[job.job_id]
+        job.pending = None
+        seconds = outcome.seconds
+        if seconds is None:
+            seconds = time.perf_counter() - job.started
+        with self._lock:
+            lane.stats.seconds += seconds
+        self._hop_done(lane, job, outcome, None, seconds)
+        if job.next_hop + 1 < len(job.hops):
+            job.next_hop += 1
+            if self._is_immediate(job):
+                self._start_immediate(job)
+            else:
+                self._loop.call_soon_threadsafe(self._dispatch, job)
+        else:
+            self._finish(job)
+
+    def _advance(self, block_on: Iterable[int] = ()) -> None:
+        """Start parked immediate hops, collect the finished ones (``block_on``: wait for those
+        job ids' immediate hops, if running)."""
+        with self._imm_lock:
+            with self._lock:
+                parked, self._parked = self._parked, []
+            for job in parked:
+                self._start_immediate(job)
+            for jid in block_on:
+                job = self._immediate.get(jid)
+                if job is not None:
+                    self._complete_immediate(job, self._lanes[route_of(
+                        job.hops[job.next_hop])].handler.finish(job.pending))
+            for job in list(self._immediate.values()):
+                if job.pending is None:
+                    continue
+                outcome = self._lanes[route_of(job.hops[job.next_hop])].handler.poll(job.pending)
+                if outcome is not None:
+                    self._complete_immediate(job, outcome)
+
+    def fence(self, job_ids: Iterable[int]) -> None:
+        """Order device work the caller enqueues from now on after these jobs: a stream wait
+        for a job on an immediate hop (the host goes on at once), else a host wait until the
+        job finished. Results stay collectable by ``get_finished``."""
+        ids = [int(i) for i in job_ids]
+        while True:
+            self._advance()
+            with self._cond:
+                waiting = [i for i in ids if i in self._live and i not in self._finished
+                           and i not in self._immediate]
+                if not waiting:
+                    break
+                self._cond.wait(0.002)
+        with self._imm_lock:
+            for i in ids:
+                job = self._immediate.get(i)
+                if job is not None and job.pending is not None:
+                    self._lanes[route_of(job.hops[job.next_hop])].handler.fence(job.pending)
 
     def get_finished(self) -> list[JobResult]:
         """Results completed since the last call, in completion order. Never waits for a job."""
+        self._advance()
         with self._lock:
             out = [r for jid, r in self._finished.items() if jid not in self._reserved]
             for r in out:
@@ -302,7 +412,15 @@ class TransferEngine:
                         raise TimeoutError(
                             f"{len(missing)} of {len(ids)} jobs unfinished after {timeout}s"
                         )
-                    self._cond.wait(left)
+                    if self._parked or any(i in self._immediate for i in missing):
+                        # immediate hops move only on a caller's thread: this one
+                        self._cond.release()
+                        try:
+                            self._advance(block_on=missing)
+                        finally:
+                            self._cond.acquire()
+                        continue
+                    self._cond.wait(left if left is not None and left < 0.002 else 0.002)
                 out = [self._finished.pop(i) for i in ids]
                 self._live.difference_update(ids)
                 return out
@@ -345,7 +463,12 @@ class TransferEngine:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.release()
+                try:
+                    self._advance(block_on=list(self._immediate))
+                finally:
+                    self._cond.acquire()
+                self._cond.wait(min(left, 0.002))
             drained = self._pending == 0
         if not drained:
             log.warning("%s: closing with %d unfinished jobs (failed)", self.name, self.pending())

@@ -26,6 +26,8 @@ T = TypeVar("T")
 
 
 class TransferHandler(ABC):
+    """A handler the engine runs on its event loop (``run``), one route per handler."""
+
     direction: Route
     concurrency: int = 1
     """Jobs of this direction that may run at once (they still start in submission order)."""
@@ -43,10 +45,6 @@ class TransferHandler(ABC):
     def name(self) -> str:
         return route_name(self.direction)
 
-    def on_submit(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        """Called on the submitting thread before the job is queued. CUDA handlers record the
-        caller's stream position here so a store cannot read pages the compute has not
-        written yet; CPU handlers need nothing."""
 
     def check_media(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
         if (src.medium, dst.medium) != tuple(self.direction):
@@ -76,3 +74,44 @@ class TransferHandler(ABC):
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=wait)
+
+
+class ImmediateHandler(TransferHandler):
+    """A handler whose hops are *enqueued on the caller's thread* and run on a device queue.
+
+    Why: a GPU copy is asynchronous already; handing it to the event-loop thread only adds
+    thread hops, and every hop must win the GIL from vLLM's busy engine thread (up to the
+    5 ms switch interval each time). Enqueued where it is submitted, a copy starts within
+    microseconds and is ordered on the GPU (``start`` records the caller's stream position;
+    ``fence`` makes the caller's stream wait for the copy) instead of by host syncs. The engine
+    polls ``poll`` from the caller's thread (``get_finished`` / ``wait``); nothing here runs on
+    the event loop.
+    """
+
+    immediate = True
+
+    @abstractmethod
+    def start(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> Any:
+        """Validate and enqueue the hop (after the work already on the caller's stream);
+        return a handle for ``poll``/``fence``/``finish``. Raise on bad input."""
+
+    @abstractmethod
+    def poll(self, pending: Any) -> TransferOutcome | None:
+        """The hop's outcome once the device finished it, else ``None``. Never blocks."""
+
+    @abstractmethod
+    def fence(self, pending: Any) -> None:
+        """Order work the caller enqueues from now on after this hop (on the device)."""
+
+    @abstractmethod
+    def finish(self, pending: Any) -> TransferOutcome:
+        """Block until the hop is done and return its outcome."""
+
+    async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
+        """Start the hop and await it (for direct use, e.g. tests; the engine never calls it)."""
+        pending = self.start(src, dst)
+        delay = 20e-6
+        while (out := self.poll(pending)) is None:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2e-4)
+        return out

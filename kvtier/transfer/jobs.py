@@ -35,6 +35,9 @@ class TransferOutcome:
 
     bytes: int = 0
     failed_keys: tuple[BlockKey, ...] = ()
+    seconds: float | None = None
+    """Device time of the hop when the handler measured it (CUDA events); else the engine
+    uses the wall time it saw the hop run."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class JobResult:
     bytes: int
     seconds: float
     direction: Route
+    hops: tuple[tuple[Route, int, float], ...] = ()
+    """(route, bytes, seconds) of every hop that ran, in order: what feeds per-tier load
+    bandwidth estimates (a promotion's DISK->CPU hop and its CPU->GPU hop differ ~30x)."""
 
 
 @dataclass

@@ -154,10 +154,11 @@ def test_concurrent_loads_and_stores_through_the_engine():
         assert torch.equal(pool.slot(128 + i), want_b[i])
 
 
-@pytest.mark.parametrize("hook", ["on_submit", "fallback"])
+@pytest.mark.parametrize("hook", ["caller_stream", "construction_stream"])
 def test_store_waits_for_the_compute_that_writes_its_blocks(hook):
     """The model writes the blocks after a long kernel on the compute stream; the store is
-    submitted right away. It must copy the final values, not what was there before."""
+    submitted right away (on that stream, or from another stream while the handler was built
+    on the compute stream). It must copy the final values, not what was there before."""
     gen = torch.Generator(device=DEV).manual_seed(13)
     view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
                      layout="kv_first")
@@ -165,26 +166,28 @@ def test_store_waits_for_the_compute_that_writes_its_blocks(hook):
     pool.wait_ready()
     compute = torch.cuda.Stream(DEV)
     with torch.cuda.stream(compute):
-        store = CudaGpuToCpuHandler(view, pool, staging_bytes=1 << 20)  # fallback: this stream
+        store = CudaGpuToCpuHandler(view, pool, staging_bytes=1 << 20)
     ids = list(range(0, 64, 2))
     final = random_bytes((len(view.layers), 2, len(ids), view.page_bytes), gen)
     torch.cuda.synchronize()
     src, dst = LoadStoreSpec.gpu(ids), LoadStoreSpec.cpu(range(32))
-    with torch.cuda.stream(compute):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the writes
-        for layer, new in zip(view.layers, final):
-            layer.pages[:, ids] = new
-        if hook == "on_submit":
-            store.on_submit(src, dst)
     with TransferEngine([store]) as engine:
-        result = engine.wait([engine.submit(src, dst)], timeout=60)[0]
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the writes
+            for layer, new in zip(view.layers, final):
+                layer.pages[:, ids] = new
+            if hook == "caller_stream":
+                job = engine.submit(src, dst)
+        if hook == "construction_stream":
+            job = engine.submit(src, dst)
+        result = engine.wait([job], timeout=60)[0]
     assert result.ok, result.error
     want = final.permute(2, 0, 1, 3).reshape(len(ids), -1).cpu()
     for i in range(len(ids)):
         assert torch.equal(pool.slot(i), want[i]), f"slot {i} holds stale bytes"
 
 
-def test_load_waits_for_submit_event_before_overwriting_pages():
+def test_load_waits_for_the_submitting_stream_before_overwriting_pages():
     """Pages still read by earlier compute are overwritten only after that compute ran."""
     gen = torch.Generator(device=DEV).manual_seed(17)
     view = GpuKvView(make_caches("kv_first", 2, 16, 8 << 10, torch.bfloat16, gen),
@@ -204,7 +207,37 @@ def test_load_waits_for_submit_event_before_overwriting_pages():
         torch.cuda._sleep(200_000_000)
         for i, layer in enumerate(view.layers):  # the "old" reader of those pages
             snapshot[i] = layer.pages[:, ids]
-        load.on_submit(src, dst)
-    run(load.run(src, dst))
+        pending = load.start(src, dst)
+    load.finish(pending)
     compute.synchronize()
     assert torch.equal(snapshot, old), "load overwrote pages before earlier compute read them"
+
+
+def test_fence_orders_the_callers_next_kernel_after_the_load():
+    """A forward enqueued after ``fence`` reads the loaded bytes, though the host never waited
+    for the copy (the copy is made slow by a long kernel the load must wait for)."""
+    gen = torch.Generator(device=DEV).manual_seed(19)
+    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=32)
+    pool.wait_ready()
+    for s in range(32):
+        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    ids = list(range(1, 64, 2))
+    want = torch.stack([pool.slot(s) for s in range(32)])
+    compute = torch.cuda.Stream(DEV)
+    torch.cuda.synchronize()
+    with TransferEngine([CudaCpuToGpuHandler(view, pool)]) as engine:
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(200_000_000)  # the load is ordered after this
+            job = engine.submit(LoadStoreSpec.cpu(range(32)), LoadStoreSpec.gpu(ids))
+            engine.fence([job])
+            # enqueued on `compute` after the fence; stays on the GPU (no host sync)
+            seen = torch.stack([torch.stack([layer.pages[:, b] for layer in view.layers])
+                                for b in ids])
+        assert engine.get_finished() == []  # the host went on while the copy waits
+        result = engine.wait([job], timeout=60)[0]
+        compute.synchronize()
+    assert result.ok and result.seconds > 0
+    assert torch.equal(seen.reshape(len(ids), -1).cpu(), want), \
+        "a kernel after fence() read pages before the load"

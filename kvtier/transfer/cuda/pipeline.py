@@ -91,6 +91,7 @@ class EnqueuedJob:
 
     done: torch.cuda.Event
     nbytes: int
+    started: torch.cuda.Event  # timing pair with ``done``: the copy's device time
     keepalive: list[Any] = field(default_factory=list)
 
 
@@ -125,15 +126,17 @@ class PagedCopier:
         self._lock = threading.Lock()
 
     def enqueue(self, engine_ids: Sequence[int], slots: Sequence[int],
-                wait: torch.cuda.Event | None = None) -> EnqueuedJob:
-        """Enqueue one job; ``wait`` (if given) must fire before any KV page is touched."""
+                waits: Sequence[torch.cuda.Event] = ()) -> EnqueuedJob:
+        """Enqueue one job; every event in ``waits`` fires before any KV page is touched."""
         per = validate_job(self.view, self.pool, engine_ids, slots, to_gpu=self.to_gpu)
         page = self.view.page_bytes
         total_pages = len(slots) * self.pool.geometry.block_bytes // page
         nbytes = total_pages * page
         with self._lock, torch.cuda.device(self.device):
-            if wait is not None:
+            for wait in waits:  # the kernel stream is the only one touching KV pages
                 self.kernel_stream.wait_event(wait)
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self.dma_stream if self.to_gpu else self.kernel_stream)
             job = self.mover.prepare(np.asarray(engine_ids, dtype=np.int64), per,
                                      self.kernel_stream)
             runs = host_runs(self.pool, slots)
@@ -146,9 +149,9 @@ class PagedCopier:
                     self._load_chunk(job, i, p0, p1, segs)
                 else:
                     self._store_chunk(job, i, p0, p1, segs)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.kernel_stream if self.to_gpu else self.dma_stream)
-        return EnqueuedJob(done=done, nbytes=nbytes, keepalive=[job, runs])
+        return EnqueuedJob(done=done, nbytes=nbytes, started=started, keepalive=[job, runs])
 
     def _store_chunk(self, job: Any, i: int, p0: int, p1: int, segs: list[Segment]) -> None:
         buf = self.ring.buffers[i]
