@@ -317,7 +317,7 @@ def test_store_is_private_even_under_umask_zero(tmp_path):
         os.umask(old)
     dirs = [path, path / "segments", path / "index.lmdb"]
     files = [p for p in path.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"LOCK", "data.mdb", "lock.mdb", "00000001.seg"}
+    assert {p.name for p in files} >= {"data.mdb", "lock.mdb", "00000001.seg"}
     assert {stat.S_IMODE(d.stat().st_mode) for d in dirs} == {0o700}
     assert {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
 

@@ -1,6 +1,7 @@
 """The disk tier: verified block records in append-only segment files behind an LMDB index."""
 
 from kvtier.tiers.disk.errors import (
+    DiskFull,
     DiskIndexUnreadable,
     DiskLayoutMismatch,
     DiskStoreBusy,
@@ -12,6 +13,7 @@ from kvtier.tiers.disk.stats import DiskStats
 from kvtier.tiers.disk.store import DiskStore
 
 __all__ = [
+    "DiskFull",
     "DiskIndexUnreadable",
     "DiskLayoutMismatch",
     "DiskStats",

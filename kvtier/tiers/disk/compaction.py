@@ -120,7 +120,10 @@ class Compactor:
         bad: list[tuple[bytes, IndexEntry, ReadFailure]] = []
         for key, e in items:
             r = read_record(w.files, key, e, w.block_bytes)
-            if isinstance(r, ReadFailure):
+            if isinstance(r, ReadFailure) and r.transient:  # may be intact: leave it in place
+                log.warning("kvtier disk tier: compaction skips block %s for now: %s",
+                            key.hex()[:32], r.reason)  # (no retry in this run: no loop)
+            elif isinstance(r, ReadFailure):
                 log.warning(
                     "kvtier disk tier: compaction drops block %s (segment %d @ %d): %s",
                     key.hex()[:32], e.segment, e.offset, r.reason,

@@ -2,23 +2,33 @@
 
 Layout::
 
-    <dir>/LOCK              flock'ed by the one DiskStore that has the directory open
     <dir>/index.lmdb/       LMDB environment (see index.py)
     <dir>/segments/*.seg    append-only record files (see segments.py, record.py)
+
+The single-owner lock is an ``flock`` on the store directory's own descriptor, held for the
+store's life: unlike a lock file, the directory cannot be unlinked and recreated under a
+running store (a ``LOCK`` file left by older versions is ignored). The directory is opened once
+with ``O_NOFOLLOW``; sub-directories are opened relative to it, also without following links,
+and everything else is reached through those descriptors, so renaming or swapping the tree
+after start-up cannot redirect the store. Its parents must not be changeable by another user
+(world-writable without the sticky bit, owned by another user, or a link another user owns).
 
 Directories are 0700 and files 0600: blocks are derived from users' prompts.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import lmdb
 
+from kvtier.tiers.disk import lmdb_check
 from kvtier.tiers.disk.errors import (
     DiskIndexUnreadable,
     DiskLayoutMismatch,
@@ -28,7 +38,7 @@ from kvtier.tiers.disk.errors import (
 )
 from kvtier.tiers.disk.index import BlockIndex, IndexWriter
 from kvtier.tiers.disk.record import FORMAT_VERSION
-from kvtier.tiers.disk.segments import SegmentFiles
+from kvtier.tiers.disk.segments import SegmentFiles, open_dir
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.layout import BlockGeometry
 
@@ -37,20 +47,15 @@ _MAX_SEQ = 1 << 62  # record headers hold 64-bit sequence numbers, index locatio
 _MAX_SEGMENT = 1 << 31
 
 
-def check_private(path: Path, follow: bool) -> None:
-    """Refuse a directory another user could write to (or that belongs to another user).
+class Opened(NamedTuple):
+    """Descriptors of an opened, locked store directory (the first one holds the lock)."""
 
-    Blocks are derived from users' prompts, and a planted record or a swapped sub-directory
-    would be read back as KV: the store directory must be ours alone. ``follow``: whether a
-    symbolic link is acceptable (the configured path itself may be one; our sub-directories
-    never are).
-    """
-    st = os.stat(path) if follow else os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafeDiskDirectory(
-            f"disk tier directory {path} is a symbolic link; kvtier creates its sub-directories "
-            "itself and refuses links planted in their place. Remove it, or use a new directory."
-        )
+    root_fd: int
+    index_fd: int
+    segments_fd: int
+
+
+def _check_owner_mode(st: os.stat_result, path: Path) -> None:
     uid = os.geteuid()
     if st.st_uid != uid:
         raise UnsafeDiskDirectory(
@@ -66,47 +71,163 @@ def check_private(path: Path, follow: bool) -> None:
         )
 
 
-def prepare(root: Path) -> int:
-    """Create (0700) or accept ``root`` and lock it; returns the lock's descriptor."""
-    if root.exists():
-        if not root.is_dir():
-            raise NotADiskStore(f"disk tier path {root} exists and is not a directory")
-        check_private(root, follow=True)
-        entries = set(os.listdir(root))
-        if "index.lmdb" not in entries and entries - _OURS:
-            raise NotADiskStore(
-                f"disk tier path {root} is a non-empty directory without a kvtier index "
-                "(index.lmdb); refusing to write into it. Point the disk tier at an empty or "
-                "new directory."
+def check_private(path: Path, follow: bool) -> None:
+    """Refuse a directory another user could write to (or that belongs to another user).
+
+    Blocks are derived from users' prompts, and a planted record or a swapped sub-directory
+    would be read back as KV: the store directory must be ours alone. ``follow``: whether a
+    symbolic link is acceptable.
+    """
+    st = os.stat(path) if follow else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise _link_error(path)
+    _check_owner_mode(st, path)
+
+
+def _link_error(path: Path) -> UnsafeDiskDirectory:
+    return UnsafeDiskDirectory(
+        f"disk tier directory {path} is a symbolic link; kvtier refuses links (whoever can "
+        "change the link could redirect the store). Configure the real path, or use a new "
+        "directory."
+    )
+
+
+def check_parents(root: Path) -> None:
+    """Refuse a store whose existing ancestors another user could change: a directory owned
+    by someone other than us or root, one world-writable without the sticky bit, or a symlink
+    owned by someone else (it could be re-pointed). Both the path as written and its
+    resolved form are checked."""
+    uid = os.geteuid()
+    real = Path(os.path.realpath(root.parent))
+    for p in dict.fromkeys([*reversed(root.parents), *reversed(real.parents), real]):
+        try:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # created below, by us, 0700
+        bad = None
+        if st.st_uid not in (0, uid):
+            bad = f"is owned by uid {st.st_uid}"
+        elif stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH \
+                and not st.st_mode & stat.S_ISVTX:
+            bad = f"is world-writable without the sticky bit (mode {stat.S_IMODE(st.st_mode):o})"
+        if bad:
+            raise UnsafeDiskDirectory(
+                f"disk tier directory {root}: its parent {p} {bad}; another user could swap the "
+                "store's directory for their own. Use a directory under a parent only you (or "
+                "root) can change."
             )
-        fresh = "index.lmdb" not in entries
-    else:
-        root.mkdir(mode=0o700, parents=True)
-        fresh = True
-    if fresh:
-        os.chmod(root, 0o700)
-    for sub in (index_dir(root), segments_dir(root)):
-        if not os.path.lexists(sub):
-            sub.mkdir(mode=0o700)
-            os.chmod(sub, 0o700)
-        check_private(sub, follow=False)
-    fd = os.open(root / "LOCK", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _make_parents(parent: Path) -> None:
+    """Create missing ancestors 0700 (never looser, whatever the umask)."""
+    missing = []
+    p = parent
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass  # a concurrent start created it: checked like any parent
+
+
+def _open_root(root: Path) -> int:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        try:
+            return open_dir(root)
+        except FileNotFoundError:
+            try:
+                os.mkdir(root, 0o700)
+            except FileExistsError:
+                pass  # another process is creating the same store: its lock decides
+            return open_dir(root)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(root):
+            raise _link_error(root) from None
+        if exc.errno == errno.ENOTDIR:
+            raise NotADiskStore(f"disk tier path {root} exists and is not a directory") from None
+        raise
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
+
+
+def _open_sub(root_fd: int, root: Path, name: str) -> int:
+    created = False
+    try:
+        os.mkdir(name, 0o700, dir_fd=root_fd)
+        created = True
+    except FileExistsError:
+        pass
+    try:
+        fd = open_dir(name, root_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            if exc.errno == errno.ELOOP or _is_link(name, root_fd):
+                raise _link_error(root / name) from None
+            raise NotADiskStore(f"{root / name} is not a directory; refusing {root}") from None
+        raise
+    try:
+        if created:
+            os.fchmod(fd, 0o700)
+        _check_owner_mode(os.fstat(fd), root / name)
+    except BaseException:
         os.close(fd)
-        raise DiskStoreBusy(
-            f"disk tier directory {root} is already in use by another kvtier store "
-            "(this or another process); give each instance its own directory"
-        ) from None
+        raise
     return fd
 
 
-def release(fd: int) -> None:
+def prepare(root: Path) -> Opened:
+    """Open (creating it 0700 if needed), check and lock ``root``; returns its descriptors.
+
+    Two processes creating the same new store race safely: one gets the lock, the other is
+    told the directory is busy.
+    """
+    root = Path(os.path.abspath(root))
+    check_parents(root)
+    _make_parents(root.parent)
+    fd = _open_root(root)
+    subs: list[int] = []
     try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+        _check_owner_mode(os.fstat(fd), root)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DiskStoreBusy(
+                f"disk tier directory {root} is already in use by another kvtier store "
+                "(this or another process); give each instance its own directory"
+            ) from None
+        entries = set(os.listdir(fd))
+        if "index.lmdb" not in entries:
+            if entries - _OURS:
+                raise NotADiskStore(
+                    f"disk tier path {root} is a non-empty directory without a kvtier index "
+                    "(index.lmdb); refusing to write into it. Point the disk tier at an empty "
+                    "or new directory."
+                )
+            os.fchmod(fd, 0o700)
+        for name in (index_dir(root).name, segments_dir(root).name):
+            subs.append(_open_sub(fd, root, name))
+    except BaseException:
+        for f in subs:
+            os.close(f)
+        os.close(fd)  # also drops the lock if taken
+        raise
+    return Opened(fd, subs[0], subs[1])
+
+
+def release(opened: Opened) -> None:
+    """Close the descriptors (the lock goes with the root's)."""
+    for fd in opened:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def check_meta(index: BlockIndex, root: Path, geometry: BlockGeometry) -> tuple[int, int]:
@@ -161,13 +282,15 @@ def open_segments(
 
     Bytes past the active segment's recorded end were never indexed (a crash between the
     append and the commit) and are cut off; segment files unknown to the index are removed.
+    Anything but a regular file under a segment's name is left alone (reads of it are misses)
+    and its id is never reused.
     """
     with index.read() as v:
         segs = v.segments()
-    disk = files.on_disk()
+    disk, strays = files.scan()  # strays: a directory or FIFO under a segment's name
     for orphan in disk.keys() - segs.keys():
         files.remove(orphan)
-    next_seg = max([next_seg, 1] + [s + 1 for s in segs] + [s + 1 for s in disk])
+    next_seg = max([next_seg, 1] + [s + 1 for s in [*segs, *disk, *strays]])
     active = max(segs) if segs else None
     usable = (
         active is not None and active in disk
@@ -195,10 +318,36 @@ def open_segments(
 
 def read_stats(root: Path) -> DiskStats:
     """Stats of a directory, read-only, without knowing its geometry."""
-    if not (index_dir(root) / "data.mdb").is_file():
-        raise NotADiskStore(f"{root} is not a kvtier disk-tier directory (no index.lmdb found)")
+    root = Path(os.path.abspath(root))
     try:
-        ix = BlockIndex(index_dir(root), map_size=1 << 20, sync=False, readonly=True)
+        root_fd = open_dir(root)
+    except OSError as exc:
+        raise NotADiskStore(f"{root} is not a kvtier disk-tier directory ({exc.strerror})") from None
+    try:
+        try:
+            ix_fd = open_dir("index.lmdb", root_fd)
+        except OSError:
+            raise NotADiskStore(
+                f"{root} is not a kvtier disk-tier directory (no index.lmdb found)"
+            ) from None
+        try:
+            if not os.path.isfile(f"/proc/self/fd/{ix_fd}/data.mdb") and \
+                    not (index_dir(root) / "data.mdb").is_file():
+                raise NotADiskStore(f"{root} is not a kvtier disk-tier directory (no index)")
+            return _read_stats(root, root_fd, ix_fd)
+        finally:
+            os.close(ix_fd)
+    finally:
+        os.close(root_fd)
+
+
+def _read_stats(root: Path, root_fd: int, ix_fd: int) -> DiskStats:
+    ix_path = index_dir(root)
+    # a running store verified its index when it opened; a file at rest is verified here
+    lmdb_check.check_data_file(ix_fd, ix_path, root, full=lmdb_check.idle(root_fd))
+    lmdb_check.allocate_lock_file(ix_fd, ix_path, root)
+    try:
+        ix = BlockIndex(ix_path, map_size=1 << 20, sync=False, readonly=True, dir_fd=ix_fd)
     except lmdb.Error as exc:
         if "already open" in str(exc):
             raise DiskStoreBusy(
@@ -209,6 +358,13 @@ def read_stats(root: Path) -> DiskStats:
         with ix.read() as v:
             if v.meta("fingerprint") is None:
                 raise NotADiskStore(f"{root} has an index but no kvtier metadata")
-            return collect(v, SegmentFiles(segments_dir(root)))
+            try:
+                files = SegmentFiles(segments_dir(root), open_dir("segments", root_fd))
+            except FileNotFoundError:
+                files = SegmentFiles(segments_dir(root), -1)
+            try:
+                return collect(v, files)
+            finally:
+                files.close()
     finally:
         ix.close()

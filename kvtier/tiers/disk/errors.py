@@ -49,4 +49,29 @@ class DiskWriteError(OSError):
 
 
 class DiskIndexUnreadable(RuntimeError):
-    """The LMDB index cannot be opened (damaged, e.g. by a power loss with fsync=False)."""
+    """The LMDB index cannot be opened safely: damaged (e.g. by a power loss with
+    fsync=False), truncated, or unusable for the reason the message names.
+
+    Raised *instead of* mapping a file LMDB would fault on (SIGBUS/SIGSEGV kill the whole
+    process with no message); the caller can run without the disk tier.
+    """
+
+
+class DiskFull(DiskIndexUnreadable):
+    """The file system holding the store has no room for the index to start.
+
+    A subclass of DiskIndexUnreadable because the caller's remedy is the same (run without the
+    disk tier, tell the operator); LMDB's memory-mapped lock table would otherwise die with
+    SIGBUS on its first page fault.
+    """
+
+
+def describe_os_error(exc: BaseException) -> str:
+    """``ENOMEM: Cannot allocate memory`` style text for an OSError (else its message).
+
+    Error messages must say what really happened: an ENOMEM or EPERM is not a damaged index.
+    """
+    code = getattr(exc, "errno", None)
+    if isinstance(code, int) and code in _errno.errorcode:
+        return f"{_errno.errorcode[code]}: {os.strerror(code)}"
+    return f"{type(exc).__name__}: {exc}"

@@ -14,6 +14,7 @@ records (never pickles). Sub-databases:
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -26,6 +27,7 @@ _SEG = struct.Struct("<QQQ")
 _LOC = struct.Struct(">IQ")
 _SEQ = struct.Struct(">Q")
 _U64 = struct.Struct("<Q")
+MAX_READERS = 1024  # lmdb_check.LOCK_BYTES allocates this many reader slots
 
 COUNTERS = ("checksum_failures", "read_errors", "write_errors", "reclaimed_bytes")
 
@@ -73,11 +75,22 @@ class BlockIndex:
     """Thin typed wrapper over the LMDB environment; callers serialise writers themselves."""
 
     def __init__(
-        self, path: Path, *, map_size: int, sync: bool, readonly: bool = False
+        self, path: Path, *, map_size: int, sync: bool, readonly: bool = False,
+        dir_fd: int | None = None,
     ) -> None:
+        """``sync``: a commit is durable when it returns, meta page included (``metasync``:
+        without it a power cut can undo the last acknowledged commits). ``writemap`` stays
+        off: pages are written with ``pwrite``, so a full disk is an error, never a SIGBUS.
+        ``dir_fd``: the directory, already opened without following links; LMDB opens its
+        files through it (``/proc/self/fd``), so a swapped path cannot redirect it."""
+        where = str(path)
+        if dir_fd is not None and os.path.isdir("/proc/self/fd"):
+            where = f"/proc/self/fd/{dir_fd}"
+        self.path = path
         self.env = lmdb.open(
-            str(path), map_size=map_size, subdir=True, readonly=readonly, create=not readonly,
-            sync=sync, metasync=False, readahead=False, mode=0o600, max_dbs=8, max_readers=1024,
+            where, map_size=map_size, subdir=True, readonly=readonly, create=not readonly,
+            sync=sync, metasync=sync, writemap=False, readahead=False, mode=0o600, max_dbs=8,
+            max_readers=MAX_READERS,
         )
         txn = None if readonly else self.env.begin(write=True)
         try:

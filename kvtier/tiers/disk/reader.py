@@ -2,7 +2,10 @@
 
 A failure is returned, not raised: the store turns it into a miss, counts it and (if the index
 still points at the same place) drops the entry. ``read_errors`` are I/O problems (missing
-segment, short read, EIO); ``checksum_failures`` are bytes that are there but wrong.
+segment, short read, a FIFO or directory in a segment's place); ``checksum_failures`` are bytes
+that are there but wrong. A *transient* failure (out of descriptors or memory, EIO, EAGAIN, a
+permission problem: see segments.is_transient) says nothing about the record: it is a miss for
+this read only, and must never drop the entry or the segment.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from kvtier.tiers.disk.record import (
     data_checksum,
     decode_head,
 )
-from kvtier.tiers.disk.segments import SegmentFiles
+from kvtier.tiers.disk.segments import SegmentFiles, is_transient
 
 READ_ERROR = "read_errors"
 CHECKSUM_FAILURE = "checksum_failures"
@@ -27,6 +30,11 @@ CHECKSUM_FAILURE = "checksum_failures"
 class ReadFailure(NamedTuple):
     kind: str  # READ_ERROR or CHECKSUM_FAILURE (also the name of the counter it bumps)
     reason: str
+    transient: bool = False  # the record may well be intact: keep it
+
+
+def _io_failure(seg: int, exc: OSError) -> ReadFailure:
+    return ReadFailure(READ_ERROR, f"segment {seg}: {exc.strerror or exc}", is_transient(exc))
 
 
 def _bad(reason: str) -> ReadFailure:
@@ -86,7 +94,7 @@ def read_into(
     try:
         n = files.pread(entry.segment, [head, payload], entry.offset)
     except OSError as exc:
-        return ReadFailure(READ_ERROR, f"segment {entry.segment}: {exc.strerror or exc}")
+        return _io_failure(entry.segment, exc)
     except (OverflowError, ValueError):  # an offset no file can have (damaged index)
         return _bad(f"index offset {entry.offset} out of range")
     if n != entry.length:
@@ -108,7 +116,7 @@ def read_record(
     try:
         n = files.pread(entry.segment, [buf], entry.offset)
     except OSError as exc:
-        return ReadFailure(READ_ERROR, f"segment {entry.segment}: {exc.strerror or exc}")
+        return _io_failure(entry.segment, exc)
     except (OverflowError, ValueError):
         return _bad(f"index offset {entry.offset} out of range")
     if n != entry.length:

@@ -15,15 +15,16 @@ never see an exception for bad data.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import lmdb
 
-from kvtier.tiers.disk import directory
+from kvtier.tiers.disk import directory, lmdb_check
 from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.compaction import Compactor
-from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskWriteError
+from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskWriteError, describe_os_error
 from kvtier.tiers.disk.index import BlockIndex, IndexEntry, IndexWriter
 from kvtier.tiers.disk.reader import CHECKSUM_FAILURE, ReadFailure, read_into
 from kvtier.tiers.disk.segments import Buffer, SegmentFiles
@@ -36,15 +37,16 @@ log = logging.getLogger(__name__)
 _READ_RETRIES = 4
 
 
-def _open_index(root: Path, map_size: int, fsync: bool) -> BlockIndex:
+def _open_index(root: Path, opened: directory.Opened, map_size: int, fsync: bool) -> BlockIndex:
+    """Check, then map the index (see lmdb_check: nothing LMDB could fault on gets mapped)."""
+    ix_path = index_dir(root)
+    lmdb_check.check_free_space(opened.index_fd, ix_path)
+    lmdb_check.check_data_file(opened.index_fd, ix_path, root, full=True)
+    lmdb_check.allocate_lock_file(opened.index_fd, ix_path, root)
     try:
-        return BlockIndex(index_dir(root), map_size=map_size, sync=fsync)
+        return BlockIndex(ix_path, map_size=map_size, sync=fsync, dir_fd=opened.index_fd)
     except lmdb.Error as exc:
-        raise DiskIndexUnreadable(
-            f"cannot open the disk tier index {index_dir(root)}: {exc}. If the machine lost "
-            f"power while the store ran with fsync=False, the index may be damaged: delete "
-            f"{root} (it is a cache) and start again."
-        ) from exc
+        raise lmdb_check.open_error(exc, ix_path, root) from exc
 
 
 class DiskStore:
@@ -60,6 +62,7 @@ class DiskStore:
         map_size: int = 1 << 34,
         compact_threshold: float = 0.5,
         compact_budget_bytes: int | None = None,
+        max_open_segments: int | None = None,
     ) -> None:
         """Open (or create) the store at ``path`` for blocks of ``geometry``.
 
@@ -70,6 +73,12 @@ class DiskStore:
         ``compact_threshold``: sealed segments whose live share drops below it are compacted.
         ``compact_budget_bytes``: bytes a ``delete_many`` call may copy while compacting
         inline (default segment_bytes / 8; 0 leaves compaction to ``compact()``).
+        ``max_open_segments``: read descriptors kept open (default: an eighth of the
+        RLIMIT_NOFILE soft limit, within [4, 512]).
+
+        Raises DiskStoreBusy, UnsafeDiskDirectory, NotADiskStore, DiskLayoutMismatch, or
+        DiskIndexUnreadable (DiskFull for a full file system) naming the path: the caller can
+        run without the disk tier.
         """
         if segment_bytes <= 0:
             raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
@@ -83,20 +92,38 @@ class DiskStore:
         self._closed = True
         codec = BlockCodec(compression, zstd_level)
         self._codec = codec
-        self._lock_fd = directory.prepare(self.root)
+        self._dir = directory.prepare(self.root)
         try:
-            self._index = _open_index(self.root, map_size, fsync)
+            self._index = _open_index(self.root, self._dir, map_size, fsync)
             try:
                 next_seq, next_seg = directory.check_meta(self._index, self.root, geometry)
-                self._files = SegmentFiles(segments_dir(self.root))
-                next_seg = directory.open_segments(
-                    self._index, self._files, next_seg, segment_bytes, fsync
+                self._files = SegmentFiles(
+                    segments_dir(self.root), os.dup(self._dir.segments_fd),
+                    max_open=max_open_segments,
                 )
+                try:
+                    next_seg = directory.open_segments(
+                        self._index, self._files, next_seg, segment_bytes, fsync
+                    )
+                except BaseException:
+                    self._files.close()
+                    raise
             except BaseException:
                 self._index.close()
                 raise
+        except lmdb.Error as exc:  # e.g. the first commit of a new index on a full disk
+            directory.release(self._dir)
+            raise lmdb_check.open_error(exc, index_dir(self.root), self.root) from exc
+        except OSError as exc:  # what really happened, with the path (never "power loss")
+            directory.release(self._dir)
+            if isinstance(exc, DiskWriteError):
+                raise
+            raise DiskIndexUnreadable(
+                f"cannot open the disk tier in {self.root}: {describe_os_error(exc)}"
+                f"{f' ({exc.filename})' if exc.filename else ''}"
+            ) from exc
         except BaseException:
-            directory.release(self._lock_fd)
+            directory.release(self._dir)
             raise
         self._writer = SegmentWriter(
             self._files, self._index, codec, block_bytes=self.block_bytes,
@@ -116,7 +143,9 @@ class DiskStore:
             self._closed = self._writer.closed = True
             self._files.close()
             self._index.close()
-            directory.release(self._lock_fd)
+            if self.fsync:  # every commit was synced: the file at rest is consistent
+                lmdb_check.mark_clean(self._dir.index_fd)
+            directory.release(self._dir)
 
     def __enter__(self) -> "DiskStore":
         return self
@@ -177,6 +206,9 @@ class DiskStore:
             failure = read_into(self._files, self._codec, key, entry, view, LAYOUT_VERSION)
             if failure is None:
                 return True
+            if failure.transient:  # says nothing about the record: a miss, nothing dropped
+                self._transient(key, failure)
+                return False
             again = self._index.get(key)
             if again == entry:
                 self._drop_bad(key, entry, failure)
@@ -187,6 +219,13 @@ class DiskStore:
     def contains(self, key: bytes) -> bool:
         self._check_open()
         return valid_key(key) and self._index.get(key) is not None
+
+    def _transient(self, key: bytes, failure: ReadFailure) -> None:
+        self._writer.count(failure.kind)
+        log.warning(
+            "kvtier disk tier: block %s not read this time (kept): %s", key.hex()[:32],
+            failure.reason,
+        )
 
     def _drop_bad(self, key: bytes, entry: IndexEntry, failure: ReadFailure) -> None:
         log.warning(
