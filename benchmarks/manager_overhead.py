@@ -19,8 +19,15 @@ a noise floor measured in the same run: a fixed pure-Python workload (``NOISE_OP
 on a small dict) timed once per batch, whose slowest run shows what the machine itself adds
 (preemption, frequency changes) to any batch.
 
+With ``--disk-lag L`` the manager also has a disk tier (``--disk-ratio`` x the CPU blocks) and
+write-back runs as in a server: every batch hands out its demotions, and each one completes
+``L`` batches later (a disk slower than the stores; ``complete_background`` is timed as a step
+of its own). Without a disk tier nothing is ever being demoted, so eviction never meets the
+pinned and dirty blocks a slow disk leaves at the cold end of the CPU order (issue 14.9).
+
     python benchmarks/manager_overhead.py [--sizes 10000,100000,1000000]
-        [--policies lru,arc,lru+reuse_gate,arc+reuse_gate] [--churn 1.0] [--json]
+        [--policies lru,arc,lru+reuse_gate,arc+reuse_gate] [--churn 1.0]
+        [--disk-lag L [--disk-ratio 4]] [--json]
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import deque
 
 from kvtier.manager.admission import make_admission
 from kvtier.manager.tiered import TieredOffloadingManager
@@ -40,18 +48,24 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "little") + b"kvtier-block-hash-pad-24"  # 32-byte keys like real hashes
 
 
-def measure(policy: str, resident: int, batches: int) -> dict:
+def measure(policy: str, resident: int, batches: int, disk_lag: int | None = None,
+            disk_ratio: float = 4.0) -> dict:
     baseline = {key(i): i for i in range(resident)}  # the plain-dict floor, same keys
     eviction, _, admission = policy.partition("+")
     adm = make_admission(admission, capacity_blocks=resident) if admission else None
-    m = TieredOffloadingManager(cpu_blocks=resident, cpu_eviction=eviction, cpu_admission=adm)
+    disk = int(disk_ratio * resident) if disk_lag is not None else 0
+    m = TieredOffloadingManager(cpu_blocks=resident, cpu_eviction=eviction, cpu_admission=adm,
+                                disk_blocks=disk, disk_eviction=eviction)
     for start in range(0, resident, 4096):
         ks = [key(i) for i in range(start, min(resident, start + 4096))]
         plan = m.prepare_store(ks)
         m.complete_store(plan.keys)
+        for t in m.take_background_transfers():  # the fill is untimed: the disk keeps up
+            m.complete_background(t.id, True)
     m.take_events()  # the fill's events are not part of any timed batch
+    in_flight: deque = deque()  # (batch it completes in, transfer)
     ops = {"lookup": 0.0, "prepare_store": 0.0, "complete_store": 0.0, "touch": 0.0,
-           "prepare+complete_load": 0.0, "dict_baseline": 0.0}
+           "prepare+complete_load": 0.0, "background": 0.0, "dict_baseline": 0.0}
     worst = 0.0
     batch_ms: list[float] = []
     noise_ms: list[float] = []
@@ -82,23 +96,37 @@ def measure(policy: str, resident: int, batches: int) -> dict:
         m.complete_load(lp.keys)
         m.take_events()  # the connector drains them every step
         t5 = time.perf_counter()
+        if disk_lag is not None:  # the demotions handed out now complete disk_lag batches later
+            for t in m.take_background_transfers():
+                in_flight.append((b + disk_lag, t))
+            while in_flight and in_flight[0][0] <= b:
+                m.complete_background(in_flight.popleft()[1].id, True)
+        t6 = time.perf_counter()
         for k in hits:
             baseline.get(k)
-        t6 = time.perf_counter()
+        t7 = time.perf_counter()
         for k in probe:
             small.get(k)
-        noise_ms.append((time.perf_counter() - t6) * 1e3)
-        split = dict(zip(ops, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)))
+        noise_ms.append((time.perf_counter() - t7) * 1e3)
+        split = dict(zip(ops, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)))
         for name, dt in split.items():
             ops[name] += dt
-        if t5 - t0 > worst:
-            worst, worst_split = t5 - t0, {k: round(v * 1e3, 3) for k, v in split.items()}
-        batch_ms.append((t5 - t0) * 1e3)
+        if t6 - t0 > worst:
+            worst, worst_split = t6 - t0, {k: round(v * 1e3, 3) for k, v in split.items()}
+        batch_ms.append((t6 - t0) * 1e3)
     batch_ms.sort()
     noise_ms.sort()
     per_block = {k: v / (batches * BATCH) * 1e6 for k, v in ops.items()}
+    for _, t in in_flight:
+        m.complete_background(t.id, True)
+    for t in m.take_background_transfers():
+        m.complete_background(t.id, True)
     assert m.pins() == 0
-    return {"policy": policy, "resident": resident, "us_per_block": per_block,
+    s = m.stats
+    return {"policy": policy, "resident": resident, "disk_lag": disk_lag,
+            "us_per_block": per_block, "stored_to_disk": s.stored_blocks["DISK"],
+            "evicted_unwritten": getattr(s, "evicted_unwritten", None),
+            "store_skipped_no_space": s.store_skipped_no_space,
             "worst_batch_ms": worst * 1e3, "worst_batch_split_ms": worst_split,
             "p99_batch_ms": batch_ms[int(0.99 * (len(batch_ms) - 1))],
             "noise_median_ms": noise_ms[len(noise_ms) // 2], "noise_worst_ms": noise_ms[-1],
@@ -113,23 +141,32 @@ def main() -> None:
     ap.add_argument("--churn", type=float, default=1.0,
                     help="timed batches = churn x resident / 64 (at least 300)")
     ap.add_argument("--batches", type=int, default=0, help="fixed number of timed batches")
+    ap.add_argument("--disk-lag", type=int, default=None,
+                    help="add a disk tier whose demotions complete this many batches late")
+    ap.add_argument("--disk-ratio", type=float, default=4.0, help="disk blocks per CPU block")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     def batches(n: int) -> int:
         return args.batches or max(300, int(args.churn * n / BATCH))
 
-    rows = [measure(p, int(n), batches(int(n))) for p in args.policies.split(",")
-            for n in args.sizes.split(",")]
+    rows = [measure(p, int(n), batches(int(n)), args.disk_lag, args.disk_ratio)
+            for p in args.policies.split(",") for n in args.sizes.split(",")]
     if args.json:
         print(json.dumps(rows))
         return
     cols = ["lookup", "prepare_store", "complete_store", "touch", "prepare+complete_load"]
+    if args.disk_lag is not None:
+        cols.append("background")
     print(f"{'policy':14} {'resident':>9} " + " ".join(f"{c:>22}" for c in cols) + f" {'p99 batch ms':>13} {'worst 64-batch ms':>18} {'lookup/dict':>11}")
     for r in rows:
         print(f"{r['policy']:14} {r['resident']:>9} " + " ".join(f"{r['us_per_block'][c]:>20.2f}us" for c in cols)
               + f" {r['p99_batch_ms']:>13.3f} {r['worst_batch_ms']:>18.3f} {r['lookup_vs_dict']:>11.1f}")
         print(f"{'':25}slowest batch, ms per step: {r['worst_batch_split_ms']}")
+        if args.disk_lag is not None:
+            print(f"{'':25}disk lag {args.disk_lag} batches: {r['stored_to_disk']} blocks demoted, "
+                  f"{r['evicted_unwritten']} evicted unwritten, "
+                  f"{r['store_skipped_no_space']} store blocks refused (no space)")
         print(f"{'':25}noise floor ({NOISE_OPS} dict reads per batch): median "
               f"{r['noise_median_ms']:.3f} ms, slowest {r['noise_worst_ms']:.3f} ms")
 

@@ -242,6 +242,27 @@ class TierIndex:
 
         return self.policy.victims(n, ok)
 
+    def dirty_among_coldest(self, n: int) -> list[BlockKey]:
+        """Of the ``n`` coldest unpinned READY blocks (policy order), those with no copy on
+        disk and no failed flush: what write-back copies next. One walk, one lookup per key
+        (it runs on every store; the walk steps over pinned blocks, which stay few)."""
+        shards, nshards = self._shards, self._nshards
+        state, readers, flags = self._state, self._readers, self._flags
+        clean = _ON_DISK | _FLUSH_FAILED
+        dirty: list[BlockKey] = []
+
+        def ok(key: BlockKey) -> bool:
+            h = shards[hash(key) % nshards].get(key)
+            if h is None or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
+                return False
+            if not flags[h] & clean:
+                dirty.append(key)
+            return True
+
+        if n > 0:
+            self.policy.victims(n, ok)
+        return dirty
+
     def free_handles(self) -> list[int]:
         """The free chain, in the order it hands handles out. O(capacity): checks only."""
         out, h = [], self._free_head

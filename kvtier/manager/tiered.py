@@ -3,9 +3,10 @@
 * New blocks go to CPU slots. A CPU block is *dirty* until a copy of it is on disk.
 * Write-back demotion: the coldest ``flush_reserve`` CPU blocks are copied to disk ahead of
   need (when the disk tier admits them), so that evicting them later costs nothing and a
-  store never waits on the disk. Eviction only takes clean blocks, or dirty ones the disk
-  does not want (those are dropped). A store that finds no evictable slot is cut short
-  (backpressure, counted) instead of blocking.
+  store never waits on the disk. At most ``max_demotions_in_flight`` blocks are being copied
+  at once. Eviction takes unpinned blocks in the policy's order, dirty or not (see
+  ``_evict_cpu``); a block being read (a load, a demotion) or written is never evicted. A
+  store that finds no unpinned slot is cut short (counted) instead of blocking.
 * A disk hit is promoted: ``prepare_load`` reserves a CPU slot for it; the worker runs
   DISK -> CPU then CPU -> GPU; ``complete_load`` publishes the CPU copy.
 * Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
@@ -16,7 +17,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
@@ -29,7 +29,6 @@ from kvtier.manager.specs import (
     BackgroundTransfer,
     BlockKey,
     LoadPlan,
-    LoadStoreSpec,
     LookupResult,
     Medium,
     RequestContext,
@@ -37,11 +36,11 @@ from kvtier.manager.specs import (
 )
 from kvtier.manager.stats import ManagerStats
 from kvtier.manager.tier_index import BlockState, Entry, TierIndex
+from kvtier.manager.writeback import WriteBack
 
-log = logging.getLogger(__name__)
 
 
-class TieredOffloadingManager(OffloadingManager):
+class TieredOffloadingManager(WriteBack, OffloadingManager):
     def __init__(
         self,
         *,
@@ -55,6 +54,7 @@ class TieredOffloadingManager(OffloadingManager):
         flush_reserve: int | None = None,
         disk_health: DiskHealth | None = None,
         cost: LoadCostModel | None = None,
+        max_demotions_in_flight: int | None = None,
     ) -> None:
         self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
         self.disk = (
@@ -67,6 +67,11 @@ class TieredOffloadingManager(OffloadingManager):
         if flush_reserve is None:  # bounded: the flush walk runs on the request path
             flush_reserve = min(cpu_blocks, max(8, min(256, cpu_blocks // 16)))
         self.flush_reserve = max(1, flush_reserve)
+        # Bounds the disk's write queue, and with it the pinned blocks an eviction or flush walk
+        # steps over at the cold end of the CPU order (each walk is O(this), not O(tier)).
+        self.max_demotions_in_flight = max(1, max_demotions_in_flight
+                                           or self.flush_reserve)
+        self._demoting = 0  # CPU blocks whose demotion is queued or running
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self.stats = ManagerStats()
@@ -222,7 +227,7 @@ class TieredOffloadingManager(OffloadingManager):
                 self.stats.protocol_errors += 1
         self.stats.failed_loads += len(failed)
         self.events.emit(BlockStored(Medium.CPU, tuple(published)))
-        self._plan_flushes()
+        self._plan_flushes(completion=True)
 
     def _release_disk_reader(self, key: BlockKey, bad: bool) -> None:
         d = self.disk.get(key) if self.disk is not None else None
@@ -290,18 +295,27 @@ class TieredOffloadingManager(OffloadingManager):
         else:
             self.cpu.remove_many(stored)
             self.stats.failed_stores["CPU"] += len(stored)
-        self._plan_flushes()
+        self._plan_flushes(completion=True)
 
     # ------------------------------------------------------------------ eviction and flushes
-    def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
-        if entry.on_disk or entry.flush_failed:
-            return True
-        return key in self._pending_drops or not self.disk_admission.would_admit(key)
-
     def _evict_cpu(self, n: int) -> list[BlockKey]:
-        # Without a (healthy) disk any unpinned block may go: no per-block check at all.
-        anything = self.disk is None or self.disk_health.degraded
-        victims = self.cpu.victims(n, None if anything else self._cpu_evictable)
+        """Evict up to ``n`` unpinned CPU blocks in the policy's order, dirty ones included.
+
+        Write-back normally keeps the coldest blocks clean (on disk, or being copied there),
+        so a victim is clean. A dirty victim means write-back is behind: the disk is slower
+        than the stores, or a store needs more room than the flush window holds. It is then
+        dropped unwritten (``evicted_unwritten``): this is a cache, and the coldest block is
+        the one worth least, so losing its disk copy beats refusing the new blocks.
+        Skipping dirty blocks instead (the old rule) made every eviction walk the whole
+        tier once demotions were in flight (200-250 ms per store at 50k blocks), and then
+        refused the store anyway. Pinned blocks (loads, demotions, writes) are skipped, so
+        this walk costs O(n + pins), and demotions in flight are capped.
+        """
+        victims = self.cpu.victims(n)
+        if self.disk is not None and victims:
+            get = self.cpu.get
+            self.stats.evicted_unwritten += sum(
+                1 for key in victims if not (e := get(key)).on_disk and not e.flush_failed)
         self._drop_cpu(victims)
         return victims
 
@@ -317,117 +331,6 @@ class TieredOffloadingManager(OffloadingManager):
         if self.cpu.free_count < n:
             self._evict_cpu(n - self.cpu.free_count)
         return self.cpu.free_count >= n
-
-    def _plan_flushes(self) -> None:
-        """Copy the coldest dirty CPU blocks to disk before they are needed as victims."""
-        if self.disk is None or self.cpu.free_count >= self.flush_reserve:
-            return
-
-        def dirty(key: BlockKey, e: Entry) -> bool:
-            return not (e.on_disk or e.flush_failed) and key not in self._pending_drops
-
-        candidates = self.cpu.victims(self.flush_reserve)
-        keys = [k for k in candidates if dirty(k, self.cpu.get(k))]
-        admitted: list[BlockKey] = []
-        for key in keys:
-            if key in self.disk:  # already there (or being written): nothing to copy
-                self.cpu.get(key).on_disk = self.disk.ready(key) is not None
-                continue
-            if not self.disk_admission.admit(key):
-                self.stats.admission_rejected["DISK"] += 1
-                continue
-            admitted.append(key)
-        admitted = admitted[: self.disk_health.admit(len(admitted))]  # degraded: probes only
-        if not admitted:
-            return
-        need = len(admitted) - self.disk.free_count
-        if need > 0:
-            self._evict_disk(need)
-        admitted = admitted[: max(0, self.disk.free_count)]
-        if not admitted:
-            return
-        self.disk_health.on_demotion_started()
-        slots = []
-        for key in admitted:
-            entry = self.cpu.get(key)
-            entry.flushing = True
-            slots.append(entry.slot)
-            self.disk.add(key, BlockState.WRITING)
-        self._queue_bg(LoadStoreSpec.cpu(slots), LoadStoreSpec.disk(admitted), admitted)
-
-    def _evict_disk(self, n: int) -> None:
-        victims = self.disk.victims(n)
-        for key in victims:
-            self.disk.remove(key)
-            self.disk_admission.on_evict(key)
-            cpu = self.cpu.get(key)
-            if cpu is not None:
-                cpu.on_disk = False
-            self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
-        if victims:
-            self.stats.evicted_blocks["DISK"] += len(victims)
-            self.events.emit(BlockRemoved(Medium.DISK, tuple(victims)))
-            self._queue_bg(LoadStoreSpec.disk(victims), LoadStoreSpec.drop(victims), victims)
-
-    def _queue_bg(self, src: LoadStoreSpec, dst: LoadStoreSpec, keys: Sequence[BlockKey]) -> None:
-        t = BackgroundTransfer(next(self._bg_ids), src, dst, tuple(keys))
-        self._bg_pending[t.id] = t
-        self._bg_ready.append(t)
-
-    def take_background_transfers(self) -> list[BackgroundTransfer]:
-        out, self._bg_ready = self._bg_ready, []
-        return out
-
-    def complete_background(self, transfer_id: int, success: bool = True) -> None:
-        t = self._bg_pending.pop(transfer_id, None)
-        if t is None:
-            self.stats.protocol_errors += 1
-            return
-        if t.dst.medium is Medium.DROP:
-            for key in t.keys:
-                left = self._pending_drops.get(key, 0) - 1
-                if left > 0:
-                    self._pending_drops[key] = left
-                else:
-                    self._pending_drops.pop(key, None)
-            return
-        stored: list[BlockKey] = []
-        for key in t.keys:
-            cpu = self.cpu.get(key)
-            if cpu is not None:
-                cpu.flushing = False
-                cpu.on_disk = success
-                cpu.flush_failed = not success
-            d = self.disk.get(key)
-            if d is None or d.state is not BlockState.WRITING:
-                continue
-            if success:
-                d.state = BlockState.READY
-                stored.append(key)
-            else:
-                self.disk.remove(key)
-        self.disk_health.on_demotion(success)
-        self.stats.disk_degraded = self.disk_health.degraded
-        self.stats.disk_degradations = self.disk_health.degradations
-        if success:
-            self.stats.stored_blocks["DISK"] += len(stored)
-            self.events.emit(BlockStored(Medium.DISK, tuple(stored)))
-        else:
-            self.stats.failed_stores["DISK"] += len(t.keys)
-            log.warning("kvtier: demotion of %d blocks to disk failed", len(t.keys))
-
-    def _restore_disk(self, keys_oldest_first: Iterable[BlockKey]) -> None:
-        keys = list(keys_oldest_first)
-        overflow = max(0, len(keys) - self.disk.capacity)
-        if overflow:
-            log.warning("kvtier: disk holds %d blocks over its capacity; evicting the oldest", overflow)
-        for key in keys[overflow:]:
-            self.disk.add(key, BlockState.READY)
-        if overflow:
-            dropped = keys[:overflow]
-            for key in dropped:
-                self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
-            self._queue_bg(LoadStoreSpec.disk(dropped), LoadStoreSpec.drop(dropped), dropped)
 
     # ------------------------------------------------------------------ events and state
     def take_events(self) -> list[Event]:

@@ -1,0 +1,145 @@
+"""Write-back to the disk tier: demotions planned ahead of need, disk evictions, and the
+background transfers that carry them (a mixin of ``TieredOffloadingManager``, split out to keep
+each file readable; it shares the manager's state and is not used on its own).
+
+Demotions copy the coldest dirty CPU blocks to disk while they are still resident, so that
+evicting them later costs nothing and a store never waits on the disk. The caller runs each
+``BackgroundTransfer`` and reports it with ``complete_background``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+from kvtier.manager.events import BlockRemoved, BlockStored
+from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec, Medium
+from kvtier.manager.tier_index import BlockState
+
+log = logging.getLogger("kvtier.manager.tiered")  # the name operators already filter on
+
+
+class WriteBack:
+    """Flush planning and background transfers; see the module docstring."""
+    def _plan_flushes(self, completion: bool = False) -> None:
+        """Copy the coldest dirty CPU blocks to disk before they are needed as victims.
+
+        The walk costs O(flush_reserve + demotions in flight), so it runs where the cold end
+        moves: after evictions (``prepare_store``). A completion makes blocks readable or
+        unpins them at the hot end, which only reaches the cold window in a tier not much
+        bigger than that window (``completion``: skip the walk otherwise).
+        """
+        if self.disk is None or self.cpu.free_count >= self.flush_reserve:
+            return
+        if completion and len(self.cpu) > 2 * (self.flush_reserve + self.max_demotions_in_flight):
+            return
+        room = self.max_demotions_in_flight - self._demoting
+        if room <= 0:  # the disk's queue is full: don't walk, don't queue more
+            return
+
+        pending_drops = self._pending_drops
+        admitted: list[BlockKey] = []
+        for key in self.cpu.dirty_among_coldest(self.flush_reserve):
+            if key in pending_drops:
+                continue
+            if key in self.disk:  # already there (or being written): nothing to copy
+                self.cpu.get(key).on_disk = self.disk.ready(key) is not None
+                continue
+            if not self.disk_admission.admit(key):
+                self.stats.admission_rejected["DISK"] += 1
+                continue
+            admitted.append(key)
+        admitted = admitted[:room]
+        admitted = admitted[: self.disk_health.admit(len(admitted))]  # degraded: probes only
+        if not admitted:
+            return
+        need = len(admitted) - self.disk.free_count
+        if need > 0:
+            self._evict_disk(need)
+        admitted = admitted[: max(0, self.disk.free_count)]
+        if not admitted:
+            return
+        self.disk_health.on_demotion_started()
+        self._demoting += len(admitted)
+        slots = []
+        for key in admitted:
+            entry = self.cpu.get(key)
+            entry.flushing = True
+            slots.append(entry.slot)
+        self.disk.add_many(admitted, BlockState.WRITING)
+        self._queue_bg(LoadStoreSpec.cpu(slots), LoadStoreSpec.disk(admitted), admitted)
+
+    def _evict_disk(self, n: int) -> None:
+        victims = self.disk.victims(n)
+        for key in victims:
+            self.disk.remove(key)
+            self.disk_admission.on_evict(key)
+            cpu = self.cpu.get(key)
+            if cpu is not None:
+                cpu.on_disk = False
+            self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
+        if victims:
+            self.stats.evicted_blocks["DISK"] += len(victims)
+            self.events.emit(BlockRemoved(Medium.DISK, tuple(victims)))
+            self._queue_bg(LoadStoreSpec.disk(victims), LoadStoreSpec.drop(victims), victims)
+
+    def _queue_bg(self, src: LoadStoreSpec, dst: LoadStoreSpec, keys: Sequence[BlockKey]) -> None:
+        t = BackgroundTransfer(next(self._bg_ids), src, dst, tuple(keys))
+        self._bg_pending[t.id] = t
+        self._bg_ready.append(t)
+
+    def take_background_transfers(self) -> list[BackgroundTransfer]:
+        out, self._bg_ready = self._bg_ready, []
+        return out
+
+    def complete_background(self, transfer_id: int, success: bool = True) -> None:
+        t = self._bg_pending.pop(transfer_id, None)
+        if t is None:
+            self.stats.protocol_errors += 1
+            return
+        if t.dst.medium is Medium.DROP:
+            for key in t.keys:
+                left = self._pending_drops.get(key, 0) - 1
+                if left > 0:
+                    self._pending_drops[key] = left
+                else:
+                    self._pending_drops.pop(key, None)
+            return
+        self._demoting -= len(t.keys)
+        stored: list[BlockKey] = []
+        for key in t.keys:
+            cpu = self.cpu.get(key)
+            if cpu is not None:
+                cpu.flushing = False
+                cpu.on_disk = success
+                cpu.flush_failed = not success
+            d = self.disk.get(key)
+            if d is None or d.state is not BlockState.WRITING:
+                continue
+            if success:
+                d.state = BlockState.READY
+                stored.append(key)
+            else:
+                self.disk.remove(key)
+        self.disk_health.on_demotion(success)
+        self.stats.disk_degraded = self.disk_health.degraded
+        self.stats.disk_degradations = self.disk_health.degradations
+        if success:
+            self.stats.stored_blocks["DISK"] += len(stored)
+            self.events.emit(BlockStored(Medium.DISK, tuple(stored)))
+        else:
+            self.stats.failed_stores["DISK"] += len(t.keys)
+            log.warning("kvtier: demotion of %d blocks to disk failed", len(t.keys))
+
+    def _restore_disk(self, keys_oldest_first: Iterable[BlockKey]) -> None:
+        keys = list(keys_oldest_first)
+        overflow = max(0, len(keys) - self.disk.capacity)
+        if overflow:
+            log.warning("kvtier: disk holds %d blocks over its capacity; evicting the oldest", overflow)
+        for key in keys[overflow:]:
+            self.disk.add(key, BlockState.READY)
+        if overflow:
+            dropped = keys[:overflow]
+            for key in dropped:
+                self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
+            self._queue_bg(LoadStoreSpec.disk(dropped), LoadStoreSpec.drop(dropped), dropped)
