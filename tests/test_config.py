@@ -6,6 +6,8 @@ import json
 import os
 import pickle
 import stat
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +42,14 @@ stats:
   snapshot_path: null
   interval_s: 1.0
 """
+
+
+@pytest.fixture(autouse=True)
+def server_memory(monkeypatch):
+    """The examples configure a server (32GiB CPU tier); pretend this machine is one. Tests of
+    the memory check set their own figure."""
+    monkeypatch.setattr("kvtier.config.loader.physical_memory", lambda: TiB, raising=False)
+    monkeypatch.setattr("kvtier.config.machine.physical_memory", lambda: TiB, raising=False)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -446,3 +456,100 @@ def test_relative_config_path_resolves_against_its_directory(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path.parent)
     cfg = load_config(Path(tmp_path.name) / "kvtier.yaml", env={})
     assert cfg.disk.path.is_absolute() and cfg.disk.path == tmp_path / "store"
+
+
+# -- issue 14, items 12 and 13: sizes the machine cannot hold, huge numbers, side effects ------
+
+from kvtier.config import machine as _machine  # noqa: E402
+
+REAL_MEMORY = _machine.physical_memory  # before the autouse fixture patches it
+
+
+def test_physical_memory_is_known_here():
+    assert REAL_MEMORY() > 0
+
+
+@pytest.mark.parametrize("capacity", ["100TiB", "9GiB", "8589934593"])
+def test_cpu_tier_larger_than_memory_is_refused_at_load(monkeypatch, capacity):
+    monkeypatch.setattr("kvtier.config.loader.physical_memory", lambda: 8 * GiB)
+    with pytest.raises(ConfigError) as info:
+        load_config(text=f"tiers:\n  cpu: {{capacity: {capacity}}}\n", env={})
+    assert info.value.line == 2 and info.value.key == "tiers.cpu.capacity"
+    assert "more than this machine's memory (8 GiB)" in str(info.value)
+    assert load_config(data={"tiers": {"cpu": {"capacity": "8GiB"}}}, env={}).cpu.capacity == 8 * GiB
+
+
+def test_disk_tier_too_large_to_index_is_refused_naming_its_key(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.config.machine.physical_memory", lambda: 16 * GiB)
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "1GiB"},
+                                      "disk": {"path": str(tmp_path / "d"), "capacity": "1PiB"}}},
+                      env={})
+    with pytest.raises(ConfigError) as info:
+        cfg.check_block_bytes(64 << 10)
+    assert info.value.key == "tiers.disk.capacity" and "indexing them" in str(info.value)
+    cfg.check_block_bytes(64 << 20)  # the same PiB in 64 MiB blocks is 16M entries: fine
+
+
+@pytest.mark.parametrize("tree, key", [
+    ({"tiers": {"cpu": {"capacity": "1.5e99GiB"}}}, "tiers.cpu.capacity"),
+    ({"tiers": {"cpu": {"capacity": 1e300}}}, "tiers.cpu.capacity"),
+    ({"tiers": {"cpu": {"capacity": 10**5000}}}, "tiers.cpu.capacity"),
+    ({"tiers": {"disk": {"path": "d", "capacity": "1.5e99GiB"}}}, "tiers.disk.capacity"),
+    ({"tiers": {"disk": {"path": "d", "segment_bytes": "9e40TB"}}}, "tiers.disk.segment_bytes"),
+    ({"block_tokens": 10**5000}, "block_tokens"),
+    ({"metrics": {"port": 10**5000}}, "metrics.port"),
+    ({"admission": {"offload_ratio": 10**400}}, "admission.offload_ratio"),
+    ({"admission": {"max_offload_tokens": 10**400}}, "admission.max_offload_tokens"),
+    ({"stats": {"interval_s": 10**400}}, "stats.interval_s"),
+    ({"cost": {"recompute_tokens_per_s": 10**400}}, "cost.recompute_tokens_per_s"),
+])
+def test_huge_numbers_are_config_errors(tmp_path, monkeypatch, tree, key):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(data=tree, env={})
+    assert info.value.key == key and len(str(info.value)) < 300
+
+
+def test_huge_numbers_in_yaml_and_env_are_config_errors(tmp_path):
+    err = error_of(tmp_path, "block_tokens: " + "1" * 5000 + "\n")
+    assert err.line == 1 and err.key == "block_tokens" and len(str(err)) < 400
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"KVTIER_BLOCK_TOKENS": "1" * 5000})
+    assert info.value.key == "KVTIER_BLOCK_TOKENS" and len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize("bad", ["metrics: {port: 99999}", "tiers: {cpu: {capacity: 0}}",
+                                 "events: {endpoint: 'tcp://10.0.0.1:1'}", "cost: {}"])
+def test_refused_config_creates_no_disk_directory(tmp_path, bad):
+    disk = tmp_path / "a" / "disk"
+    text = f"tiers:\n  disk: {{path: {disk}}}\n{bad}\n"
+    if bad.startswith("tiers"):
+        text = f"tiers:\n  cpu: {{capacity: 0}}\n  disk: {{path: {disk}}}\n"
+    with pytest.raises(ConfigError):
+        load_config(text=text, env={})
+    assert not (tmp_path / "a").exists()
+    load_config(text=f"tiers:\n  disk: {{path: {disk}}}\n", env={})
+    assert disk.is_dir()
+
+
+def test_missing_parents_are_created_0700_under_umask_000(tmp_path):
+    disk = tmp_path / "p1" / "p2" / "disk"
+    old = os.umask(0)
+    try:
+        load_config(data={"tiers": {"disk": {"path": str(disk)}}}, env={})
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "p1", tmp_path / "p1" / "p2", disk):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+
+@pytest.mark.parametrize("tiers", ["cpu: {capacity: 100TiB}", "cpu: {capacity: 1.5e99GiB}",
+                                   "cpu: {capacity: 16MiB}\n  disk: {path: DISK, capacity: 1PiB}"])
+def test_cli_refuses_impossible_capacities_in_one_line(tmp_path, tiers):
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text("tiers:\n  " + tiers.replace("DISK", str(tmp_path / "disk")) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "--config", str(cfg),
+                           "--limit", "3", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "capacity" in proc.stderr and str(cfg) in proc.stderr

@@ -26,6 +26,11 @@ DEFAULT_PRIOR_LOAD_GBPS = 100.0  # optimistic: an unmeasured tier is tried, then
 COMPRESSIONS = ("none", "zstd")
 
 GiB = 1 << 30
+MAX_SIZE = 1 << 60  # 1 EiB: any size beyond is a typo (and overflows what sizes feed)
+MAX_BLOCK_TOKENS = 1 << 20
+INDEX_BYTES_PER_BLOCK = 160
+"""What the manager keeps in memory per block a tier can hold (key, maps, policy lists, slot
+state), measured on a full tier; ``check_block_bytes`` refuses tiers whose index would not fit."""
 DEFAULT_CPU_CAPACITY = 4 * GiB
 DEFAULT_DISK_CAPACITY = 64 * GiB
 DEFAULT_SEGMENT_BYTES = 256 << 20
@@ -200,6 +205,29 @@ class KvtierConfig:
                 raise self._error(
                     key, f"{format_size(value)} is smaller than one kvtier block", one
                 )
+        self._check_index_memory(block_bytes)
+
+    def _check_index_memory(self, block_bytes: int) -> None:
+        """The manager indexes every block a tier can hold: ``1PiB`` of 64 KiB blocks is 16G
+        entries, a MemoryError (or the OOM killer) long after start-up. Refuse a tier whose
+        index alone would take more than half of this machine's memory, naming its key."""
+        from kvtier.config.machine import physical_memory
+
+        memory = physical_memory()
+        if memory is None:
+            return
+        budget = memory // 2
+        blocks = self.cpu_slots(block_bytes) + self.disk_blocks(block_bytes)
+        if blocks * INDEX_BYTES_PER_BLOCK <= budget:
+            return
+        key = "tiers.disk.capacity" if self.disk is not None else "tiers.cpu.capacity"
+        value = self.disk.capacity if self.disk is not None else self.cpu.capacity
+        most = budget // INDEX_BYTES_PER_BLOCK * block_bytes
+        raise self._error(
+            key, f"{format_size(value)} is {blocks:,} blocks of {format_size(block_bytes)}; "
+            f"indexing them takes ~{format_size(blocks * INDEX_BYTES_PER_BLOCK)} of memory, more "
+            f"than half of this machine's {format_size(memory)}",
+            f"tiers totalling at most {format_size(most)} at this block size")
 
     def cpu_slots(self, block_bytes: int) -> int:
         return self.cpu.capacity // block_bytes
