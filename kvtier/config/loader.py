@@ -25,7 +25,15 @@ from yaml.nodes import ScalarNode
 
 from kvtier.config.errors import ConfigError
 from kvtier.config.machine import make_private_dir, physical_memory
-from kvtier.config.reader import _ADMISSION, _POLICY, SIZE_ALLOWED, _Item, _line, _Reader
+from kvtier.config.reader import (
+    _ADMISSION,
+    _POLICY,
+    SIZE_ALLOWED,
+    _describe,
+    _Item,
+    _line,
+    _Reader,
+)
 from kvtier.config.schema import (
     MAX_BLOCK_TOKENS,
     ADMISSION_POLICIES,
@@ -38,7 +46,6 @@ from kvtier.config.schema import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PRIOR_LOAD_GBPS,
     DEFAULT_SEGMENT_BYTES,
-    ENDPOINT_ALLOWED,
     EVICTION_POLICIES,
     AdmissionConfig,
     CostConfig,
