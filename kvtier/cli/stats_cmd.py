@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -31,10 +32,10 @@ STALE_AFTER_S = 30.0
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:
         return True
+    except (OSError, OverflowError, ValueError):  # gone, or not a pid at all
+        return False
     return True
 
 
@@ -49,6 +50,10 @@ def _instance_from_snapshot(snap: dict) -> dict:
     snap["live"] = _pid_alive(int(snap.get("pid", -1))) and age < STALE_AFTER_S
     snap["age_s"] = round(age, 1)
     return snap
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _rate(part, total) -> float | None:
@@ -81,8 +86,9 @@ def summarize(data: dict) -> dict:
             tiers.setdefault(tier, {}).update(
                 hit_blocks=n, block_hit_rate=_rate(n, manager.get("lookup_blocks")))
     disk = inst.get("disk")
-    if isinstance(disk, dict) and "compression_ratio" in disk and "DISK" in tiers:
-        tiers["DISK"].setdefault("compression_ratio", round(float(disk["compression_ratio"]), 4))
+    ratio = disk.get("compression_ratio") if isinstance(disk, dict) else None
+    if _is_number(ratio) and "DISK" in tiers:
+        tiers["DISK"].setdefault("compression_ratio", round(float(ratio), 4))
     data["transfers"] = inst.get("transfers") or {}
     return data
 
@@ -100,7 +106,8 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
     if snapshot_path is not None:
         snap = read_snapshot(snapshot_path)
         if snap is None:
-            raise ConfigError(f"no readable kvtier stats snapshot at {snapshot_path}",
+            raise ConfigError(f"no readable kvtier stats snapshot at {snapshot_path} (missing, "
+                              "unreadable or malformed)",
                               key="--snapshot", allowed="a kvtier-stats.json file")
         return summarize({"tiers": {}, "instance": _instance_from_snapshot(snap)})
     config = load_config(config_path) if config_path else None
@@ -140,33 +147,60 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
 
 
 def _pct(v) -> str:
-    return f"{v:.1%}" if isinstance(v, (int, float)) else "-"
+    return f"{v:.1%}" if _is_number(v) else "-"
+
+
+def _count(v) -> str:
+    """A block count in at most 6 characters ("98.8M"): exact below 100,000 (--json is exact)."""
+    if not _is_number(v):
+        return "-"
+    if abs(v) < 100_000:
+        return str(int(v))
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g}{unit}"
+    return f"{v / 1e3:.3g}k"
 
 
 def _size(v) -> str:
-    return format_size(int(v)) if isinstance(v, (int, float)) else "-"
+    return format_size(int(v)) if _is_number(v) else "-"
+
+
+TIER_COLUMNS = ("tier", "blocks", "used", "capacity", "hit\nblocks", "block\nhit rate",
+                "token\nhit rate", "compr.\nratio")
+"""Two-line headers and no timestamp columns: the table fits 80 columns (it needed ~155, and
+rich cut headers to "bloc…"). The oldest/newest entries follow as lines under the table."""
+
+
+def _tiers_table(data: dict) -> tuple[Table, list[str]]:
+    t = Table(title="kvtier tiers", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    for col in TIER_COLUMNS:
+        t.add_column(col, justify="left" if col == "tier" else "right", no_wrap=True)
+    ages = []
+    for name, tier in data["tiers"].items():
+        blocks = tier.get("blocks", tier.get("used_blocks"))
+        ratio = tier.get("compression_ratio")
+        t.add_row(
+            name,
+            _count(blocks),
+            _size(tier.get("used_bytes")),
+            _size(tier.get("capacity_bytes")),
+            _count(tier.get("hit_blocks")),
+            _pct(tier.get("block_hit_rate")),
+            _pct(tier.get("token_hit_rate")),
+            f"{ratio:.3f}" if _is_number(ratio) else "-",
+        )
+        if tier.get("oldest") or tier.get("newest"):
+            ages.append(f"{name}: oldest entry {tier.get('oldest') or '-'}, "
+                        f"newest {tier.get('newest') or '-'}")
+    return t, ages
 
 
 def print_stats(data: dict, console: Console) -> None:
-    t = Table(title="kvtier tiers")
-    for col in ("tier", "blocks", "used", "capacity", "hit blocks", "block hit rate",
-                "token hit rate", "compression", "oldest", "newest"):
-        t.add_column(col)
-    for name, tier in data["tiers"].items():
-        blocks = tier.get("blocks", tier.get("used_blocks"))
-        t.add_row(
-            name,
-            str(blocks) if blocks is not None else "-",
-            _size(tier.get("used_bytes")),
-            _size(tier.get("capacity_bytes")),
-            str(tier["hit_blocks"]) if tier.get("hit_blocks") is not None else "-",
-            _pct(tier.get("block_hit_rate")),
-            _pct(tier.get("token_hit_rate")),
-            f"{tier['compression_ratio']:.3f}" if "compression_ratio" in tier else "-",
-            tier.get("oldest") or "-",
-            tier.get("newest") or "-",
-        )
+    t, ages = _tiers_table(data)
     console.print(t)
+    for line in ages:
+        console.print(line)
     inst = data["instance"]
     if inst is None:
         console.print("no running instance found (no stats snapshot)")
@@ -177,11 +211,11 @@ def print_stats(data: dict, console: Console) -> None:
         state = "live" if inst["live"] else f"not running (snapshot {inst['age_s']}s old)"
         console.print(f"instance pid {inst.get('pid')}: {state}")
     if data.get("transfers"):
-        tt = Table(title="transfers")
+        tt = Table(title="transfers", box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
         for col in ("direction", "jobs", "failed", "bytes", "busy s", "GB/s"):
             tt.add_column(col, justify="left" if col == "direction" else "right")
         for name, x in data["transfers"].items():
-            tt.add_row(name, str(x.get("jobs", "-")), str(x.get("failed_jobs", "-")), _size(x.get("bytes")),
+            tt.add_row(name, _count(x.get("jobs")), _count(x.get("failed_jobs")), _size(x.get("bytes")),
                        f"{x.get('seconds', 0):.3f}", f"{x.get('gbps', 0):.2f}")
         console.print(tt)
     m = inst.get("manager") or {}
