@@ -94,10 +94,10 @@ def summarize(data: dict) -> dict:
 
 
 def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | None = None,
-                  snapshot_path: Path | None = None) -> dict:
+                  snapshot_path: Path | None = None, timeout: float = 5.0) -> dict:
     if url is not None:
         try:
-            inst = scrape(url)
+            inst = scrape(url, timeout)
         except ScrapeError as exc:
             raise ConfigError(str(exc), key="--url", allowed="a kvtier metrics URL "
                               "such as http://127.0.0.1:9400/metrics") from None
@@ -239,6 +239,8 @@ def print_stats(data: dict, console: Console) -> None:
 @click.option("--dir", "disk_dir", type=click.Path(file_okay=False, path_type=Path),
               help="A disk-tier directory to inspect (read-only).")
 @click.option("--url", help="A running instance's metrics endpoint, e.g. http://127.0.0.1:9400/metrics.")
+@click.option("--timeout", type=click.FloatRange(min=0.1, max=3600), default=5.0,
+              show_default=True, help="--url: seconds for the whole fetch.")
 @click.option("--snapshot", "snapshot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="A running instance's stats snapshot file (kvtier-stats.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (one per line with --watch).")
@@ -247,7 +249,7 @@ def print_stats(data: dict, console: Console) -> None:
               help="Seconds between refreshes with --watch.")
 @click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after N refreshes.")
 @user_errors
-def stats(config_path, disk_dir, url, snapshot_path, as_json, watch, interval, count):
+def stats(config_path, disk_dir, url, timeout, snapshot_path, as_json, watch, interval, count):
     """Capacity, used bytes, block count, hit rates, compression ratio and oldest/newest entry
     per tier; for a running instance also bytes and GB/s per transfer direction."""
     if config_path is None and disk_dir is None and url is None and snapshot_path is None:
@@ -256,7 +258,7 @@ def stats(config_path, disk_dir, url, snapshot_path, as_json, watch, interval, c
     shown = 0
     try:
         while True:
-            data = collect_stats(config_path, disk_dir, url, snapshot_path)
+            data = collect_stats(config_path, disk_dir, url, snapshot_path, timeout)
             if as_json:
                 click.echo(json.dumps(data, default=str))
             else:
