@@ -2,7 +2,9 @@
 
 ``pump()`` drains ``take_events()`` into the publisher. Whatever the manager holds when the
 feed starts (disk blocks restored from a previous run emit no events) is announced by an
-initial resync, and the manager's resident blocks are the publisher's resync source. If the
+initial resync, and a live walk of the manager's resident blocks is the publisher's resync
+source: a resync goes out a chunk per ``pump`` (``kvtier.events.resync``), so neither start-up
+with a large restored disk tier nor a resync later stalls the scheduler thread. If the
 manager's event bus itself dropped events (nobody drained it for too long), the publisher is
 told the stream is lost and resyncs.
 
@@ -13,6 +15,7 @@ The vLLM connector, which also needs ``take_events()`` for vLLM's own publisher,
 from __future__ import annotations
 
 from kvtier.events.publisher import EventPublisher
+from kvtier.events.resync import walk_resident
 from kvtier.manager.specs import BlockKey, Medium
 from kvtier.manager.tier_index import BlockState
 
@@ -33,7 +36,8 @@ class ManagerFeed:
     def __init__(self, manager, publisher: EventPublisher) -> None:
         self.manager = manager
         self.publisher = publisher
-        publisher.set_resident_source(lambda: resident_blocks(manager))
+        publisher.set_resident_source(lambda: resident_blocks(manager))  # one-shot fallback
+        publisher.set_resident_walk(lambda: walk_resident(manager))
         self._bus_dropped = self._dropped()
         manager.take_events()  # already reflected in the initial resync
         publisher.resync()

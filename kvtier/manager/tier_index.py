@@ -263,6 +263,15 @@ class TierIndex:
             self.policy.victims(n, ok)
         return dirty
 
+    def shard_count(self) -> int:
+        """Number of key shards (fixed for the tier's life)."""
+        return self._nshards
+
+    def shard_keys(self, i: int) -> list[BlockKey]:
+        """The keys of shard ``i``, copied (a key always lives in the same shard): lets a walk
+        over the tier pause between shards while the tier changes (event resyncs)."""
+        return list(self._shards[i])
+
     def free_handles(self) -> list[int]:
         """The free chain, in the order it hands handles out. O(capacity): checks only."""
         out, h = [], self._free_head
