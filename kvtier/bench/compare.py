@@ -129,3 +129,20 @@ def check_specs(specs: Sequence[str]) -> list[str]:
     if not out:
         raise ValueError("no policy given")
     return out
+
+
+DEFAULT_CAPACITY_SHARES = (0.05, 0.2, 0.5)
+
+
+def default_capacities(trace: Sequence[TraceRequest]) -> list[int]:
+    """5, 20 and 50 % of the trace's distinct blocks (two significant digits). Fixed defaults
+    (1000, 4000, 16000) held the whole bundled sample (1,984 blocks) at every size, so every
+    policy printed the same rows; shares of the trace differ on any trace."""
+    distinct = len({h for r in trace for h in r.hash_ids})
+    out = []
+    for share in DEFAULT_CAPACITY_SHARES:
+        c = max(1, round(distinct * share))
+        c = int(float(f"{c:.2g}"))
+        if c not in out:
+            out.append(c)
+    return out

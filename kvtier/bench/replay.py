@@ -125,7 +125,9 @@ class EngineCache:
 
 
 class Replay:
-    def __init__(self, config: KvtierConfig, block_bytes: int, gpu_blocks: int) -> None:
+    def __init__(self, config: KvtierConfig, block_bytes: int, gpu_blocks: int,
+                 overlap: bool = False) -> None:
+        self.overlap = overlap
         self.geometry = bench_geometry(block_bytes)
         g = self.geometry
         self.gpu = {f"layer.{i}": torch.zeros((2, gpu_blocks, g.page_bytes), dtype=torch.uint8)
@@ -293,6 +295,8 @@ class Replay:
         start = time.perf_counter()
         for i, req in enumerate(trace):
             self.run_request(req)
+            if not self.overlap:
+                self.drain()
             if progress is not None:
                 progress(i + 1)
         self.drain()

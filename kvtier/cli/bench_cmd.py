@@ -76,6 +76,11 @@ def print_report(report: dict, console: Console) -> None:
                      f"{c['load_gbps']['DISK']} (break-even {c['break_even_gbps']}); hits skipped as "
                      f"slower than recompute: CPU {skipped['CPU']}, DISK {skipped['DISK']}")
     lines.append(f"wrong blocks served: {report['wrong_blocks']}; failed loads: {report['failed_loads']}")
+    if report.get("overlap"):
+        lines.append("--overlap: transfers ran on across requests; counts vary with thread timing")
+    else:
+        lines.append("each request's transfers finished before the next: the same trace and "
+                     "config give these counts every run (--overlap: engine-like timing)")
     for line in lines:
         console.print(line)
 
@@ -130,8 +135,9 @@ def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool
 @click.option("--compare", "do_compare", is_flag=True,
               help="Compare placement policies instead: replay the trace through the manager "
                    "(CPU tier, no bytes) once per policy and capacity, with Belady's optimum.")
-@click.option("--capacity-blocks", callback=_int_list, default="1000,4000,16000",
-              show_default=True, help="--compare: tier capacities, in trace blocks.")
+@click.option("--capacity-blocks", callback=_int_list,
+              help="--compare: tier capacities, in trace blocks (default: 5, 20 and 50% of "
+                   "the trace's distinct blocks).")
 @click.option("--policies", default=",".join(DEFAULT_POLICIES), show_default=True,
               help="--compare: eviction[+admission] specs (lru is always run).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -142,9 +148,14 @@ def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool
               help="Synthetic KV bytes per trace block (512 tokens), in KiB.")
 @click.option("--gpu-blocks", type=click.IntRange(min=1),
               help="Engine prefix-cache size in blocks (default: 2x the longest request).")
+@click.option("--overlap", is_flag=True,
+              help="Let stores and demotions run on while later requests are served (as in an "
+                   "engine); hit counts then depend on thread timing and vary run to run. "
+                   "Default: each request's transfers finish before the next request, so the "
+                   "same trace and config give the same counts every run.")
 @user_errors
 def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, policies, config_path,
-          as_json, limit, block_kib, gpu_blocks):
+          as_json, limit, block_kib, gpu_blocks, overlap):
     """Replay a request trace through kvtier's manager, transfer workers and tiers.
 
     Prints per-tier hit rates (GPU/CPU/disk/miss, in blocks and tokens), bytes and GB/s per
@@ -167,7 +178,10 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
         trace = load_trace(trace_path, limit)
         trace_name = str(trace_path) if trace_path else "<bundled sample>"
     if do_compare:
-        run_compare(trace, trace_name, capacity_blocks, policies, as_json)
+        from kvtier.bench.compare import default_capacities
+
+        run_compare(trace, trace_name, capacity_blocks or default_capacities(trace), policies,
+                    as_json)
         return
     longest = max(len(r.hash_ids) for r in trace)
     gpu_blocks = gpu_blocks or max(64, 2 * longest)
@@ -175,7 +189,7 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         config = load_config(config_path) if config_path else default_bench_config(Path(tmp) / "disk")
-        replay = Replay(config, block_kib * 1024, gpu_blocks)
+        replay = Replay(config, block_kib * 1024, gpu_blocks, overlap=overlap)
         try:
             if as_json or not sys.stderr.isatty():
                 replay.run(trace)
@@ -189,6 +203,7 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
             replay.close()
     report["config"] = config.to_dict()
     report["trace"] = trace_name
+    report["overlap"] = overlap
     if as_json:
         click.echo(json.dumps(report, default=str))
     else:

@@ -13,7 +13,38 @@ from kvtier.cli.events_cmd import events
 from kvtier.cli.stats_cmd import stats
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class KvtierGroup(click.Group):
+    """One error style for every error: click's usage errors ("Usage: ... Error: ...", four
+    lines) are printed like kvtier's own, ``kvtier: error: <what> (see '<command> --help')``,
+    one line on stderr, status 2 (``user_errors`` prints config, trace and disk errors the same
+    way)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except click.ClickException as exc:
+            sys.exit(report(exc))
+        except click.Abort:
+            click.echo("kvtier: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def report(exc: click.ClickException) -> int:
+    ctx = getattr(exc, "ctx", None)
+    if isinstance(exc, getattr(click.exceptions, "NoArgsIsHelpError", ())) and ctx is not None:
+        click.echo(ctx.get_help())  # plain `kvtier`: the help is the answer, not an error
+        return 0
+    message = exc.format_message()
+    if isinstance(exc, click.UsageError) and ctx is not None:
+        message += f" (see '{ctx.command_path} --help')"
+    click.echo(f"kvtier: error: {message}", err=True)
+    return exc.exit_code
+
+
+@click.group(cls=KvtierGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
 def cli(verbose: int) -> None:
     """kvtier: a KV-cache storage hierarchy for vLLM (GPU -> pinned CPU -> local disk).
@@ -35,7 +66,7 @@ cli.add_command(events)
 
 
 def main() -> None:
-    cli(prog_name="kvtier")
+    cli.main(prog_name="kvtier")
 
 
 if __name__ == "__main__":  # pragma: no cover
