@@ -77,3 +77,11 @@ def test_readme_real_trace_example_resolves_from_the_repository_root():
     assert "repository root" in cli_section
     if (ROOT.parent / "shared" / "traces").is_dir():  # this workspace's layout
         assert (ROOT / "../shared/traces/mooncake_synthetic_trace.jsonl").is_file()
+
+
+@pytest.mark.parametrize("args", [["--gpu-blocks", str(10**9)],
+                                  ["--block-kib", str(10**9), "--gpu-blocks", "64"]])
+def test_simulated_gpu_larger_than_memory_is_refused(args):
+    res = CliRunner().invoke(cli, ["bench", "--limit", "2", *args])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert "simulated GPU" in res.stderr

@@ -85,6 +85,19 @@ def print_report(report: dict, console: Console) -> None:
         console.print(line)
 
 
+def _check_simulated_gpu(gpu_blocks: int, block_kib: int) -> None:
+    """The simulated GPU is host memory, allocated up front: refuse one larger than half the
+    machine (the trace reader bounds a request, but --gpu-blocks and --block-kib multiply)."""
+    from kvtier.config.machine import physical_memory
+
+    need, memory = gpu_blocks * block_kib * 1024, physical_memory()
+    if memory is not None and need > memory // 2:
+        raise click.UsageError(
+            f"the simulated GPU would take {format_size(need)} ({gpu_blocks} blocks of "
+            f"{block_kib} KiB), more than half of this machine's {format_size(memory)}; lower "
+            "--gpu-blocks or --block-kib")
+
+
 def _int_list(ctx, param, value):
     if value is None:
         return None
@@ -185,6 +198,7 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
         return
     longest = max(len(r.hash_ids) for r in trace)
     gpu_blocks = gpu_blocks or max(64, 2 * longest)
+    _check_simulated_gpu(gpu_blocks, block_kib)
     from kvtier.bench.replay import Replay  # torch: only here, where bytes move
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
