@@ -4,7 +4,8 @@ With write-back, the cold end of the CPU order holds blocks being demoted (pinne
 blocks behind them. The old eviction skipped dirty blocks the disk would admit, so with a slow
 disk every ``prepare_store`` walked every resident block (200-250 ms at 50k blocks) and then
 refused the store anyway. The work is counted here as eviction-order keys examined per call,
-with demotions that never complete (the slowest disk there is).
+with demotions that never complete (the slowest disk there is). Blocks whose eviction loses
+nothing (a copy on disk) still go before dirty ones.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class CountingWalk:
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_store_with_a_stalled_disk_walks_a_bounded_number_of_blocks(policy):
-    cpu, batch = 4000, 32
+    cpu, batch = 16_000, 32
     m = TieredOffloadingManager(cpu_blocks=cpu, cpu_eviction=policy, disk_blocks=4 * cpu,
                                 flush_reserve=64)
     queued = []  # demotions handed out and never completed: a stalled disk
@@ -56,10 +57,11 @@ def test_store_with_a_stalled_disk_walks_a_bounded_number_of_blocks(policy):
         m.complete_store(plan.keys)
         queued += m.take_background_transfers()
         nxt += batch
-    # each call steps over the pinned demotions once per walk (eviction + flush planning) and
-    # examines its own batch: nothing proportional to the 4000 resident blocks
-    assert max(per_call) < cpu // 4, max(per_call)
-    bound = 2 * (m.max_demotions_in_flight + m.flush_reserve + batch)
+    # the eviction walk looks at most eviction_budget unpinned blocks past its batch, the
+    # flush walk at most flush_reserve, and each steps over the pinned demotions once:
+    # nothing proportional to the 16k resident blocks (the old walk looked at all of them)
+    assert max(per_call) < cpu // 8, max(per_call)
+    bound = (batch + m.eviction_budget + m.flush_reserve + 2 * m.max_demotions_in_flight)
     assert max(per_call) <= bound, (max(per_call), bound)
     demoting = sum(len(t.keys) for t in queued if t.dst.medium is Medium.DISK)
     assert demoting <= m.max_demotions_in_flight  # the disk's queue is bounded
@@ -88,3 +90,19 @@ def test_demoting_blocks_are_never_evicted_and_clean_ones_go_first():
     assert plan.evicted[Medium.CPU] == (k(0),)
     assert m.lookup([k(0)]).tiers == (Medium.DISK,)
     assert m.stats.evicted_unwritten == 2
+
+
+def test_a_clean_block_goes_before_a_colder_dirty_one():
+    """Evicting a block with a copy on disk loses nothing (a later hit reads the disk), so it
+    goes first while one lies within the eviction budget, even if warmer than dirty ones."""
+    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=32, flush_reserve=2,
+                                max_demotions_in_flight=2)
+    plan = m.prepare_store([k(i) for i in range(8)])
+    m.complete_store(plan.keys)
+    [demotion] = m.take_background_transfers()
+    assert set(demotion.keys) == {k(0), k(1)}
+    m.complete_background(demotion.id, True)
+    m.touch([k(1), k(0)])  # clean blocks are now the warmest: order 2..7, 1, 0
+    plan = m.prepare_store([k(100)])
+    assert plan.evicted[Medium.CPU] == (k(1),)
+    assert m.lookup([k(1)]).tiers == (Medium.DISK,) and m.stats.evicted_unwritten == 0

@@ -50,6 +50,10 @@ def _flag(bit: int, doc: str) -> property:
     return property(get, put, doc=doc)
 
 
+class _WalkDone(Exception):
+    """Ends a policy walk early (the policy's own loop has no budget)."""
+
+
 class Entry:
     """View of one resident block's columns; valid until the block is removed."""
 
@@ -241,6 +245,39 @@ class TierIndex:
             return evictable is None or evictable(key, Entry(self, h))
 
         return self.policy.victims(n, ok)
+
+    def victims_preferring(self, n: int, preferred, budget: int) -> list[BlockKey]:
+        """Up to ``n`` unpinned READY keys: first those passing ``preferred(key, entry)``, in
+        the policy's order, among the ``budget`` coldest unpinned ones; then, if that is not
+        enough, the others met on the way, coldest first. The walk stops after ``budget``
+        unpinned keys, so it costs O(budget + pinned keys passed), never O(tier)."""
+        if n <= 0:
+            return []
+        shards, nshards = self._shards, self._nshards
+        state, readers, flags = self._state, self._readers, self._flags
+        taken: list[BlockKey] = []  # accepted by the policy walk, in its order
+        others: list[BlockKey] = []
+        seen = 0
+
+        def ok(key: BlockKey) -> bool:
+            nonlocal seen
+            h = shards[hash(key) % nshards].get(key)
+            if h is None or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
+                return False
+            if seen >= budget:
+                raise _WalkDone
+            seen += 1
+            if preferred(key, Entry(self, h)):
+                taken.append(key)
+                return True
+            others.append(key)
+            return False
+
+        try:
+            self.policy.victims(n, ok)
+        except _WalkDone:
+            pass
+        return taken + others[: n - len(taken)]
 
     def dirty_among_coldest(self, n: int) -> list[BlockKey]:
         """Of the ``n`` coldest unpinned READY blocks (policy order), those with no copy on

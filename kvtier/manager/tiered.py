@@ -4,9 +4,9 @@
 * Write-back demotion: the coldest ``flush_reserve`` CPU blocks are copied to disk ahead of
   need (when the disk tier admits them), so that evicting them later costs nothing and a
   store never waits on the disk. At most ``max_demotions_in_flight`` blocks are being copied
-  at once. Eviction takes unpinned blocks in the policy's order, dirty or not (see
-  ``_evict_cpu``); a block being read (a load, a demotion) or written is never evicted. A
-  store that finds no unpinned slot is cut short (counted) instead of blocking.
+  at once. Eviction takes clean blocks first and drops dirty ones only when write-back is
+  behind (see ``_evict_cpu``); a block being read (a load, a demotion) or written is never
+  evicted. A store that finds no unpinned slot is cut short (counted) instead of blocking.
 * A disk hit is promoted: ``prepare_load`` reserves a CPU slot for it; the worker runs
   DISK -> CPU then CPU -> GPU; ``complete_load`` publishes the CPU copy.
 * Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
@@ -70,8 +70,11 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         # Bounds the disk's write queue, and with it the pinned blocks an eviction or flush walk
         # steps over at the cold end of the CPU order (each walk is O(this), not O(tier)).
         self.max_demotions_in_flight = max(1, max_demotions_in_flight
-                                           or self.flush_reserve)
+                                           or 4 * self.flush_reserve)
         self._demoting = 0  # CPU blocks whose demotion is queued or running
+        # How far past the batch an eviction looks for a block it can drop losslessly: the
+        # flush window and the demotions in flight (write-back keeps those clean), twice.
+        self.eviction_budget = 2 * (self.flush_reserve + self.max_demotions_in_flight)
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self.stats = ManagerStats()
@@ -298,24 +301,35 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self._plan_flushes(completion=True)
 
     # ------------------------------------------------------------------ eviction and flushes
-    def _evict_cpu(self, n: int) -> list[BlockKey]:
-        """Evict up to ``n`` unpinned CPU blocks in the policy's order, dirty ones included.
+    def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
+        """Evicting it loses nothing the disk would keep: a copy is on disk, or the disk
+        refused or failed it, or it is being dropped there."""
+        if entry.on_disk or entry.flush_failed:
+            return True
+        return key in self._pending_drops or not self.disk_admission.would_admit(key)
 
-        Write-back normally keeps the coldest blocks clean (on disk, or being copied there),
-        so a victim is clean. A dirty victim means write-back is behind: the disk is slower
-        than the stores, or a store needs more room than the flush window holds. It is then
-        dropped unwritten (``evicted_unwritten``): this is a cache, and the coldest block is
-        the one worth least, so losing its disk copy beats refusing the new blocks.
-        Skipping dirty blocks instead (the old rule) made every eviction walk the whole
-        tier once demotions were in flight (200-250 ms per store at 50k blocks), and then
-        refused the store anyway. Pinned blocks (loads, demotions, writes) are skipped, so
-        this walk costs O(n + pins), and demotions in flight are capped.
+    def _evict_cpu(self, n: int) -> list[BlockKey]:
+        """Evict up to ``n`` unpinned CPU blocks; a block being read (a load, a demotion) or
+        written is never evicted.
+
+        Blocks whose eviction loses nothing (``_cpu_evictable``: write-back keeps the coldest
+        ones so) go first, in the policy's order. They are looked for among the coldest
+        ``eviction_budget`` unpinned blocks only; if too few are there, write-back is behind
+        (the disk is slower than the stores, or one store needs more than the flush window
+        holds) and the coldest dirty blocks are dropped unwritten (``evicted_unwritten``):
+        this is a cache, and the coldest block is the one worth least, so losing its disk copy
+        beats refusing the new blocks. The old rule never dropped a dirty block the disk
+        would take: with demotions in flight every eviction walked the whole tier looking
+        for a clean one (200-250 ms per store at 50k blocks), then refused the store anyway.
         """
-        victims = self.cpu.victims(n)
-        if self.disk is not None and victims:
+        if self.disk is None or self.disk_health.degraded:  # any unpinned block may go
+            victims = self.cpu.victims(n)
+        else:
+            victims = self.cpu.victims_preferring(n, self._cpu_evictable,
+                                                  n + self.eviction_budget)
             get = self.cpu.get
             self.stats.evicted_unwritten += sum(
-                1 for key in victims if not (e := get(key)).on_disk and not e.flush_failed)
+                1 for key in victims if not self._cpu_evictable(key, get(key)))
         self._drop_cpu(victims)
         return victims
 
