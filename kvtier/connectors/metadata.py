@@ -28,7 +28,9 @@ class LoadJob:
     load finished here, and treat it as failed if that load could not read it.
     ``unloaded_gpu_ids``: blocks vLLM was told are external but that no tier could supply in
     the end (the plan came out shorter); the worker reports them as load errors, so vLLM
-    recomputes them.
+    recomputes them. ``sync``: vLLM computes the request in this step: the worker enqueues
+    the copy before the forward and orders the forward after it (``TransferEngine.fence``),
+    and never reports the request in ``finished_recving``.
     """
 
     job_id: int
@@ -40,6 +42,7 @@ class LoadJob:
     joined: tuple[bool, ...] = ()
     after: tuple[int, ...] = ()
     unloaded_gpu_ids: tuple[int, ...] = ()
+    sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,12 +95,14 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     ``done``: job id -> number of workers that finished it. ``failed``: job id -> keys that
     could not be read (disk miss or corruption; the manager forgets them). ``errors``: job id
     -> number of workers on which the job raised (a store or demotion that must not be
-    published).
+    published). ``load_hops``: (source medium, bytes, seconds) of each finished load hop out
+    of CPU or DISK on each worker: the scheduler's cost model learns from them.
     """
 
     done: dict[int, int] = field(default_factory=dict)
     failed: dict[int, tuple[BlockKey, ...]] = field(default_factory=dict)
     errors: dict[int, int] = field(default_factory=dict)
+    load_hops: tuple[tuple[str, int, float], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         if not isinstance(other, KVTierWorkerMetadata):
@@ -111,7 +116,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         failed = dict(self.failed)
         for job, keys in other.failed.items():
             failed[job] = tuple(dict.fromkeys(failed.get(job, ()) + tuple(keys)))
-        return KVTierWorkerMetadata(done, failed, errors)
+        return KVTierWorkerMetadata(done, failed, errors, self.load_hops + tuple(other.load_hops))
 
     def is_empty(self) -> bool:
-        return not (self.done or self.failed or self.errors)
+        return not (self.done or self.failed or self.errors or self.load_hops)

@@ -3,7 +3,11 @@
 Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``):
 
 * ``lookup`` (get_num_new_matched_tokens): leading run of the prompt's blocks that some tier
-  holds, block aligned, never the last prompt token; always an asynchronous load.
+  holds, block aligned, never the last prompt token. A hit held wholly in CPU memory, within
+  this step's ``sync_load_budget_bytes``, loads *synchronously*: vLLM schedules the request in
+  this very step, the worker enqueues the copy before the forward and orders the forward after
+  it on the GPU (no extra engine step, no host wait). Disk hits and what exceeds the budget
+  load asynchronously (the request waits in WAITING_FOR_REMOTE_KVS).
 * ``plan_load`` (update_state_after_alloc): ``prepare_shared_load`` pins the blocks; a block
   whose disk promotion another request has in flight is joined, not read twice and not cut
   (vLLM #44294: concurrent requests on one prefix neither queue nor recompute).
@@ -35,9 +39,10 @@ from kvtier.connectors.metadata import (
 from kvtier.connectors.requests import KeyMap, RequestParams, RequestTrack
 from kvtier.connectors.settings import ConnectorSettings
 from kvtier.connectors.stats import KVTierStats
+from kvtier.connectors.timeline import timeline
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission
 from kvtier.manager.factory import build_manager
-from kvtier.manager.specs import BlockKey, RequestContext
+from kvtier.manager.specs import BlockKey, Medium, RequestContext
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,8 @@ class SchedulerSide:
         self._step_watch: list[str] = []
         self._step_forget: list[int] = []
         self._step_background: list[BackgroundJob] = []
+        self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
+        self._tl = timeline()
         # token ids are needed until a block's last event (its demotion to disk at the latest,
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
         self._events = VllmEventConverter(settings.block_tokens,
@@ -100,14 +107,25 @@ class SchedulerSide:
         stop = min((request.num_tokens - 1) // bt, self.keymap.num_keyed(request))
         if stop <= start:
             return 0, False
-        hits = self.manager.lookup(self.keymap.keys(request, start, stop),
-                                   sighting=not t.sighted).num_hits
+        found = self.manager.lookup(self.keymap.keys(request, start, stop),
+                                    sighting=not t.sighted)
+        hits = found.num_hits
         t.sighted = True
         self._stats.add("lookup_tokens", (stop - start) * bt)
         if hits == 0:
+            if self._tl.enabled:
+                self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
             return 0, False
         t.lookup_start = num_computed_tokens
-        return hits * bt, True
+        nbytes = hits * self.settings.block_bytes
+        t.sync_load = (all(m == Medium.CPU for m in found.tiers[:hits])
+                       and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
+        if t.sync_load:
+            self._step_sync_bytes += nbytes
+        if self._tl.enabled:
+            self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
+                          sync=t.sync_load)
+        return hits * bt, not t.sync_load
 
     def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -124,6 +142,11 @@ class SchedulerSide:
         wanted = [i for i in range(n) if all(b != 0 for b in gpu[i])]
         keys = self.keymap.keys(request, start, start + n)
         plan = self.manager.prepare_shared_load([keys[i] for i in wanted])
+        sync = t.sync_load
+        if sync and (any(plan.from_disk) or any(plan.joined or ())):
+            # cannot happen (lookup saw every key READY in CPU within this schedule() call);
+            # if it did, the worker's fence waits for the disk read on the host: slow, right
+            log.warning("kvtier: synchronous load of %s includes disk blocks", t.req_id)
         loaded = wanted[:len(plan.keys)]
         unloaded = [b for i in wanted[len(plan.keys):] for b in gpu[i]] + partial
         joined = plan.joined or (False,) * len(plan.keys)
@@ -138,9 +161,13 @@ class SchedulerSide:
             job_id=job_id, req_id=t.req_id, keys=tuple(plan.keys),
             cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
             gpu_ids=tuple(b for i in loaded for b in gpu[i]), joined=tuple(joined),
-            after=tuple(after), unloaded_gpu_ids=tuple(unloaded),
+            after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
         ))
         t.load_job = job_id
+        t.load_first_index = start
+        if self._tl.enabled:
+            self._tl.mark("sched", "plan_load", req=t.req_id, job=job_id, blocks=len(plan.keys),
+                          sync=sync, disk=sum(plan.from_disk))
         disk = sum(1 for f, j in zip(plan.from_disk, joined) if f or j)
         t.hit_tokens = {"CPU": (len(plan.keys) - disk) * bt, "DISK": disk * bt}
         self._stats.add("hit_tokens_cpu", t.hit_tokens["CPU"])
@@ -237,6 +264,10 @@ class SchedulerSide:
                     stores.append(job)
         self._take_background()
         background, self._step_background = self._step_background, []
+        self._step_sync_bytes = 0
+        if self._tl.enabled and (self._step_loads or stores or background):
+            self._tl.mark("sched", "build_meta", loads=[j.job_id for j in self._step_loads],
+                          stores=len(stores), background=len(background))
         meta = KVTierConnectorMetadata(
             loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
             watch=tuple(self._step_watch), forget=tuple(self._step_forget),
@@ -253,6 +284,8 @@ class SchedulerSide:
     def on_worker_output(self, meta: Any) -> None:
         if not isinstance(meta, KVTierWorkerMetadata):
             return
+        for medium, nbytes, seconds in meta.load_hops:  # the cost model learns real loads
+            self.manager.record_load(Medium(medium), nbytes, seconds)
         for job_id, job in self.ledger.record(meta):
             self._settle(job_id, job)
         self._take_background()  # settling may plan demotions: they count as pending work
@@ -305,7 +338,13 @@ class SchedulerSide:
         t = self.tracks.get(job.req_id)
         if t is not None and t.load_job == job_id:
             t.load_job = None
+            if failed:  # vLLM recomputes from the first failed block on: store those again
+                first = min(i for i, k in enumerate(job.keys) if k in failed)
+                t.next_store = min(t.next_store, t.load_first_index + first)
             self._drop_if_done(t)
+        if self._tl.enabled:
+            self._tl.mark("sched", "load_settled", req=job.req_id, job=job_id,
+                          failed=len(failed))
 
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the blocks until workers report the request's stores done."""

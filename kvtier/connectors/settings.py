@@ -21,11 +21,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvtier.config import KvtierConfig, load_config
+from kvtier.config.sizes import parse_size
 from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger(__name__)
 
-EXTRA_KEYS = ("config", "kvtier")
+EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes")
+DEFAULT_SYNC_LOAD_BUDGET = 4 << 30
+"""Per engine step, CPU hits up to this many bytes (per rank) load inside the step that
+computes their request (see ``scheduler_side``); 4 GiB covers a 32k-token Llama-8B prefix."""
 HMA_FLAG = "--disable-hybrid-kv-cache-manager"
 UNSTABLE_HASHES = ("xxhash", "xxhash_cbor")  # random per-process seed unless PYTHONHASHSEED
 
@@ -47,6 +51,7 @@ class ConnectorSettings:
     tp_size: int
     kv_dtype: str  # dtype of the cache pages (informational part of the geometry)
     identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
+    sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -91,6 +96,20 @@ class ConnectorSettings:
         return [self.rank_config(r).disk.path for r in range(self.world_size)]
 
 
+def sync_load_budget(extra: Mapping[str, Any] | None) -> int:
+    """``kv_connector_extra_config.sync_load_budget_bytes``: bytes (``"2GiB"`` works too) of
+    CPU hits per step loaded synchronously; 0 loads every hit asynchronously."""
+    value = (extra or {}).get("sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET)
+    try:
+        n = parse_size(value)
+    except (ValueError, TypeError) as exc:
+        raise ConnectorSetupError(
+            f"kv_connector_extra_config.sync_load_budget_bytes: {exc}") from None
+    if n < 0:
+        raise ConnectorSetupError("kv_connector_extra_config.sync_load_budget_bytes must be >= 0")
+    return n
+
+
 def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
     """``kv_connector_extra_config``: ``{"config": "/path.yaml"}`` or ``{"kvtier": {...}}``
     (the YAML's keys inline); neither means defaults. ``KVTIER_*`` variables override both."""
@@ -99,7 +118,8 @@ def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
     if unknown:
         raise ConnectorSetupError(
             f"kv_connector_extra_config: unknown key(s) {unknown}; kvtier reads "
-            f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline)"
+            f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline), "
+            f"and 'sync_load_budget_bytes'"
         )
     if "config" in extra and "kvtier" in extra:
         raise ConnectorSetupError(
@@ -166,7 +186,8 @@ def _check_spec(spec: Any) -> int | None:
 
 def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
     kvt = vllm_config.kv_transfer_config
-    config = load_kvtier_config(kvt.kv_connector_extra_config if kvt is not None else None)
+    extra = kvt.kv_connector_extra_config if kvt is not None else None
+    config = load_kvtier_config(extra)
     groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
     if len(groups) != 1:
         raise ConnectorSetupError(
@@ -220,6 +241,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         tp_size=int(pc.tensor_parallel_size),
         kv_dtype=str(spec.dtype).replace("torch.", ""),
         identity=_model_identity(vllm_config, spec, layout, hash_algo),
+        sync_load_budget_bytes=sync_load_budget(extra),
     )
     config.check_block_bytes(settings.block_bytes)
     return settings
@@ -233,4 +255,5 @@ def describe(settings: ConnectorSettings) -> str:
         "cpu_blocks": c.cpu_slots(settings.block_bytes),
         "disk_blocks": c.disk_blocks(settings.block_bytes),
         "disk": str(c.disk.path) if c.disk is not None else None,
+        "sync_load_budget_bytes": settings.sync_load_budget_bytes,
     })

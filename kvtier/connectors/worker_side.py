@@ -2,18 +2,24 @@
 
 Per step (vLLM's model runner calls these in this order):
 
-1. ``handle_preemptions(meta)``: before the forward, wait for the store jobs the scheduler
-   fenced (their source blocks are rewritten this step).
-2. ``bind(meta)`` and ``start_load``: submit this step's loads. A load that joined another
+1. ``handle_preemptions(meta)``: before the forward, fence the store jobs the scheduler
+   flagged (their source blocks are rewritten this step): on CUDA the forward's stream waits
+   for those copies on the GPU; elsewhere the host waits.
+2. ``bind(meta)``: the manager's background moves (demotions, deletions) are submitted here,
+   every step, forward or not.
+3. ``start_load``: submit this step's loads (vLLM calls it before the forward when a load is
+   synchronous, after it otherwise). A synchronous load is fenced: the forward that reads its
+   blocks is ordered after the copy on the GPU, in this same step. A load that joined another
    load's disk promotion waits (here, not in the engine) until that load finished on this
    worker, then copies what the promotion read; keys it failed to read are failed here too.
-3. ``wait_for_save``: this step's forward has written its blocks (on CUDA the compute stream
-   is synchronised first), so the stores of blocks it completed are submitted now, plus the
-   manager's background moves.
-4. ``get_finished``: collect finished jobs; loads report their request in
+4. ``wait_for_save``: this step's forward is enqueued, so the stores of the blocks it
+   completes are submitted now; each store's copy waits on the GPU for the forward (no host
+   sync: the CPU keeps scheduling while the GPU computes).
+5. ``get_finished``: collect finished jobs; asynchronous loads report their request in
    ``finished_recving`` (and the engine blocks that could not be filled as load errors, in
    the same step), watched finished requests with no store left in ``finished_sending``.
-5. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys, errors).
+6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys, errors, and
+   the measured load hops that feed its cost model).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
+from kvtier.connectors.timeline import timeline
 from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
 from kvtier.connectors.metadata import (
     KVTierConnectorMetadata,
@@ -55,6 +62,7 @@ class WorkerSide:
         self.settings = settings
         self.tp_rank = tp_rank
         self.runtime: WorkerRuntime | None = None
+        self.view: GpuKvView | None = None
         self._device_type = "cpu"
         self._running: dict[int, _Running] = {}
         self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
@@ -68,7 +76,9 @@ class WorkerSide:
         self._done: dict[int, int] = {}
         self._failed: dict[int, tuple[BlockKey, ...]] = {}
         self._errors: dict[int, int] = {}
+        self._load_hops: list[tuple[str, int, float]] = []
         self._stats_before: dict = {}
+        self._tl = timeline()
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -86,6 +96,7 @@ class WorkerSide:
                 f"KV cache spec says {self.settings.page_bytes} B; unsupported cache layout"
             )
         self._device_type = view.device.type
+        self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
         self.runtime = WorkerRuntime.create(config, view, geometry)
@@ -119,8 +130,7 @@ class WorkerSide:
         self._poll()
         ids = [j for j in meta.flush if j in self._running and self._running[j].kind == "store"]
         if ids:
-            for result in self._rt().engine.wait(ids):
-                self._on_result(result)
+            self._rt().engine.fence(ids)
 
     def bind(self, meta: Any) -> None:
         if not isinstance(meta, KVTierConnectorMetadata):
@@ -133,6 +143,12 @@ class WorkerSide:
             for job_id in meta.forget:
                 self._promotions.pop(job_id, None)
         self._watch.update(meta.watch)
+        if meta.background:
+            rt = self._rt()
+            for bg in meta.background:
+                self._running[bg.job_id] = _Running("background")
+                self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
+                             bg.job_id)
 
     def start_load(self) -> None:
         meta = self._meta
@@ -142,7 +158,15 @@ class WorkerSide:
         if not meta.loads:
             return
         self._poll()
-        self._deferred.extend(meta.loads)
+        sync = [job for job in meta.loads if job.sync]
+        self._deferred.extend(job for job in meta.loads if not job.sync)
+        for job in sync:  # never deferred: their forward runs in this step
+            self._submit_load(job)
+        if sync and self.runtime is not None:
+            self.runtime.engine.fence([job.job_id for job in sync])
+        if self._tl.enabled:
+            self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
+                          jobs=[j.job_id for j in meta.loads])
         self._submit_ready_loads()
 
     def wait_for_save(self) -> None:
@@ -151,15 +175,13 @@ class WorkerSide:
         if meta is None or self._saves_taken:
             return
         self._saves_taken = True
-        if meta.stores and self._device_type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the forward must have written them
-        rt = self._rt() if (meta.stores or meta.background) else None
+        if not meta.stores:
+            return
+        # Stores are ordered after this step's forward on the GPU: the CUDA copy waits for
+        # the submitting stream's position (TransferEngine immediate hops), no host sync.
+        rt = self._rt()
         for job in meta.stores:
             self._submit_store(rt, job)
-        for bg in meta.background:
-            self._running[bg.job_id] = _Running("background")
-            self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
-                         bg.job_id)
 
     def clear(self) -> None:
         self._meta = None
@@ -167,6 +189,8 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         self._poll()
         recving, self._recving = self._recving, set()
+        if self._tl.enabled and recving:
+            self._tl.mark("worker", "finished_recving", reqs=sorted(recving))
         sending = {r for r in self._watch if not self._stores_of.get(r)}
         self._watch -= sending
         return sending or None, recving or None
@@ -176,10 +200,11 @@ class WorkerSide:
         return out
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
-        if not (self._done or self._failed or self._errors):
+        if not (self._done or self._failed or self._errors or self._load_hops):
             return None
-        meta = KVTierWorkerMetadata(self._done, self._failed, self._errors)
-        self._done, self._failed, self._errors = {}, {}, {}
+        meta = KVTierWorkerMetadata(self._done, self._failed, self._errors,
+                                    tuple(self._load_hops))
+        self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
         return meta
 
     def take_stats(self) -> KVTierStats | None:
@@ -299,4 +324,12 @@ class WorkerSide:
         if disk_keys:  # loads that joined its promotions need to know what it could not read
             self._promotions[r.job_id] = frozenset(failed & disk_keys)
         self._load_errors |= bad_gpu
-        self._recving.add(job.req_id)
+        if r.error is None:  # what a load measured teaches the scheduler's cost model
+            self._load_hops.extend((src.value, nbytes, seconds)
+                                   for (src, _), nbytes, seconds in r.hops if nbytes > 0)
+        if self._tl.enabled:
+            self._tl.mark("worker", "load_done", job=r.job_id, req=job.req_id, sync=job.sync,
+                          hops=[(f"{a.value}->{b.value}", n, round(sec * 1e3, 3))
+                                for (a, b), n, sec in r.hops])
+        if not job.sync:  # a synchronous load's request is running already
+            self._recving.add(job.req_id)

@@ -192,11 +192,7 @@ class TransferEngine:
         finally:
             now = time.perf_counter()
             lane.slots.release()
-        with self._lock:
-            lane.active -= 1
-            if lane.active == 0:
-                lane.stats.seconds += now - lane.busy_since
-        self._hop_done(lane, job, outcome, error, now - t0)
+        self._hop_done(lane, job, outcome, error, now - t0, ended_at=now)
         if error is None and job.next_hop + 1 < len(job.hops):
             job.next_hop += 1
             self._dispatch(job)
@@ -204,8 +200,17 @@ class TransferEngine:
             self._finish(job)
 
     def _hop_done(self, lane: _Lane, job: _Job, outcome: TransferOutcome, error: str | None,
-                  seconds: float) -> None:
+                  seconds: float, ended_at: float | None = None) -> None:
+        """Account one hop (one lock hold: a stats snapshot never sees its time without its
+        bytes). ``ended_at``: a loop hop's end (busy time spans overlapping hops); else an
+        immediate hop, whose ``seconds`` are its own."""
         with self._lock:
+            if ended_at is None:
+                lane.stats.seconds += seconds
+            else:
+                lane.active -= 1
+                if lane.active == 0:
+                    lane.stats.seconds += ended_at - lane.busy_since
             lane.stats.jobs += 1
             lane.stats.bytes += outcome.bytes
             if error is not None or outcome.failed_keys:
@@ -326,8 +331,6 @@ class TransferEngine:
         seconds = outcome.seconds
         if seconds is None:
             seconds = time.perf_counter() - job.started
-        with self._lock:
-            lane.stats.seconds += seconds
         self._hop_done(lane, job, outcome, None, seconds)
         if job.next_hop + 1 < len(job.hops):
             job.next_hop += 1

@@ -138,7 +138,8 @@ def test_many_requests_on_one_disk_prefix_share_one_disk_read(model_dir, tmp_pat
 
 
 def test_many_requests_on_one_cpu_prefix_load_in_parallel(model_dir):
-    rig = make_rig(model_dir, kvtier_config(cpu_blocks=64))
+    """Asynchronous loads (budget 0): five requests on one CPU prefix read it in parallel."""
+    rig = make_rig(model_dir, dict(kvtier_config(cpu_blocks=64), sync_load_budget_bytes=0))
     make = vh.RequestMaker(BS)
     prefix = vh.random_tokens(64, seed=60)
     rig.loop.add(make(prefix + [7, 8, 9], max_tokens=1))
@@ -152,6 +153,29 @@ def test_many_requests_on_one_cpu_prefix_load_in_parallel(model_dir):
     rig.loop.run_until_idle()
     assert all(rig.loop.prefill[r.request_id] == (0, 64) for r in reqs)
     assert bad_checks(rig) == []
+    vh.assert_no_leaks(rig.sched)
+    rig.close()
+
+
+def test_many_requests_on_one_cpu_prefix_share_one_synchronous_load(model_dir):
+    """A synchronous load is in vLLM's GPU prefix cache as soon as it is scheduled: the other
+    requests of the same step hit those GPU blocks instead of loading the prefix again."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=64))
+    make = vh.RequestMaker(BS)
+    prefix = vh.random_tokens(64, seed=60)
+    rig.loop.add(make(prefix + [7, 8, 9], max_tokens=1))
+    rig.loop.run_until_idle()
+    assert rig.sched.reset_prefix_cache()
+    reqs = [make(prefix + vh.random_tokens(6, seed=61 + i), max_tokens=2) for i in range(5)]
+    rig.loop.add(*reqs)
+    (load,) = rig.loop.step().scheduler_output.kv_connector_metadata.loads
+    assert load.sync and len(load.keys) == 4
+    rig.loop.run_until_idle()
+    assert rig.loop.prefill[reqs[0].request_id] == (0, 64)
+    assert all(rig.loop.prefill[r.request_id] == (64, 0) for r in reqs[1:])
+    assert bad_checks(rig) == []
+    settle(rig)
+    assert rig.side.manager.pins() == 0
     vh.assert_no_leaks(rig.sched)
     rig.close()
 

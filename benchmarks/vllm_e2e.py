@@ -1,0 +1,209 @@
+"""kvtier inside real vLLM: TTFT of recompute, CPU hits and disk hits, a trace replay, and checks.
+
+One process per configuration (``vllm_e2e_child.py``), all in one run so every ratio is taken
+side by side on the same machine:
+
+* ``none``: no connector (recompute); ``kvtier``: kvtier's CPU tier; ``native``: vLLM's
+  ``OffloadingConnector`` with the same CPU bytes; ``kvtier_disk``: kvtier with a small CPU
+  tier and a disk tier (prompts pushed out of CPU first); ``check``: GPU page bytes and
+  tokens/logprobs of kvtier hits against vLLM's own prefix-cache hits.
+* Random-weight models built from a config (Llama-3.1-8B shape, Llama-3.2-1B shape), bf16,
+  vLLM block size 16, CUDA graphs on (vLLM's default), prefix caching on.
+* TTFT: ``LLM.generate`` of one prompt with ``max_tokens=1`` after vLLM's GPU prefix cache
+  was reset (so a hit can only come from the connector); median and spread of ``--reps``.
+* Trace replay (``--trace``): Mooncake-format requests, each hash_id a fixed random 512-token
+  chunk (shared prefixes are real), arrivals compressed ``--trace-speedup`` times, GPU KV
+  memory limited (``--gpu-kv-bytes``) so vLLM's prefix cache overflows.
+* A per-step timeline of one kvtier CPU hit (``KVTIER_TIMELINE``): where the time goes.
+
+GPU:  ``python benchmarks/vllm_e2e.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl``
+CPU smoke (tiny model, vLLM's CPU engine; what CI runs): ``python benchmarks/vllm_e2e.py
+--cpu-smoke``. Writes ``<out-dir>/vllm_e2e_<gpu>.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
+           "kvtier_disk": "kvtier_disk"}
+
+
+def run_child(args: list[str], env: dict, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.join(HERE, "vllm_e2e_child.py"), *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-3000:] if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        return {"error": f"timed out after {timeout:.0f}s", "stderr": str(tail)[-3000:]}
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = json.loads(line[7:])
+            out["wall_s"] = round(time.perf_counter() - t0, 1)
+            return out
+    return {"error": f"exit {p.returncode}", "stderr": p.stderr[-4000:]}
+
+
+def summarize(samples: list) -> dict:
+    ms = [s[0] for s in samples]
+    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "n": len(ms),
+            "cached_tokens": statistics.median(s[1] for s in samples)}
+
+
+def timeline_of_one_hit(path: str, length: int) -> list[dict]:
+    """Marks between the client's submit and return of the last timed rep at ``length``."""
+    try:
+        with open(path) as f:
+            rows = [json.loads(x) for x in f if x.strip()]
+    except OSError:
+        return []
+    rows.sort(key=lambda r: r["t"])
+    subs = [i for i, r in enumerate(rows) if r["ev"] == "client_submit" and r.get("length") == length]
+    if not subs:
+        return []
+    i = subs[-1]
+    j = next((k for k in range(i, len(rows)) if rows[k]["ev"] == "client_done"), len(rows) - 1)
+    t0 = rows[i]["t"]
+    out = []
+    for r in rows[i:j + 1]:
+        extra = {k: v for k, v in r.items() if k not in ("t", "pid", "who", "ev")}
+        out.append({"ms": round((r["t"] - t0) * 1e3, 3), "who": r["who"], "ev": r["ev"], **extra})
+    return out
+
+
+def report(results: dict, gpu: str) -> str:
+    lines = [f"# kvtier in real vLLM: {gpu}", ""]
+    for shape, res in results["shapes"].items():
+        lines += [f"## {shape} shape", "", "TTFT (ms, median [min-max] of n); ratio = recompute / hit", "",
+                  "| prompt tokens | recompute | kvtier CPU hit | native CPU hit | kvtier disk hit |"
+                  " kvtier vs recompute | kvtier vs native |", "|---|---|---|---|---|---|---|"]
+        for length, cols in sorted(res["ttft"].items(), key=lambda kv: int(kv[0])):
+            cells = []
+            for c in COLUMNS:
+                s = cols.get(c)
+                cells.append(f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}] n={s['n']}"
+                             if s else "-")
+            rec, kv, nat = (cols.get(c, {}).get("median") for c in ("recompute", "kvtier_cpu",
+                                                                     "native_cpu"))
+            lines.append(f"| {length} | " + " | ".join(cells) + " | "
+                         + (f"{rec / kv:.2f}x" if rec and kv else "-") + " | "
+                         + (f"{nat / kv:.2f}x" if nat and kv else "-") + " |")
+        if res.get("trace"):
+            lines += ["", "Trace replay", "", "| connector | req/s | TTFT p50 ms | TTFT p99 ms |"
+                      " prompt tokens | GPU-cache hit tokens | connector hit tokens |",
+                      "|---|---|---|---|---|---|---|"]
+            for name, t in res["trace"].items():
+                lines.append(f"| {name} | {t['requests_per_s']:.2f} | {t['ttft_p50_ms']:.0f} | "
+                             f"{t['ttft_p99_ms']:.0f} | {t['prompt_tokens']:.0f} | "
+                             f"{t['gpu_hit_tokens']:.0f} | {t['external_hit_tokens']:.0f} |")
+        if res.get("check"):
+            lines += ["", "Correctness: " + json.dumps(res["check"])]
+        if res.get("timeline"):
+            lines += ["", "Timeline of one kvtier CPU hit (ms after the client's submit):", ""]
+            lines += [f"- {r['ms']:8.3f} {r['who']:6} {r['ev']} "
+                      + json.dumps({k: v for k, v in r.items() if k not in ("ms", "who", "ev")})
+                      for r in res["timeline"]]
+        if res.get("errors"):
+            lines += ["", "Errors: " + json.dumps(res["errors"])[:3000]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8b,1b")
+    p.add_argument("--connectors", default="none,kvtier,native,kvtier_disk,check")
+    p.add_argument("--lengths", default="1024,2048,8192,32768")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--disk-reps", type=int, default=3)
+    p.add_argument("--trace", default=None, help="Mooncake trace to replay (per connector)")
+    p.add_argument("--trace-requests", type=int, default=200)
+    p.add_argument("--trace-shapes", default="8b", help="shapes that replay the trace")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny model on vLLM's CPU engine (no GPU): checks the harness runs")
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--timeout", type=float, default=560.0, help="per configuration, seconds")
+    a = p.parse_args(argv)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
+    shapes, lengths, reps = a.shapes.split(","), a.lengths, a.reps
+    connectors = a.connectors.split(",")
+    if a.cpu_smoke:
+        env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")  # its engine-core process hangs on CPU
+        shapes, lengths, reps = ["tiny"], "64,256", min(reps, 2)
+        a.trace_shapes = "tiny"
+        connectors = [c for c in connectors if c != "native"]  # CUDA only
+        gpu = "cpu-smoke"
+    else:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0)
+    tl_path = os.path.join("/tmp", f"kvtier-timeline-{os.getpid()}.jsonl")
+    results: dict = {"gpu": gpu, "shapes": {}}
+    for shape in shapes:
+        res: dict = {"ttft": {}, "trace": {}, "errors": {}}
+        for conn in connectors:
+            args = ["--shape", shape, "--connector", conn, "--lengths", lengths,
+                    "--reps", str(a.disk_reps if conn == "kvtier_disk" else reps)]
+            if a.cpu_smoke:
+                args += ["--block-size", "32", "--cpu-bytes", str(64 << 20),
+                         "--disk-cpu-bytes", str(8 << 20), "--disk-bytes", str(256 << 20),
+                         "--disk-dir", f"/tmp/kvtier-e2e-smoke-{os.getpid()}"]
+            if conn == "check":
+                args[args.index("--lengths") + 1] = lengths.split(",")[0] + "," + lengths.split(",")[-1] \
+                    if not a.cpu_smoke else lengths
+            if a.trace and shape in a.trace_shapes.split(",") and conn in ("none", "kvtier", "native"):
+                args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests)]
+                if a.cpu_smoke:
+                    args += ["--trace-chunks", "1"]
+            if conn == "kvtier":
+                args += ["--timeline", tl_path]
+            out = run_child(args, env, a.timeout)
+            if "error" in out:
+                res["errors"][conn] = out
+                print(f"  {conn}: {out['error']}\n{out.get('stderr', '')[-1500:]}", flush=True)
+                continue
+            print(f"  {conn}: done in {out['wall_s']} s (engine start {out.get('engine_start_s', 0):.0f} s)",
+                  flush=True)
+            if conn == "check":
+                res["check"] = out
+                continue
+            col = next(k for k, v in COLUMNS.items() if v == conn)
+            for length, samples in out["ttft"].items():
+                res["ttft"].setdefault(length, {})[col] = summarize(samples)
+            if out.get("trace"):
+                res["trace"][conn] = out["trace"]
+            if out.get("kvtier_stats"):
+                res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
+            if conn == "kvtier":
+                res["timeline"] = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
+                                                     len(lengths.split(",")) > 1 else 0]))
+        results["shapes"][shape] = res
+    first = results["shapes"][shapes[0]]
+    results["model"] = shapes[0]
+    results["ttft_ms"] = {length: {c: s["median"] for c, s in cols.items()}
+                          for length, cols in first["ttft"].items()}
+    results["trace_replay"] = first.get("trace", {})
+    text = report(results, gpu)
+    print(text)
+    os.makedirs(a.out_dir, exist_ok=True)
+    stem = os.path.join(a.out_dir, "vllm_e2e_" + gpu.replace(" ", "-").replace("/", "-"))
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    return 1 if any(r.get("errors") for r in results["shapes"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Correctness of kvtier inside a real vLLM engine on the GPU (``vllm_e2e_child --connector check``).
+
+In-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the scheduler's plans and the
+worker's KV pages are both reachable from here:
+
+1. Page bytes: a prompt is computed by vLLM; the pages of its blocks (the store jobs' engine
+   blocks) are hashed per block right after. The GPU prefix cache is reset, the prompt runs
+   again and kvtier loads those blocks into other pages: each loaded block's pages must hash
+   the same as the pages vLLM computed. A different prompt's blocks must not (control).
+2. Outputs: greedy tokens and logprobs of a kvtier hit against vLLM's own GPU prefix-cache
+   hit of the same prompt (both compute only the tail over the same cached prefix, one prompt
+   at a time), and, for information, against a full recompute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+
+def _worker_view():
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker.view
+
+
+def _hash_blocks(view, gpu_ids_per_key: dict) -> dict:
+    out = {}
+    for key, ids in gpu_ids_per_key.items():
+        h = hashlib.sha256()
+        for layer in view.layers:
+            for b in ids:
+                h.update(layer.pages[:, b].contiguous().cpu().numpy().tobytes())
+        out[key] = h.hexdigest()
+    return out
+
+
+def _record_meta(side, sink: list) -> None:
+    original = side.build_meta
+
+    def build_meta(so):
+        meta = original(so)
+        sink.append(meta)
+        return meta
+
+    side.build_meta = build_meta
+
+
+def _per_key(jobs) -> dict:
+    out = {}
+    for job in jobs:
+        k = len(job.gpu_ids) // max(1, len(job.keys))
+        for i, key in enumerate(job.keys):
+            out[key] = tuple(job.gpu_ids[i * k:(i + 1) * k])
+    return out
+
+
+def _outputs(res) -> dict:
+    c = res.outputs[0]
+    return {"tokens": list(c.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+            "cached": int(res.num_cached_tokens or 0)}
+
+
+def _max_diff(x: dict, y: dict) -> float:
+    return max((abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])), default=0.0)
+
+
+def run_check(a, model_dir: str) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm_e2e_child import gen, make_llm, reset, settle, tokens
+
+    a.connector = "kvtier"
+    llm = make_llm(a, model_dir)
+    a.connector = "check"
+    side = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+    metas: list = []
+    _record_meta(side, metas)
+    view = _worker_view()
+    result: dict = {"shape": a.shape, "connector": "check", "pages": [], "outputs": []}
+    for length in a.lengths:
+        prompt = tokens(length, 424242 + length, a.vocab)
+        metas.clear()
+        gen(llm, prompt)
+        computed = _hash_blocks(view, _per_key(j for m in metas for j in m.stores))
+        settle(llm, a)
+        reset(llm)
+        metas.clear()
+        gen(llm, prompt)
+        loaded_ids = _per_key(j for m in metas for j in m.loads)
+        loaded = _hash_blocks(view, loaded_ids)
+        same = sum(1 for k, h in loaded.items() if computed.get(k) == h)
+        other = tokens(length, 525252 + length, a.vocab)
+        metas.clear()
+        gen(llm, other)  # control: a different prompt's blocks hash differently
+        control = _hash_blocks(view, _per_key(j for m in metas for j in m.stores))
+        clash = len(set(control.values()) & set(loaded.values()))
+        result["pages"].append({"tokens": length, "loaded_blocks": len(loaded),
+                                "identical": same, "control_clashes": clash})
+        settle(llm, a)
+
+        q = tokens(length, 626262 + length, a.vocab)
+        recompute = _outputs(gen(llm, q, 8, logprobs=True))
+        gpu_hit = _outputs(gen(llm, q, 8, logprobs=True))  # vLLM's own prefix cache
+        settle(llm, a)
+        reset(llm)
+        kv_hit = _outputs(gen(llm, q, 8, logprobs=True))
+        result["outputs"].append({
+            "tokens": length, "gpu_hit_cached": gpu_hit["cached"],
+            "kvtier_hit_cached": kv_hit["cached"],
+            "tokens_equal_gpu_hit": kv_hit["tokens"] == gpu_hit["tokens"],
+            "max_logprob_diff_gpu_hit": _max_diff(kv_hit, gpu_hit),
+            "tokens_equal_recompute": kv_hit["tokens"] == recompute["tokens"],
+            "max_logprob_diff_recompute": _max_diff(kv_hit, recompute)})
+        settle(llm, a)
+    return result

@@ -1,0 +1,322 @@
+"""One configuration of ``vllm_e2e.py`` in its own process: a real vLLM engine, measured.
+
+Runs in a fresh process per configuration (vLLM, CUDA graphs and pinned pools do not share a
+process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Connectors:
+
+* ``none``   - no connector: recompute (vLLM's GPU prefix cache reset between repetitions);
+* ``kvtier`` - kvtier, CPU tier only: CPU hits;
+* ``kvtier_disk`` - kvtier with a small CPU tier and a disk tier: every prompt is written,
+  pushed out of CPU by filler prompts, then timed (cost-aware loading may recompute instead);
+* ``native`` - vLLM's ``OffloadingConnector`` with the same CPU bytes;
+* ``check``  - kvtier, in-process engine: GPU page bytes after a load against the bytes vLLM
+  computed, and tokens/logprobs against vLLM's own prefix-cache hit.
+
+Model weights are random (``load_format="dummy"``) in the shape of a real model's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+SHAPES = {  # Llama-3.1-8B and Llama-3.2-1B configs (weights random)
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=False),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+               tie_word_embeddings=True),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 tie_word_embeddings=False),
+}
+VOCAB = {"8b": 128256, "1b": 128256, "tiny": 1000}
+
+
+def write_model(path: str, shape: str, max_len: int) -> str:
+    os.makedirs(path, exist_ok=True)
+    dtype = "float32" if shape == "tiny" else "bfloat16"
+    cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama",
+               vocab_size=VOCAB[shape], max_position_embeddings=max(max_len, 131072),
+               rms_norm_eps=1e-5, rope_theta=500000.0, torch_dtype=dtype, bos_token_id=1,
+               eos_token_id=2, hidden_act="silu")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
+    return path
+
+
+def tokens(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab - 1) for _ in range(n)]
+
+
+def transfer_config(a):
+    from vllm.config import KVTransferConfig
+
+    if a.connector == "none":
+        return None
+    if a.connector == "native":
+        return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes_to_use": a.cpu_bytes})
+    tiers = {"cpu": {"capacity": a.cpu_bytes}}
+    if a.connector == "kvtier_disk":
+        tiers = {"cpu": {"capacity": a.disk_cpu_bytes},
+                 "disk": {"path": a.disk_dir, "capacity": a.disk_bytes, "fsync": True}}
+    extra = {"kvtier": {"block_tokens": a.block_size, "tiers": tiers,
+                        "stats": {"snapshot_path": a.snapshot, "interval_s": 0.2}}}
+    if a.sync_budget is not None:
+        extra["sync_load_budget_bytes"] = a.sync_budget
+    return KVTransferConfig(kv_connector="KVTierConnector",
+                            kv_connector_module_path="kvtier.connectors.vllm",
+                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                            kv_connector_extra_config=extra)
+
+
+def make_llm(a, model_dir: str):
+    from vllm import LLM
+
+    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+              block_size=a.block_size, max_model_len=a.max_len, seed=0,
+              enable_prefix_caching=True, kv_transfer_config=transfer_config(a),
+              disable_log_stats=False, max_num_seqs=a.max_num_seqs)
+    if a.shape == "tiny":
+        kw.update(dtype="float32", enforce_eager=True)
+    else:
+        kw.update(dtype="bfloat16", kv_cache_memory_bytes=a.gpu_kv_bytes)
+    return LLM(**kw)
+
+
+def sampling(max_tokens: int = 1, logprobs: bool = False):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          detokenize=False, logprobs=0 if logprobs else None)
+
+
+def gen(llm, prompt: list[int], max_tokens: int = 1, logprobs: bool = False):
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                        sampling(max_tokens, logprobs), use_tqdm=False)[0]
+
+
+def settle(llm, a, quiet_s: float = 0.0) -> None:
+    """Let offloads finish: ``generate`` returns before stores settle, and the engine keeps
+    stepping while a connector has pending work. ``quiet_s``: also wait until kvtier's stats
+    snapshot has not changed for that long (disk demotions)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is not None:  # in-process engine: nobody steps it but us
+        connector = core.scheduler.connector
+        for _ in range(100_000):
+            if connector is None or not connector.has_pending_push_work():
+                break
+            llm.llm_engine.step()
+            time.sleep(0.001)
+    else:  # the engine-core process keeps stepping while a connector has pending work
+        time.sleep(0.2)
+        gen(llm, tokens(8, 998, a.vocab))
+        time.sleep(0.1)
+    if not quiet_s or not a.connector.startswith("kvtier"):
+        return
+    last, since, deadline = None, time.monotonic(), time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            with open(a.snapshot) as f:
+                usage = json.load(f).get("usage")
+        except (OSError, ValueError):
+            usage = None
+        if usage != last:
+            last, since = usage, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+
+
+def reset(llm) -> None:
+    for _ in range(200):
+        if llm.reset_prefix_cache():
+            return
+        if getattr(llm.llm_engine.engine_core, "engine_core", None) is not None:
+            llm.llm_engine.step()  # in-process: finish what holds the blocks
+        time.sleep(0.05)
+    raise RuntimeError("vLLM refused to reset its prefix cache (blocks still in use)")
+
+
+def timed(llm, prompt: list[int]) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    out = gen(llm, prompt)
+    return (time.perf_counter() - t0) * 1e3, int(out.num_cached_tokens or 0)
+
+
+def ttft_sweep(llm, a) -> dict:
+    """Per prompt length: first (store or miss) then, after a GPU prefix-cache reset, the
+    timed repetition; for disk, every prompt is written first and pushed out of CPU."""
+    out: dict = {}
+    for length in a.lengths:
+        gen(llm, tokens(length, 7, a.vocab))  # warm-up at this length (graphs, allocator)
+    if a.connector == "kvtier_disk":
+        prompts = {(L, r): tokens(L, 1000 * L + r, a.vocab) for L in a.lengths
+                   for r in range(a.reps)}
+        for p in prompts.values():
+            gen(llm, p)
+        filler = a.disk_cpu_bytes // a.kv_bytes_per_token + a.max_len
+        for i in range(0, filler, a.max_len - 64):
+            gen(llm, tokens(a.max_len - 64, 50_000 + i, a.vocab))
+        settle(llm, a, quiet_s=2.0)
+        for (L, r), p in prompts.items():
+            reset(llm)
+            ms, cached = timed(llm, p)
+            out.setdefault(str(L), []).append((ms, cached))
+        return out
+    for length in a.lengths:
+        for r in range(a.reps):
+            p = tokens(length, 1000 * length + r, a.vocab)
+            if a.connector != "none":
+                gen(llm, p)  # computes and offloads it
+                settle(llm, a)
+            reset(llm)
+            mark(a, "client_submit", length=length, rep=r)
+            ms, cached = timed(llm, p)
+            mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
+            out.setdefault(str(length), []).append((ms, cached))
+    return out
+
+
+def mark(a, ev: str, **fields) -> None:
+    if a.timeline:
+        from kvtier.connectors.timeline import timeline
+
+        timeline().mark("client", ev, **fields)
+
+
+def metric_totals(llm) -> dict:
+    totals: dict = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
+                      "vllm:prompt_tokens") and hasattr(m, "value"):
+            totals[m.name] = totals.get(m.name, 0) + m.value
+    return totals
+
+
+def trace_prompts(a) -> list[dict]:
+    chunk: dict[int, list[int]] = {}
+    rows = []
+    with open(a.trace) as f:
+        for line in f:
+            if len(rows) >= a.trace_requests:
+                break
+            r = json.loads(line)
+            ids = r["hash_ids"][: a.trace_chunks]
+            for h in ids:
+                if h not in chunk:
+                    chunk[h] = tokens(512, 1_000_000 + h, a.vocab)
+            n = min(int(r["input_length"]), 512 * len(ids), a.max_len - 64)
+            p = [t for h in ids for t in chunk[h]][:n]
+            rows.append({"t": r["timestamp"] / 1e3 / a.trace_speedup, "prompt": p,
+                         "out": max(1, min(int(r["output_length"]), a.trace_max_out))})
+    return rows
+
+
+def replay(llm, a) -> dict:
+    """Requests arrive at the trace's (compressed) times; TTFT from arrival to first token."""
+    from vllm.inputs import TokensPrompt
+
+    rows = trace_prompts(a)
+    engine = llm.llm_engine
+    before = metric_totals(llm)
+    arrive: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    done: set[str] = set()
+    i, start = 0, time.perf_counter()
+    while len(done) < len(rows):
+        now = time.perf_counter() - start
+        while i < len(rows) and rows[i]["t"] <= now:
+            rid = f"t{i}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=rows[i]["prompt"]),
+                               sampling(rows[i]["out"]))
+            arrive[rid] = start + rows[i]["t"]
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.01, rows[i]["t"] - now)) if i < len(rows) else 0.001)
+            continue
+        for o in engine.step():
+            if o.request_id not in ttft and o.outputs and o.outputs[0].token_ids:
+                ttft[o.request_id] = (time.perf_counter() - arrive[o.request_id]) * 1e3
+            if o.finished:
+                done.add(o.request_id)
+    wall = time.perf_counter() - start
+    after = metric_totals(llm)
+    vals = sorted(ttft.values())
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    return {"requests": len(rows), "seconds": wall, "requests_per_s": len(rows) / wall,
+            "ttft_p50_ms": vals[len(vals) // 2], "ttft_p99_ms": vals[min(len(vals) - 1,
+                                                                          int(len(vals) * .99))],
+            "prompt_tokens": delta.get("vllm:prompt_tokens", 0),
+            "gpu_hit_tokens": delta.get("vllm:prefix_cache_hits", 0),
+            "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits", 0)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--connector", required=True,
+                   choices=["none", "kvtier", "kvtier_disk", "native", "check"])
+    p.add_argument("--lengths", default="1024,2048,8192,32768")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-bytes", type=int, default=16 << 30)
+    p.add_argument("--disk-cpu-bytes", type=int, default=5 << 30)
+    p.add_argument("--disk-bytes", type=int, default=40 << 30)
+    p.add_argument("--disk-dir", default="/tmp/kvtier-e2e-disk")
+    p.add_argument("--gpu-kv-bytes", type=int, default=8 << 30)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--sync-budget", type=int, default=None)
+    p.add_argument("--trace", default=None)
+    p.add_argument("--trace-requests", type=int, default=300)
+    p.add_argument("--trace-chunks", type=int, default=32)
+    p.add_argument("--trace-speedup", type=float, default=4.0)
+    p.add_argument("--trace-max-out", type=int, default=32)
+    p.add_argument("--timeline", default=None)
+    p.add_argument("--workdir", default="/tmp/kvtier-e2e")
+    a = p.parse_args(argv)
+    a.lengths = [int(x) for x in a.lengths.split(",") if x]
+    a.vocab = VOCAB[a.shape]
+    a.max_len = max(a.lengths + [a.trace_chunks * 512 if a.trace else 0]) + 64
+    s = SHAPES[a.shape]
+    elem = 4 if a.shape == "tiny" else 2
+    a.kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * elem
+    a.snapshot = os.path.join(a.workdir, f"stats-{a.connector}.json")
+    if a.timeline:
+        os.environ["KVTIER_TIMELINE"] = a.timeline
+    os.makedirs(a.workdir, exist_ok=True)
+    model_dir = write_model(os.path.join(a.workdir, f"model-{a.shape}"), a.shape, a.max_len)
+    if a.connector == "check":
+        from vllm_e2e_check import run_check
+
+        print("RESULT " + json.dumps(run_check(a, model_dir)), flush=True)
+        return
+    t0 = time.perf_counter()
+    llm = make_llm(a, model_dir)
+    result = {"shape": a.shape, "connector": a.connector, "engine_start_s": time.perf_counter() - t0}
+    result["ttft"] = ttft_sweep(llm, a)
+    if a.trace:
+        reset(llm)
+        result["trace"] = replay(llm, a)
+    if a.connector.startswith("kvtier") and os.path.exists(a.snapshot):
+        settle(llm, a)
+        time.sleep(0.5)
+        with open(a.snapshot) as f:
+            result["kvtier_stats"] = json.load(f)
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # skip vLLM's slow teardown; the parent only needs the line above
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
