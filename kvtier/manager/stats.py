@@ -23,8 +23,8 @@ class ManagerStats:
     evicted_blocks: dict[str, int] = field(default_factory=_per_tier)
     admission_rejected: dict[str, int] = field(default_factory=_per_tier)
     store_skipped_no_space: int = 0
-    # CPU evictions of blocks with no copy on disk though a disk tier exists (write-back was
-    # behind, or disk admission refused them): lost from the hierarchy, not just from CPU
+    # CPU evictions of blocks the disk would have taken but had no copy of yet (write-back
+    # was behind): lost from the hierarchy, not just from the CPU tier
     evicted_unwritten: int = 0
     load_truncated_no_space: int = 0
     # resident hits lookup did not report: loading them was estimated slower than recompute

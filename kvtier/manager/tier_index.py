@@ -247,14 +247,16 @@ class TierIndex:
         return self.policy.victims(n, ok)
 
     def victims_preferring(self, n: int, preferred, budget: int) -> list[BlockKey]:
-        """Up to ``n`` unpinned READY keys: first those passing ``preferred(key, entry)``, in
-        the policy's order, among the ``budget`` coldest unpinned ones; then, if that is not
-        enough, the others met on the way, coldest first. The walk stops after ``budget``
-        unpinned keys, so it costs O(budget + pinned keys passed), never O(tier)."""
+        """Up to ``n`` unpinned READY keys: first the *clean* ones (a copy on disk, or a failed
+        flush) and those passing ``preferred(key)``, in the policy's order, among the
+        ``budget`` coldest unpinned ones; then, if that is not enough, the others met on the
+        way, coldest first. The walk stops after ``budget`` unpinned keys, so it costs
+        O(budget + pinned keys passed), never O(tier)."""
         if n <= 0:
             return []
         shards, nshards = self._shards, self._nshards
         state, readers, flags = self._state, self._readers, self._flags
+        clean = _ON_DISK | _FLUSH_FAILED
         taken: list[BlockKey] = []  # accepted by the policy walk, in its order
         others: list[BlockKey] = []
         seen = 0
@@ -267,7 +269,7 @@ class TierIndex:
             if seen >= budget:
                 raise _WalkDone
             seen += 1
-            if preferred(key, Entry(self, h)):
+            if flags[h] & clean or preferred(key):
                 taken.append(key)
                 return True
             others.append(key)

@@ -39,7 +39,6 @@ from kvtier.manager.tier_index import BlockState, Entry, TierIndex
 from kvtier.manager.writeback import WriteBack
 
 
-
 class TieredOffloadingManager(WriteBack, OffloadingManager):
     def __init__(
         self,
@@ -75,6 +74,9 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         # How far past the batch an eviction looks for a block it can drop losslessly: the
         # flush window and the demotions in flight (write-back keeps those clean), twice.
         self.eviction_budget = 2 * (self.flush_reserve + self.max_demotions_in_flight)
+        # The last eviction had to drop dirty blocks, and no demotion finished since: the next
+        # one takes the coldest blocks straight away rather than search the budget in vain.
+        self._write_back_behind = False
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self.stats = ManagerStats()
@@ -304,8 +306,10 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
     def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
         """Evicting it loses nothing the disk would keep: a copy is on disk, or the disk
         refused or failed it, or it is being dropped there."""
-        if entry.on_disk or entry.flush_failed:
-            return True
+        return entry.on_disk or entry.flush_failed or self._disk_declines(key)
+
+    def _disk_declines(self, key: BlockKey) -> bool:
+        """A dirty CPU block the disk would not keep anyway (refused, or being dropped)."""
         return key in self._pending_drops or not self.disk_admission.would_admit(key)
 
     def _evict_cpu(self, n: int) -> list[BlockKey]:
@@ -316,7 +320,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         ones so) go first, in the policy's order. They are looked for among the coldest
         ``eviction_budget`` unpinned blocks only; if too few are there, write-back is behind
         (the disk is slower than the stores, or one store needs more than the flush window
-        holds) and the coldest dirty blocks are dropped unwritten (``evicted_unwritten``):
+        holds) and the coldest dirty blocks are dropped unwritten (``evicted_unwritten``),
+        without another search until a demotion finishes (``_write_back_behind``):
         this is a cache, and the coldest block is the one worth least, so losing its disk copy
         beats refusing the new blocks. The old rule never dropped a dirty block the disk
         would take: with demotions in flight every eviction walked the whole tier looking
@@ -325,11 +330,15 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         if self.disk is None or self.disk_health.degraded:  # any unpinned block may go
             victims = self.cpu.victims(n)
         else:
-            victims = self.cpu.victims_preferring(n, self._cpu_evictable,
-                                                  n + self.eviction_budget)
+            if self._write_back_behind:  # searched in vain, and no demotion finished since
+                victims = self.cpu.victims(n)
+            else:
+                victims = self.cpu.victims_preferring(n, self._disk_declines,
+                                                      n + self.eviction_budget)
             get = self.cpu.get
-            self.stats.evicted_unwritten += sum(
-                1 for key in victims if not self._cpu_evictable(key, get(key)))
+            unwritten = sum(1 for key in victims if not self._cpu_evictable(key, get(key)))
+            self.stats.evicted_unwritten += unwritten
+            self._write_back_behind = unwritten > 0
         self._drop_cpu(victims)
         return victims
 

@@ -106,6 +106,7 @@ class WriteBack:
                     self._pending_drops.pop(key, None)
             return
         self._demoting -= len(t.keys)
+        self._write_back_behind = False  # blocks turned clean (or failed): worth a search
         stored: list[BlockKey] = []
         for key in t.keys:
             cpu = self.cpu.get(key)
