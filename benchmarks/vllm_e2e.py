@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,17 +41,27 @@ def run_child(args: list[str], env: dict, timeout: float) -> dict:
     cmd = [sys.executable, os.path.join(HERE, "vllm_e2e_child.py"), *args]
     print("$", " ".join(cmd[1:]), flush=True)
     t0 = time.perf_counter()
+    # own session: on a timeout the whole group goes (vLLM's engine-core process included,
+    # or it would keep the GPU memory the next configuration needs)
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-3000:] if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return {"error": f"timed out after {timeout:.0f}s", "stderr": str(tail)[-3000:]}
-    for line in p.stdout.splitlines():
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        return {"error": f"timed out after {timeout:.0f}s", "stderr": stderr[-3000:]}
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # whatever the child left behind
+        except ProcessLookupError:
+            pass
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             out = json.loads(line[7:])
             out["wall_s"] = round(time.perf_counter() - t0, 1)
             return out
-    return {"error": f"exit {p.returncode}", "stderr": p.stderr[-4000:]}
+    return {"error": f"exit {p.returncode}", "stderr": stderr[-4000:]}
 
 
 def summarize(samples: list) -> dict:

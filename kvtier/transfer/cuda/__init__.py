@@ -7,7 +7,7 @@ indexing does the gather (slower, same bytes). Importing this package needs neit
 CuPy; building a handler needs CUDA.
 """
 
-from kvtier.transfer.cuda.handlers import CudaCpuToGpuHandler, CudaGpuToCpuHandler, wait_cuda_event
+from kvtier.transfer.cuda.handlers import CudaCpuToGpuHandler, CudaGpuToCpuHandler
 from kvtier.transfer.cuda.page_movers import CupyPageMover, TorchPageMover, make_page_mover
 from kvtier.transfer.cuda.pipeline import EnqueuedJob, PagedCopier, StagingRing
 
@@ -20,5 +20,4 @@ __all__ = [
     "StagingRing",
     "TorchPageMover",
     "make_page_mover",
-    "wait_cuda_event",
 ]
