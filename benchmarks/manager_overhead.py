@@ -25,9 +25,14 @@ write-back runs as in a server: every batch hands out its demotions, and each on
 of its own). Without a disk tier nothing is ever being demoted, so eviction never meets the
 pinned and dirty blocks a slow disk leaves at the cold end of the CPU order (issue 14.9).
 
+``--resync N`` instead times an event resync over N resident CPU blocks: the old one-shot walk
+(``resident_blocks``, one call) against the chunked walk the publisher now does, one chunk per
+``publish`` call (issue 14.10).
+
     python benchmarks/manager_overhead.py [--sizes 10000,100000,1000000]
         [--policies lru,arc,lru+reuse_gate,arc+reuse_gate] [--churn 1.0]
         [--disk-lag L [--disk-ratio 4]] [--json]
+    python benchmarks/manager_overhead.py --resync 1000000
 """
 
 from __future__ import annotations
@@ -134,6 +139,29 @@ def measure(policy: str, resident: int, batches: int, disk_lag: int | None = Non
             "lookup_vs_dict": per_block["lookup"] / max(per_block["dict_baseline"], 1e-9)}
 
 
+def measure_resync(resident: int) -> dict:
+    from kvtier.events import resident_blocks
+    from kvtier.events.resync import DEFAULT_CHUNK, ChunkedWalk, walk_resident
+
+    m = TieredOffloadingManager(cpu_blocks=resident)
+    for start in range(0, resident, 8192):
+        plan = m.prepare_store([key(i) for i in range(start, min(resident, start + 8192))])
+        m.complete_store(plan.keys)
+    t0 = time.perf_counter()
+    resident_blocks(m)
+    one_shot = time.perf_counter() - t0
+    walk, calls = ChunkedWalk(walk_resident(m)), []
+    while not walk.done:
+        t0 = time.perf_counter()
+        walk.next_chunk()
+        calls.append((time.perf_counter() - t0) * 1e3)
+    assert walk.blocks == resident
+    calls.sort()
+    return {"resident": resident, "one_shot_ms": one_shot * 1e3, "chunk": DEFAULT_CHUNK,
+            "calls": len(calls), "median_call_ms": calls[len(calls) // 2],
+            "slowest_call_ms": calls[-1], "total_ms": sum(calls)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000,1000000")
@@ -144,8 +172,17 @@ def main() -> None:
     ap.add_argument("--disk-lag", type=int, default=None,
                     help="add a disk tier whose demotions complete this many batches late")
     ap.add_argument("--disk-ratio", type=float, default=4.0, help="disk blocks per CPU block")
+    ap.add_argument("--resync", type=int, default=0, help="time a resync over N blocks instead")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.resync:
+        r = measure_resync(args.resync)
+        print(json.dumps(r) if args.json else
+              f"resync of {r['resident']} CPU blocks: one-shot {r['one_shot_ms']:.0f} ms in one call; "
+              f"chunked {r['calls']} calls of <= {r['chunk']} units, median "
+              f"{r['median_call_ms']:.2f} ms, slowest {r['slowest_call_ms']:.2f} ms, "
+              f"total {r['total_ms']:.0f} ms")
+        return
 
     def batches(n: int) -> int:
         return args.batches or max(300, int(args.churn * n / BATCH))
