@@ -37,25 +37,30 @@ COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_disk": "kvtier_disk"}
 
 
-def run_child(args: list[str], env: dict, timeout: float) -> dict:
+def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:
     cmd = [sys.executable, os.path.join(HERE, "vllm_e2e_child.py"), *args]
-    print("$", " ".join(cmd[1:]), flush=True)
+    print("$", " ".join(cmd[1:]), f"  (log: {log_path})", flush=True)
     t0 = time.perf_counter()
     # own session: on a timeout the whole group goes (vLLM's engine-core process included,
     # or it would keep the GPU memory the next configuration needs)
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        return {"error": f"timed out after {timeout:.0f}s", "stderr": stderr[-3000:]}
-    finally:
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                             start_new_session=True)
         try:
-            os.killpg(p.pid, signal.SIGKILL)  # whatever the child left behind
-        except ProcessLookupError:
-            pass
+            stdout, _ = p.communicate(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stdout = ""
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # whatever the child left behind
+            except ProcessLookupError:
+                pass
+    with open(log_path, errors="replace") as f:
+        stderr = "\n".join(x for x in f.read().splitlines() if "Capturing CUDA" not in x)
+    if timed_out:
+        return {"error": f"timed out after {timeout:.0f}s", "stderr": stderr[-3000:]}
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
             out = json.loads(line[7:])
@@ -179,7 +184,9 @@ def main(argv=None) -> int:
                     args += ["--trace-chunks", "1"]
             if conn == "kvtier":
                 args += ["--timeline", tl_path]
-            out = run_child(args, env, a.timeout)
+            os.makedirs(os.path.join(a.out_dir, "logs"), exist_ok=True)
+            out = run_child(args, env, a.timeout,
+                            os.path.join(a.out_dir, "logs", f"{shape}-{conn}.log"))
             if "error" in out:
                 res["errors"][conn] = out
                 print(f"  {conn}: {out['error']}\n{out.get('stderr', '')[-1500:]}", flush=True)

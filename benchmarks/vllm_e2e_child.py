@@ -160,14 +160,23 @@ def ttft_sweep(llm, a) -> dict:
     out: dict = {}
     for length in a.lengths:
         gen(llm, tokens(length, 7, a.vocab))  # warm-up at this length (graphs, allocator)
+        progress(f"warm-up {length} done")
     if a.connector == "kvtier_disk":
-        prompts = {(L, r): tokens(L, 1000 * L + r, a.vocab) for L in a.lengths
+        # All prompts must fit the CPU tier together (longer ones are left out); then small
+        # filler prompts push them out gradually, each followed by a settle, so write-back
+        # copies every prompt block to disk before it is evicted (a burst larger than the
+        # write-back window would evict some unwritten: it is a cache).
+        room = a.disk_cpu_bytes // 2 // a.kv_bytes_per_token
+        lengths = [L for L in a.lengths if L * a.reps * len(a.lengths) <= room] or a.lengths[:1]
+        prompts = {(L, r): tokens(L, 1000 * L + r, a.vocab) for L in lengths
                    for r in range(a.reps)}
         for p in prompts.values():
             gen(llm, p)
-        filler = a.disk_cpu_bytes // a.kv_bytes_per_token + a.max_len
-        for i in range(0, filler, a.max_len - 64):
-            gen(llm, tokens(a.max_len - 64, 50_000 + i, a.vocab))
+            settle(llm, a)
+        step = min(2048, a.max_len - 64)
+        for i in range(0, a.disk_cpu_bytes // a.kv_bytes_per_token + step, step):
+            gen(llm, tokens(step, 50_000 + i, a.vocab))
+            settle(llm, a)
         settle(llm, a, quiet_s=2.0)
         for (L, r), p in prompts.items():
             reset(llm)
@@ -186,6 +195,10 @@ def ttft_sweep(llm, a) -> dict:
             mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
             out.setdefault(str(length), []).append((ms, cached))
     return out
+
+
+def progress(msg: str) -> None:
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def mark(a, ev: str, **fields) -> None:
@@ -302,11 +315,14 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(run_check(a, model_dir)), flush=True)
         return
     t0 = time.perf_counter()
+    progress(f"starting {a.connector} {a.shape}")
     llm = make_llm(a, model_dir)
+    progress(f"engine up after {time.perf_counter() - t0:.0f} s")
     result = {"shape": a.shape, "connector": a.connector, "engine_start_s": time.perf_counter() - t0}
     result["ttft"] = ttft_sweep(llm, a)
     if a.trace:
         reset(llm)
+        progress("trace replay")
         result["trace"] = replay(llm, a)
     if a.connector.startswith("kvtier") and os.path.exists(a.snapshot):
         settle(llm, a)

@@ -113,3 +113,43 @@ def test_manager_lookup_loads_from_a_fast_disk_and_without_a_model():
     plain = TieredOffloadingManager(cpu_blocks=4, disk_blocks=4, initial_disk_keys=[b"d1"])
     plain.record_load(DISK, 1, 1.0)  # no model: ignored
     assert plain.lookup([b"d1"]).tiers == (DISK,)
+
+
+def test_measured_recompute_turns_cost_aware_loading_on():
+    """Without a ``cost:`` section the connector's measurements of the engine's forwards
+    switch cost-aware loading on: a disk measured slower than recomputing is skipped."""
+    from kvtier.connectors.forward_timer import RecomputeEstimate
+
+    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8, initial_disk_keys=[b"d1", b"d2"])
+    assert m.cost is None and m.lookup([b"d1", b"d2"]).num_hits == 2
+    est = RecomputeEstimate()
+    assert est.add(512, 0.01) is None  # too small a step to say anything
+    per_token = est.add(8192, 0.265)
+    assert per_token == pytest.approx(RECOMPUTE_S_PER_TOKEN)
+    m.measured_recompute(per_token, BLOCK_TOKENS, BLOCK_BYTES)
+    assert m.cost is not None
+    m.record_load(DISK, 1 << 30, (1 << 30) / (1.5 * GB))
+    m.cost.probe_every = 0
+    assert m.lookup([b"d1", b"d2"]).num_hits == 0
+    # a faster engine (or a slower one) moves the break-even: here recompute costs 40x more
+    m.measured_recompute(per_token * 40, BLOCK_TOKENS, BLOCK_BYTES)
+    assert m.lookup([b"d1", b"d2"]).num_hits == 2
+
+
+def test_a_configured_recompute_time_is_not_overridden_by_measurements():
+    m = manager(disk_gbps=1.5)
+    m.measured_recompute(RECOMPUTE_S_PER_TOKEN * 40, BLOCK_TOKENS, BLOCK_BYTES)
+    assert m.lookup([b"d1", b"d2"]).num_hits == 0
+
+
+def test_forward_timer_reports_large_cpu_forwards_only():
+    from kvtier.connectors.forward_timer import ForwardTimer
+
+    t = ForwardTimer("cpu")
+    t.begin(100)
+    t.end()
+    t.begin(4096)
+    t.end()
+    out = t.take()
+    assert [tokens for tokens, _ in out] == [4096] and out[0][1] > 0
+    assert t.take() == ()

@@ -82,6 +82,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     flush: tuple[int, ...] = ()
     watch: tuple[str, ...] = ()
     forget: tuple[int, ...] = ()
+    step_tokens: int = 0  # tokens this step computes (workers time large forwards)
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.background or self.flush or self.watch
@@ -96,13 +97,15 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     could not be read (disk miss or corruption; the manager forgets them). ``errors``: job id
     -> number of workers on which the job raised (a store or demotion that must not be
     published). ``load_hops``: (source medium, bytes, seconds) of each finished load hop out
-    of CPU or DISK on each worker: the scheduler's cost model learns from them.
+    of CPU or DISK on each worker, and ``forwards``: (tokens, seconds) of large forward passes:
+    the scheduler's cost model learns load bandwidth and recompute time from them.
     """
 
     done: dict[int, int] = field(default_factory=dict)
     failed: dict[int, tuple[BlockKey, ...]] = field(default_factory=dict)
     errors: dict[int, int] = field(default_factory=dict)
     load_hops: tuple[tuple[str, int, float], ...] = ()
+    forwards: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of timed forwards
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         if not isinstance(other, KVTierWorkerMetadata):
@@ -116,7 +119,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         failed = dict(self.failed)
         for job, keys in other.failed.items():
             failed[job] = tuple(dict.fromkeys(failed.get(job, ()) + tuple(keys)))
-        return KVTierWorkerMetadata(done, failed, errors, self.load_hops + tuple(other.load_hops))
+        return KVTierWorkerMetadata(done, failed, errors, self.load_hops + tuple(other.load_hops),
+                                    self.forwards + tuple(other.forwards))
 
     def is_empty(self) -> bool:
-        return not (self.done or self.failed or self.errors or self.load_hops)
+        return not (self.done or self.failed or self.errors or self.load_hops or self.forwards)

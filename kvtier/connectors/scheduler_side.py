@@ -27,6 +27,7 @@ from typing import Any, Iterable
 
 from kvtier.connectors.disk_keys import initial_keys
 from kvtier.connectors.events import VllmEventConverter
+from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
 from kvtier.connectors.observability import SchedulerObservability
 from kvtier.connectors.metadata import (
@@ -70,6 +71,7 @@ class SchedulerSide:
         self._step_forget: list[int] = []
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
+        self._recompute = RecomputeEstimate()
         self._tl = timeline()
         # token ids are needed until a block's last event (its demotion to disk at the latest,
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
@@ -174,8 +176,10 @@ class SchedulerSide:
         self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
         self._stats.add("unloadable_tokens", len(unloaded) * bs)
         t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
-        for i, key in zip(loaded, plan.keys):
-            self._remember(request, start + i, key)
+        known = self._events.metadata  # a lookup refreshes a known block's entry: cheaper
+        for i, key, from_disk in zip(loaded, plan.keys, plan.from_disk):  # than remembering
+            if from_disk or known(key) is None:
+                self._remember(request, start + i, key)
 
     def hit_sources(self, request: Any) -> dict[str, int]:
         t = self.tracks.get(request.request_id)
@@ -271,6 +275,7 @@ class SchedulerSide:
         meta = KVTierConnectorMetadata(
             loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
             watch=tuple(self._step_watch), forget=tuple(self._step_forget),
+            step_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
         )
         self._step_loads, self._step_watch, self._step_forget = [], [], []
         return meta
@@ -286,6 +291,11 @@ class SchedulerSide:
             return
         for medium, nbytes, seconds in meta.load_hops:  # the cost model learns real loads
             self.manager.record_load(Medium(medium), nbytes, seconds)
+        for tokens, seconds in meta.forwards:  # ... and what recomputing costs here
+            per_token = self._recompute.add(tokens, seconds)
+            if per_token is not None:
+                self.manager.measured_recompute(per_token, self.settings.block_tokens,
+                                                self.settings.block_bytes)
         for job_id, job in self.ledger.record(meta):
             self._settle(job_id, job)
         self._take_background()  # settling may plan demotions: they count as pending work

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
+from kvtier.connectors.forward_timer import ForwardTimer
 from kvtier.connectors.timeline import timeline
 from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
 from kvtier.connectors.metadata import (
@@ -77,6 +78,7 @@ class WorkerSide:
         self._failed: dict[int, tuple[BlockKey, ...]] = {}
         self._errors: dict[int, int] = {}
         self._load_hops: list[tuple[str, int, float]] = []
+        self._forward: ForwardTimer | None = None
         self._stats_before: dict = {}
         self._tl = timeline()
 
@@ -96,6 +98,7 @@ class WorkerSide:
                 f"KV cache spec says {self.settings.page_bytes} B; unsupported cache layout"
             )
         self._device_type = view.device.type
+        self._forward = ForwardTimer(view.device)
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
@@ -137,6 +140,8 @@ class WorkerSide:
             raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
         self._meta = meta
         self._loads_taken = self._saves_taken = False
+        if self._forward is not None and not any(j.sync for j in meta.loads):
+            self._forward.begin(meta.step_tokens)  # a fenced load would inflate the time
         if meta.forget:
             self._poll()
             self._submit_ready_loads()  # nothing waiting may still need a forgotten result
@@ -175,6 +180,8 @@ class WorkerSide:
         if meta is None or self._saves_taken:
             return
         self._saves_taken = True
+        if self._forward is not None:
+            self._forward.end()
         if not meta.stores:
             return
         # Stores are ordered after this step's forward on the GPU: the CUDA copy waits for
@@ -200,10 +207,11 @@ class WorkerSide:
         return out
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
-        if not (self._done or self._failed or self._errors or self._load_hops):
+        forwards = self._forward.take() if self._forward is not None else ()
+        if not (self._done or self._failed or self._errors or self._load_hops or forwards):
             return None
         meta = KVTierWorkerMetadata(self._done, self._failed, self._errors,
-                                    tuple(self._load_hops))
+                                    tuple(self._load_hops), forwards)
         self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
         return meta
 

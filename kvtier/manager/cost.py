@@ -87,6 +87,11 @@ class LoadCostModel:
         self.cuts = 0  # lookups cut short because loading lost to recompute
         self.probes = 0  # of those, loaded in full anyway to re-measure
 
+    def set_recompute(self, s_per_token: float, block_tokens: int) -> None:
+        """A new estimate of the engine's recompute time (nonsense is ignored)."""
+        if s_per_token > 0 and math.isfinite(s_per_token) and block_tokens > 0:
+            self.recompute_block_s = block_tokens * s_per_token
+
     def record_load(self, medium: Medium, nbytes: float, seconds: float) -> bool:
         """One finished load hop *out of* ``medium`` (DISK: the DISK -> CPU hop of a promotion;
         CPU: CPU -> GPU). Returns whether the sample was used."""

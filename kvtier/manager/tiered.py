@@ -79,6 +79,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self._write_back_behind = False
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
+        self._cost_measured = False  # the cost model was made from measured recompute times
         self.stats = ManagerStats()
         self.events = EventBus()
         self._bg_ids = itertools.count(1)
@@ -119,6 +120,17 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         hop of a promotion; CPU: CPU -> GPU). Feeds the cost model; a no-op without one."""
         if self.cost is not None:
             self.cost.record_load(medium, nbytes, seconds)
+
+    def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
+        """The engine's measured prefill time per token. Without a configured ``cost:``
+        section, the first measurement turns cost-aware loading on (bandwidth priors as
+        configured, else the default); with one, the configured time stays."""
+        if self.cost is None:
+            self.cost = LoadCostModel(block_bytes=block_bytes, block_tokens=block_tokens,
+                                      recompute_s_per_token=s_per_token)
+            self._cost_measured = True
+        elif self._cost_measured:
+            self.cost.set_recompute(s_per_token, block_tokens)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         return self._prepare_load(keys, join=False)
