@@ -286,7 +286,7 @@ def main(argv=None) -> None:
     p.add_argument("--cpu-bytes", type=int, default=16 << 30)
     p.add_argument("--disk-cpu-bytes", type=int, default=5 << 30)
     p.add_argument("--disk-bytes", type=int, default=40 << 30)
-    p.add_argument("--disk-dir", default="/tmp/kvtier-e2e-disk")
+    p.add_argument("--disk-dir", default=None, help="default: /tmp/kvtier-e2e-disk-<shape>")
     p.add_argument("--gpu-kv-bytes", type=int, default=8 << 30)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--sync-budget", type=int, default=None)
@@ -300,6 +300,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     a.vocab = VOCAB[a.shape]
+    a.disk_dir = a.disk_dir or f"/tmp/kvtier-e2e-disk-{a.shape}"  # a geometry per directory
     a.max_len = max(a.lengths + [a.trace_chunks * 512 if a.trace else 0]) + 64
     s = SHAPES[a.shape]
     elem = 4 if a.shape == "tiny" else 2
