@@ -12,16 +12,21 @@ several workers a block is usable only if every rank has its slice: the keys are
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from pathlib import Path
 from typing import Sequence
 
 import lmdb
 
-from kvtier.tiers.disk import DiskLayoutMismatch, DiskStore
+from kvtier.tiers.disk import DiskLayoutMismatch, DiskStore, lmdb_check
+from kvtier.tiers.disk.errors import DiskIndexUnreadable
 from kvtier.tiers.disk.index import BlockIndex
 from kvtier.tiers.disk.stats import index_dir
 from kvtier.tiers.layout import BlockGeometry
+
+log = logging.getLogger(__name__)
 
 _open_stores: dict[str, DiskStore] = {}
 _lock = threading.Lock()
@@ -50,12 +55,21 @@ def read_keys(path: Path, geometry: BlockGeometry) -> list[bytes]:
         if store.geometry.fingerprint() != geometry.fingerprint():
             raise DiskLayoutMismatch(f"disk tier directory {path} is open for another geometry")
         return store.keys_by_age()
-    if not (index_dir(Path(path)) / "data.mdb").is_file():
+    ix_path = index_dir(Path(path))
+    if not (ix_path / "data.mdb").is_file():
         return []
-    try:
-        ix = BlockIndex(index_dir(Path(path)), map_size=1 << 20, sync=False, readonly=True)
-    except lmdb.Error as exc:
-        raise RuntimeError(f"kvtier: cannot read the disk tier index in {path}: {exc}") from exc
+    try:  # checked before it is mapped: a truncated index would SIGBUS the scheduler
+        fd = os.open(ix_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            lmdb_check.check_data_file(fd, ix_path, Path(path), full=False)
+        finally:
+            os.close(fd)
+        ix = BlockIndex(ix_path, map_size=1 << 20, sync=False, readonly=True)
+    except (DiskIndexUnreadable, OSError, lmdb.Error) as exc:
+        # the worker's DiskStore refuses the same directory and runs without the disk tier
+        log.error("kvtier: disk tier index in %s is unreadable (%s); starting without its "
+                  "blocks", path, exc)
+        return []
     try:
         with ix.read() as v:
             fingerprint = v.meta("fingerprint")

@@ -15,6 +15,7 @@ from kvtier.config import KvtierConfig
 from kvtier.manager.specs import BackgroundTransfer, LoadPlan, LoadStoreSpec, StorePlan
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
+from kvtier.tiers.disk.errors import DiskIndexUnreadable
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
 from kvtier.transfer import JobResult, TransferEngine, TransferHandler
@@ -51,10 +52,17 @@ class WorkerRuntime:
         handlers = gpu_handlers(view, pool)
         if config.disk is not None:
             d = config.disk
-            store = DiskStore(d.path, geometry, compression=d.compression, zstd_level=d.zstd_level,
-                              fsync=d.fsync, segment_bytes=d.segment_bytes)
-            handlers += [CpuToDiskHandler(pool, store), DiskToCpuHandler(pool, store),
-                         DiskDropHandler(store)]
+            try:
+                store = DiskStore(d.path, geometry, compression=d.compression,
+                                  zstd_level=d.zstd_level, fsync=d.fsync,
+                                  segment_bytes=d.segment_bytes)
+            except DiskIndexUnreadable as exc:
+                # a damaged index or a full file system: serve from CPU memory; demotions to
+                # the missing tier fail and mark it degraded, loads never come from it
+                log.error("kvtier: running without the disk tier: %s", exc)
+            else:
+                handlers += [CpuToDiskHandler(pool, store), DiskToCpuHandler(pool, store),
+                             DiskDropHandler(store)]
         return cls(geometry, pool, store, TransferEngine(handlers))
 
     def disk_keys(self) -> list[bytes]:
