@@ -30,7 +30,8 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.skipped and os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
-        reason = str(report.longrepr).lower()
+        lr = report.longrepr  # (path, line, message): only the message says why
+        reason = (lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)).lower()
         if "vllm" in reason:
             report.outcome = "failed"
             report.longrepr = f"vLLM is required here (KVTIER_REQUIRE_VLLM=1) but: {report.longrepr}"
