@@ -8,6 +8,8 @@ KVTIER_REQUIRE_VLLM=1  a test skipped because vLLM is missing fails instead (CI 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -35,3 +37,27 @@ def pytest_runtest_makereport(item, call):
         if "vllm" in reason:
             report.outcome = "failed"
             report.longrepr = f"vLLM is required here (KVTIER_REQUIRE_VLLM=1) but: {report.longrepr}"
+
+
+@pytest.fixture
+def tmpfs_mount(tmp_path):
+    """``tmpfs_mount(size, why)``: a real tmpfs of ``size`` (e.g. "256k") under tmp_path,
+    unmounted at teardown; the test is skipped (saying ``why`` it matters) where mounting is
+    impossible (not root, no mount command, no permission)."""
+    mounted = []
+
+    def mount(size: str, why: str):
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            pytest.skip(f"needs root and mount for a real tmpfs ({why})")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                            str(mnt)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()} ({why})")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

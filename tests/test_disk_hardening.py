@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -209,27 +208,17 @@ def test_clean_close_is_not_reverified_but_a_later_change_is(tmp_path, monkeypat
 
 
 @pytest.fixture
-def full_tmpfs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount for a real full file system")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+def full_tmpfs(tmpfs_mount):
+    mnt = tmpfs_mount("256k", "a real full file system")
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            while os.write(fd, b"\0" * 4096):
-                pass
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-        yield mnt
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        os.close(fd)
+    return mnt
 
 
 def test_full_file_system_at_start_is_a_clear_error(full_tmpfs):

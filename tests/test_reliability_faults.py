@@ -8,7 +8,6 @@ tmpfs when this process may mount one.
 from __future__ import annotations
 
 import random
-import shutil
 import subprocess
 
 import pytest
@@ -200,19 +199,8 @@ def test_random_faults_of_every_kind_under_load_serve_nothing_wrong(tmp_path):
 # -- a real full file system -------------------------------------------------------------------
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command; the injected-ENOSPC tests above cover this path")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); injected ENOSPC covers it")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_tmpfs(tmpfs_mount):
+    return tmpfs_mount("320k", "the injected-ENOSPC tests above cover this path otherwise")
 
 
 def test_real_full_tmpfs_degrades_and_recovers_when_space_returns(small_tmpfs):

@@ -64,7 +64,6 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.runtime: WorkerRuntime | None = None
         self.view: GpuKvView | None = None
-        self._device_type = "cpu"
         self._running: dict[int, _Running] = {}
         self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
         self._promotions: dict[int, frozenset[BlockKey]] = {}  # finished load -> keys it failed
@@ -97,7 +96,6 @@ class WorkerSide:
                 f"kvtier: registered KV pages hold {view.page_bytes} B per block and layer, the "
                 f"KV cache spec says {self.settings.page_bytes} B; unsupported cache layout"
             )
-        self._device_type = view.device.type
         self._forward = ForwardTimer(view.device)
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
@@ -167,8 +165,8 @@ class WorkerSide:
         self._deferred.extend(job for job in meta.loads if not job.sync)
         for job in sync:  # never deferred: their forward runs in this step
             self._submit_load(job)
-        if sync and self.runtime is not None:
-            self.runtime.engine.fence([job.job_id for job in sync])
+        if sync:
+            self._rt().engine.fence([job.job_id for job in sync])
         if self._tl.enabled:
             self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
                           jobs=[j.job_id for j in meta.loads])

@@ -54,7 +54,7 @@ class _Job:
     error: str | None = None
     last_route: Route | None = None
     hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run
-    pending: object = None  # an immediate hop's handle while the device runs it
+    pending: object = None  # an immediate hop's handle (while in TransferEngine._immediate)
     started: float = 0.0
 
 
@@ -144,6 +144,10 @@ class TransferEngine:
     def _is_immediate(self, job: _Job) -> bool:
         return isinstance(self._handlers[route_of(job.hops[job.next_hop])], ImmediateHandler)
 
+    def _lane(self, job: _Job) -> _Lane:
+        """The lane of the job's next (or running) hop."""
+        return self._lanes[route_of(job.hops[job.next_hop])]
+
     def _dispatch(self, job: _Job) -> None:
         """Loop thread: queue the job's next hop, or park it for the caller if immediate."""
         if self._is_immediate(job):
@@ -151,7 +155,7 @@ class TransferEngine:
                 self._parked.append(job)
                 self._cond.notify_all()  # a waiter must start it
             return
-        self._lanes[route_of(job.hops[job.next_hop])].queue.put_nowait(job)
+        self._lane(job).queue.put_nowait(job)
 
     async def _worker(self, lane: _Lane) -> None:
         """Start the route's hops in queue order, at most ``concurrency`` at a time."""
@@ -311,7 +315,7 @@ class TransferEngine:
 
     def _start_immediate(self, job: _Job) -> None:
         """Enqueue the job's next hop on its device queue now; a refusal fails the job."""
-        lane = self._lanes[route_of(job.hops[job.next_hop])]
+        lane = self._lane(job)
         src, dst = job.hops[job.next_hop]
         job.started = time.perf_counter()
         try:
@@ -325,7 +329,7 @@ class TransferEngine:
         self._immediate[job.job_id] = job
 
     def _complete_immediate(self, job: _Job, outcome: TransferOutcome) -> None:
-        lane = self._lanes[route_of(job.hops[job.next_hop])]
+        lane = self._lane(job)
         del self._immediate[job.job_id]
         job.pending = None
         seconds = outcome.seconds
@@ -352,12 +356,9 @@ class TransferEngine:
             for jid in block_on:
                 job = self._immediate.get(jid)
                 if job is not None:
-                    self._complete_immediate(job, self._lanes[route_of(
-                        job.hops[job.next_hop])].handler.finish(job.pending))
+                    self._complete_immediate(job, self._lane(job).handler.finish(job.pending))
             for job in list(self._immediate.values()):
-                if job.pending is None:
-                    continue
-                outcome = self._lanes[route_of(job.hops[job.next_hop])].handler.poll(job.pending)
+                outcome = self._lane(job).handler.poll(job.pending)
                 if outcome is not None:
                     self._complete_immediate(job, outcome)
 
@@ -377,8 +378,8 @@ class TransferEngine:
         with self._imm_lock:
             for i in ids:
                 job = self._immediate.get(i)
-                if job is not None and job.pending is not None:
-                    self._lanes[route_of(job.hops[job.next_hop])].handler.fence(job.pending)
+                if job is not None:
+                    self._lane(job).handler.fence(job.pending)
 
     def get_finished(self) -> list[JobResult]:
         """Results completed since the last call, in completion order. Never waits for a job."""

@@ -137,9 +137,9 @@ def test_many_requests_on_one_disk_prefix_share_one_disk_read(model_dir, tmp_pat
     rig.close()
 
 
-def test_many_requests_on_one_cpu_prefix_load_in_parallel(model_dir):
-    """Asynchronous loads (budget 0): five requests on one CPU prefix read it in parallel."""
-    rig = make_rig(model_dir, dict(kvtier_config(cpu_blocks=64), sync_load_budget_bytes=0))
+def _five_requests_on_a_cpu_prefix(rig) -> list:
+    """A 4-block prefix computed and offloaded, vLLM's GPU cache reset, then five requests on
+    it added (not yet scheduled)."""
     make = vh.RequestMaker(BS)
     prefix = vh.random_tokens(64, seed=60)
     rig.loop.add(make(prefix + [7, 8, 9], max_tokens=1))
@@ -147,6 +147,13 @@ def test_many_requests_on_one_cpu_prefix_load_in_parallel(model_dir):
     assert rig.sched.reset_prefix_cache()
     reqs = [make(prefix + vh.random_tokens(6, seed=61 + i), max_tokens=2) for i in range(5)]
     rig.loop.add(*reqs)
+    return reqs
+
+
+def test_many_requests_on_one_cpu_prefix_load_in_parallel(model_dir):
+    """Asynchronous loads (budget 0): five requests on one CPU prefix read it in parallel."""
+    rig = make_rig(model_dir, dict(kvtier_config(cpu_blocks=64), sync_load_budget_bytes=0))
+    reqs = _five_requests_on_a_cpu_prefix(rig)
     loads = rig.loop.step().scheduler_output.kv_connector_metadata.loads
     assert len(loads) == 5 and not any(j.after for j in loads)
     assert len({j.cpu_slots for j in loads}) == 1  # all read the same CPU copies
@@ -161,13 +168,7 @@ def test_many_requests_on_one_cpu_prefix_share_one_synchronous_load(model_dir):
     """A synchronous load is in vLLM's GPU prefix cache as soon as it is scheduled: the other
     requests of the same step hit those GPU blocks instead of loading the prefix again."""
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=64))
-    make = vh.RequestMaker(BS)
-    prefix = vh.random_tokens(64, seed=60)
-    rig.loop.add(make(prefix + [7, 8, 9], max_tokens=1))
-    rig.loop.run_until_idle()
-    assert rig.sched.reset_prefix_cache()
-    reqs = [make(prefix + vh.random_tokens(6, seed=61 + i), max_tokens=2) for i in range(5)]
-    rig.loop.add(*reqs)
+    reqs = _five_requests_on_a_cpu_prefix(rig)
     (load,) = rig.loop.step().scheduler_output.kv_connector_metadata.loads
     assert load.sync and len(load.keys) == 4
     rig.loop.run_until_idle()
