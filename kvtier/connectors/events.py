@@ -40,7 +40,7 @@ class VllmEventConverter:
         self.metadata.remember(key, token_ids, parent, lora_name)
 
     def convert(self, events: Sequence[Event]) -> list[KVCacheEvent]:
-        state, _hits = self._convert.convert(events)
+        state, _ = self._convert.convert(events, access=False)
         out: list[KVCacheEvent] = []
         for ev in state:
             if isinstance(ev, wire.BlockStored):

@@ -91,7 +91,16 @@ class KeyMap:
         return to_key(request.block_hashes[(index + 1) * self.hashes_per_block - 1])
 
     def keys(self, request: Any, start: int, stop: int) -> list[BlockKey]:
-        return [self.key(request, i) for i in range(start, stop)]
+        if stop <= start:
+            return []
+        h = self.hashes_per_block  # one slice, no per-block call: a 32k hit has 2k keys
+        hashes = request.block_hashes[(start + 1) * h - 1:stop * h:h]
+        return [x if type(x) is bytes else to_key(x) for x in hashes]
+
+    def engine_ids(self, block_ids: Any, start: int, count: int) -> list[int]:
+        """Engine block ids of kvtier blocks ``start .. start + count - 1``, flat."""
+        k = self.engine_per_block
+        return list(block_ids[start * k:(start + count) * k])
 
     def gpu_ids(self, block_ids: Any, index: int) -> list[int]:
         k = self.engine_per_block

@@ -77,6 +77,8 @@ class SchedulerSide:
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
         self._events = VllmEventConverter(settings.block_tokens,
                                           2 * settings.config.cpu_slots(bb) + 1024)
+        # Token ids and parents are only kept when some event stream publishes them
+        self._describe = settings.vllm_kv_events or settings.config.events is not None
         self._stats = KVTierStats()
         self.observability = SchedulerObservability(
             settings.config, manager, block_tokens=settings.block_tokens, block_bytes=bb,
@@ -136,21 +138,32 @@ class SchedulerSide:
         bt, bs = self.settings.block_tokens, self.settings.block_size
         start, n = t.lookup_start // bt, num_external_tokens // bt
         block_ids = blocks.get_block_ids()[0]
-        gpu = [self.keymap.gpu_ids(block_ids, start + i) for i in range(n)]
+        per = self.keymap.engine_per_block
+        flat = self.keymap.engine_ids(block_ids, start, n)
         # vLLM may trim a hit to its own block size; engine blocks of a partial kvtier block
         # were claimed but cannot be loaded: they are reported as load errors (recomputed)
         partial = self.keymap.gpu_ids(block_ids, start + n)[:(num_external_tokens % bt) // bs]
-        # Blocks left outside a sliding window are null (id 0): nothing to load into them.
-        wanted = [i for i in range(n) if all(b != 0 for b in gpu[i])]
         keys = self.keymap.keys(request, start, start + n)
-        plan = self.manager.prepare_shared_load([keys[i] for i in wanted])
+        # Blocks left outside a sliding window are null (id 0): nothing to load into them.
+        # Without any (the common case) everything below is slices, not per-block loops.
+        wanted: Any = range(n)
+        if 0 in flat:
+            wanted = [i for i in range(n) if 0 not in flat[i * per:(i + 1) * per]]
+            keys = [keys[i] for i in wanted]
+            gpu = [flat[i * per:(i + 1) * per] for i in wanted]
+        plan = self.manager.prepare_shared_load(keys)
         sync = t.sync_load
         if sync and (any(plan.from_disk) or any(plan.joined or ())):
             # cannot happen (lookup saw every key READY in CPU within this schedule() call);
             # if it did, the worker's fence waits for the disk read on the host: slow, right
             log.warning("kvtier: synchronous load of %s includes disk blocks", t.req_id)
-        loaded = wanted[:len(plan.keys)]
-        unloaded = [b for i in wanted[len(plan.keys):] for b in gpu[i]] + partial
+        got = len(plan.keys)
+        loaded = wanted[:got]
+        if isinstance(wanted, range):
+            gpu_ids, unloaded = flat[:got * per], flat[got * per:] + partial
+        else:
+            gpu_ids = [b for ids in gpu[:got] for b in ids]
+            unloaded = [b for ids in gpu[got:] for b in ids] + partial
         joined = plan.joined or (False,) * len(plan.keys)
         after = sorted({self._promoting[k] for k, j in zip(plan.keys, joined)
                         if j and k in self._promoting})
@@ -162,7 +175,7 @@ class SchedulerSide:
         self._step_loads.append(LoadJob(
             job_id=job_id, req_id=t.req_id, keys=tuple(plan.keys),
             cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
-            gpu_ids=tuple(b for i in loaded for b in gpu[i]), joined=tuple(joined),
+            gpu_ids=tuple(gpu_ids), joined=tuple(joined),
             after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
         ))
         t.load_job = job_id
@@ -176,10 +189,11 @@ class SchedulerSide:
         self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
         self._stats.add("unloadable_tokens", len(unloaded) * bs)
         t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
-        known = self._events.metadata  # a lookup refreshes a known block's entry: cheaper
-        for i, key, from_disk in zip(loaded, plan.keys, plan.from_disk):  # than remembering
-            if from_disk or known(key) is None:
-                self._remember(request, start + i, key)
+        if self._describe:
+            known = self._events.metadata  # a lookup refreshes a known block's entry: cheaper
+            for i, key, from_disk in zip(loaded, plan.keys, plan.from_disk):  # than remembering
+                if from_disk or known(key) is None:
+                    self._remember(request, start + i, key)
 
     def hit_sources(self, request: Any) -> dict[str, int]:
         t = self.tracks.get(request.request_id)
@@ -187,6 +201,8 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ stores
     def _remember(self, request: Any, index: int, key: BlockKey) -> None:
+        if not self._describe:
+            return
         parent = self.keymap.key(request, index - 1) if index > 0 else None
         lora = getattr(request, "lora_request", None)
         self._events.remember(key, self.keymap.tokens(request, index), parent,
@@ -226,8 +242,9 @@ class SchedulerSide:
         t.store_jobs.add(job_id)
         for b in gpu:
             self._sources.setdefault(b, set()).add(job_id)
-        for k in plan.keys:
-            self._remember(request, keys[k], k)
+        if self._describe:
+            for k in plan.keys:
+                self._remember(request, keys[k], k)
         self._stats.add("store_tokens", len(plan.keys) * bt)
         return StoreJob(job_id, t.req_id, tuple(plan.keys), tuple(plan.cpu_slots), gpu)
 
@@ -376,7 +393,7 @@ class SchedulerSide:
     def take_events(self) -> Iterable[Any]:
         events = list(self.manager.take_events())
         self.observability.publish(events)
-        return self._events.convert(events)
+        return self._events.convert(events) if self.settings.vllm_kv_events else []
 
     def shutdown(self) -> None:
         self.observability.close()

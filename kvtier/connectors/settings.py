@@ -52,6 +52,7 @@ class ConnectorSettings:
     kv_dtype: str  # dtype of the cache pages (informational part of the geometry)
     identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
+    vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -184,6 +185,13 @@ def _check_spec(spec: Any) -> int | None:
     )
 
 
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config``): only then do kvtier's events
+    need token ids and wire hashes on vLLM's path, which cost ~15 us per block on every hit."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
 def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
     kvt = vllm_config.kv_transfer_config
     extra = kvt.kv_connector_extra_config if kvt is not None else None
@@ -242,6 +250,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         kv_dtype=str(spec.dtype).replace("torch.", ""),
         identity=_model_identity(vllm_config, spec, layout, hash_algo),
         sync_load_budget_bytes=sync_load_budget(extra),
+        vllm_kv_events=kv_events_enabled(vllm_config),
     )
     config.check_block_bytes(settings.block_bytes)
     return settings

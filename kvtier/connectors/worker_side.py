@@ -25,7 +25,7 @@ Per step (vLLM's model runner calls these in this order):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -55,7 +55,6 @@ class _Running:
     req_id: str | None = None
     load: LoadJob | None = None
     excluded: frozenset[BlockKey] = frozenset()  # joined keys whose promotion failed
-    gpu_by_key: dict[BlockKey, tuple[int, ...]] = field(default_factory=dict)
 
 
 class WorkerSide:
@@ -260,19 +259,24 @@ class WorkerSide:
         excluded: set[BlockKey] = set()
         for dep in job.after:
             excluded |= self._promotions.get(dep, frozenset())
-        excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
-        gpu_by_key = {key: job.gpu_ids[i * k:(i + 1) * k] for i, key in enumerate(job.keys)}
-        running = _Running("load", job.req_id, job, frozenset(excluded), gpu_by_key)
-        self._running[job.job_id] = running
-        disk = [(key, slot) for key, slot, d in zip(job.keys, job.cpu_slots, job.from_disk) if d]
-        copy = [(key, slot) for key, slot in zip(job.keys, job.cpu_slots) if key not in excluded]
+        if excluded:
+            excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
+        self._running[job.job_id] = _Running("load", job.req_id, job, frozenset(excluded))
         hops = []
-        if disk:
+        if any(job.from_disk):
+            disk = [(key, slot) for key, slot, d in zip(job.keys, job.cpu_slots, job.from_disk)
+                    if d]
             hops.append((LoadStoreSpec.disk([key for key, _ in disk]),
                          LoadStoreSpec.cpu([slot for _, slot in disk])))
-        if copy:
-            hops.append((LoadStoreSpec.cpu([slot for _, slot in copy]),
-                         LoadStoreSpec.gpu([b for key, _ in copy for b in gpu_by_key[key]])))
+        if not excluded:  # the common case: every key's bytes go to the GPU, no per-key work
+            if job.keys:
+                hops.append((LoadStoreSpec.cpu(job.cpu_slots), LoadStoreSpec.gpu(job.gpu_ids)))
+        else:
+            copy = [i for i, key in enumerate(job.keys) if key not in excluded]
+            if copy:
+                hops.append((LoadStoreSpec.cpu([job.cpu_slots[i] for i in copy]),
+                             LoadStoreSpec.gpu([b for i in copy
+                                                for b in job.gpu_ids[i * k:(i + 1) * k]])))
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
@@ -323,8 +327,11 @@ class WorkerSide:
             if r.direction == (Medium.DISK, Medium.CPU):  # nothing reached the CPU slots
                 failed |= disk_keys
             bad_gpu.update(job.gpu_ids)  # whatever reached the GPU is not trusted
-        for key in failed:
-            bad_gpu.update(running.gpu_by_key.get(key, ()))
+        if failed:
+            k = self.settings.engine_blocks_per_block
+            for i, key in enumerate(job.keys):
+                if key in failed:
+                    bad_gpu.update(job.gpu_ids[i * k:(i + 1) * k])
         if failed:
             self._failed[r.job_id] = tuple(k for k in job.keys if k in failed)
         if disk_keys:  # loads that joined its promotions need to know what it could not read

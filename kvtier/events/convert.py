@@ -113,10 +113,13 @@ class EventConverter:
             tokens += len(meta.token_ids) if meta is not None else self.block_tokens
         return BlockAccessed([self._hash(k) for k in keys], wire_medium(medium), tokens)
 
-    def convert(self, events: Iterable[mgr.Event]) -> tuple[list[StateEvent], list[BlockAccessed]]:
-        """Wire events for manager events, in order; access events kept apart."""
+    def convert(self, events: Iterable[mgr.Event], access: bool = True
+                ) -> tuple[list[StateEvent], list[BlockAccessed]]:
+        """Wire events for manager events, in order; access events kept apart (and not built
+        at all with ``access=False``: vLLM's stream has no hit events, and building one costs
+        a metadata lookup and a wire hash per block of every hit)."""
         state: list[StateEvent] = []
-        access: list[BlockAccessed] = []
+        hits: list[BlockAccessed] = []
         for ev in events:
             if not ev.keys:
                 continue
@@ -124,6 +127,6 @@ class EventConverter:
                 state.extend(self.stored(ev.medium, ev.keys))
             elif isinstance(ev, mgr.BlockRemoved):
                 state.append(self.removed(ev.medium, ev.keys))
-            elif isinstance(ev, mgr.BlockAccessed):
-                access.append(self.accessed(ev.medium, ev.keys))
-        return state, access
+            elif access and isinstance(ev, mgr.BlockAccessed):
+                hits.append(self.accessed(ev.medium, ev.keys))
+        return state, hits

@@ -39,11 +39,11 @@ class LoadStoreSpec:
 
     @staticmethod
     def gpu(ids: Sequence[int]) -> "LoadStoreSpec":
-        return LoadStoreSpec(Medium.GPU, ids=tuple(int(i) for i in ids))
+        return LoadStoreSpec(Medium.GPU, ids=tuple(map(int, ids)))
 
     @staticmethod
     def cpu(slots: Sequence[int]) -> "LoadStoreSpec":
-        return LoadStoreSpec(Medium.CPU, ids=tuple(int(i) for i in slots))
+        return LoadStoreSpec(Medium.CPU, ids=tuple(map(int, slots)))
 
     @staticmethod
     def disk(keys: Sequence[BlockKey]) -> "LoadStoreSpec":

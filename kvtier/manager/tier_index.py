@@ -159,6 +159,42 @@ class TierIndex:
         h = self._shards[hash(key) % self._nshards].get(key)
         return h is not None and self._state[h] == _READY
 
+    def ready_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` are READY here (a lookup's hot loop: no Entry objects)."""
+        shards, nshards, st = self._shards, self._nshards, self._state
+        n = 0
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is None or st[h] != _READY:
+                break
+            n += 1
+        return n
+
+    def pin_ready_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Add one reader to each of the leading READY ``keys``; their handles, in order."""
+        shards, nshards, st, readers = self._shards, self._nshards, self._state, self._readers
+        out: list[int] = []
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is None or st[h] != _READY:
+                break
+            readers[h] += 1
+            out.append(h)
+        return out
+
+    def unpin_ready(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Drop one reader of each READY ``key`` that has one; returns, in order, the keys
+        that are not in that state (absent, WRITING, unpinned) for the caller to handle."""
+        shards, nshards, st, readers = self._shards, self._nshards, self._state, self._readers
+        rest: list[BlockKey] = []
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is not None and st[h] == _READY and readers[h] > 0:
+                readers[h] -= 1
+            else:
+                rest.append(key)
+        return rest
+
     @property
     def free_count(self) -> int:
         return self.capacity - self._len

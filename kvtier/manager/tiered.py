@@ -98,10 +98,11 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             self.cpu_admission.record_lookup(keys)
             if self.disk_admission is not self.cpu_admission:
                 self.disk_admission.record_lookup(keys)
-        tiers: list[Medium] = []
+        n = self.cpu.ready_prefix(keys)
+        tiers: list[Medium] = [Medium.CPU] * n
         cpu_ready = self.cpu.is_ready
         disk_ready = self.disk.is_ready if self.disk is not None else (lambda _key: False)
-        for key in keys:
+        for key in keys[n:] if self.disk is not None else ():
             if cpu_ready(key):
                 tiers.append(Medium.CPU)
             elif disk_ready(key):
@@ -149,14 +150,20 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         return self._prepare_load(keys, join=True)
 
     def _prepare_load(self, keys: Sequence[BlockKey], join: bool) -> LoadPlan:
-        out_keys: list[BlockKey] = []
-        slots: list[int] = []
-        from_disk: list[bool] = []
-        joined: list[bool] = []
-        cpu_hits: list[BlockKey] = []
+        # The leading CPU hits (nearly every load) in one tight pass, then the rest
+        slots: list[int] = self.cpu.pin_ready_prefix(keys)  # CPU handles are slot ids
+        m = len(slots)
+        prefix = list(keys[:m])
+        out_keys: list[BlockKey] = list(prefix)
+        from_disk: list[bool] = [False] * m
+        joined: list[bool] = [False] * m
+        cpu_hits: list[BlockKey] = list(prefix)
         disk_hits: list[BlockKey] = []
-        touched: list[tuple] = []  # (policy, key), applied last-to-first below
-        for key in keys:
+        touched: list[tuple] = []  # (policy, key) after the prefix, applied last-to-first
+        on_hit = self.cpu_admission.on_hit
+        for key in prefix:
+            on_hit(key)
+        for key in keys[m:]:
             entry = self.cpu.ready(key)
             if entry is not None:
                 entry.readers += 1
@@ -192,6 +199,9 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
         for policy, key in reversed(touched):
             policy.access(key)
+        access = self.cpu.policy.access
+        for key in reversed(prefix):
+            access(key)
         self.stats.hit_blocks["CPU"] += len(cpu_hits)
         self.stats.hit_blocks["DISK"] += len(disk_hits)
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
@@ -209,7 +219,9 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
         failed = set(failed)
         published: list[BlockKey] = []
-        for key in keys:
+        # CPU hits (READY and pinned) only drop their pin, failed or not: the CPU -> GPU hop
+        # reads the slot and never writes it. The rest (promotions, joins) below.
+        for key in self.cpu.unpin_ready(keys):
             entry = self.cpu.get(key)
             if entry is None:
                 self.stats.protocol_errors += 1
