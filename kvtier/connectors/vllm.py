@@ -58,6 +58,13 @@ def _check_version() -> None:
                     version)
 
 
+def _runs_layer_hooks(forward_context: Any) -> bool:
+    """Whether this forward calls ``wait_for_layer_load`` per layer: it has attention metadata
+    and is not one full CUDA graph (nothing in Python runs inside a graph replay)."""
+    mode = getattr(getattr(forward_context, "cudagraph_runtime_mode", None), "name", "NONE")
+    return mode != "FULL" and bool(getattr(forward_context, "attn_metadata", None))
+
+
 def _tp_rank(vllm_config: "VllmConfig") -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
@@ -176,10 +183,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.start_load()
+            self._worker.start_load(per_layer=_runs_layer_hooks(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request runs only after its load finished
+        if self._worker is not None:  # this layer's attention waits for its synchronous loads
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:

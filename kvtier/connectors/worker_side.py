@@ -9,7 +9,14 @@ Per step (vLLM's model runner calls these in this order):
    every step, forward or not.
 3. ``start_load``: submit this step's loads (vLLM calls it before the forward when a load is
    synchronous, after it otherwise). A synchronous load is fenced: the forward that reads its
-   blocks is ordered after the copy on the GPU, in this same step. A load that joined another
+   blocks is ordered after the copy on the GPU, in this same step. Per layer when it can be
+   (``wait_for_layer_load``: layer ``l``'s attention waits for layer ``l``'s pages only, so
+   the forward's first layers overlap the copy of the later ones): the copy path must copy
+   layer by layer, the forward must not be a full CUDA graph (no hook runs inside one), and
+   vLLM must have been seen calling the hook for every layer; else the whole load is fenced
+   before the forward. A forward that skipped the hook of a fenced layer is caught at
+   ``wait_for_save``: its blocks are reported as load errors (vLLM recomputes them) and
+   per-layer fencing is off from then on. A load that joined another
    load's disk promotion waits (here, not in the engine) until that load finished on this
    worker, then copies what the promotion read; keys it failed to read are failed here too.
 4. ``wait_for_save``: this step's forward is enqueued, so the stores of the blocks it
@@ -79,6 +86,10 @@ class WorkerSide:
         self._forward: ForwardTimer | None = None
         self._stats_before: dict = {}
         self._tl = timeline()
+        self._layer_of: dict[str, int] = {}  # layer name -> index in the KV view
+        self._hooks_seen = False  # vLLM called wait_for_layer_load for every layer once
+        self._hooked: set[int] = set()  # layers whose hook ran in this step's forward
+        self._layer_fenced: dict[int, tuple[int, ...]] = {}  # sync load -> its GPU blocks
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -96,6 +107,7 @@ class WorkerSide:
                 f"KV cache spec says {self.settings.page_bytes} B; unsupported cache layout"
             )
         self._forward = ForwardTimer(view.device)
+        self._layer_of = {n: i for i, n in enumerate(self.settings.layer_names)}
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
@@ -137,6 +149,7 @@ class WorkerSide:
             raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
         self._meta = meta
         self._loads_taken = self._saves_taken = False
+        self._hooked = set()
         if self._forward is not None and not any(j.sync for j in meta.loads):
             self._forward.begin(meta.step_tokens)  # a fenced load would inflate the time
         if meta.forget:
@@ -152,7 +165,8 @@ class WorkerSide:
                 self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
                              bg.job_id)
 
-    def start_load(self) -> None:
+    def start_load(self, per_layer: bool = False) -> None:
+        """``per_layer``: this step's forward runs vLLM's per-layer hooks (not a full graph)."""
         meta = self._meta
         if meta is None or self._loads_taken:
             return
@@ -164,12 +178,39 @@ class WorkerSide:
         self._deferred.extend(job for job in meta.loads if not job.sync)
         for job in sync:  # never deferred: their forward runs in this step
             self._submit_load(job)
-        if sync:
+        if sync and per_layer and self._hooks_seen:
+            self._layer_fenced = {job.job_id: job.gpu_ids for job in sync}
+        elif sync:
             self._rt().engine.fence([job.job_id for job in sync])
         if self._tl.enabled:
             self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
                           jobs=[j.job_id for j in meta.loads])
         self._submit_ready_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        self._hooked.add(layer)
+        if self._layer_fenced:
+            self._rt().engine.fence_layer(list(self._layer_fenced), layer)
+
+    def _end_layer_fences(self) -> None:
+        """After the forward: learn whether vLLM runs the hooks; catch a layer it skipped."""
+        hooked, self._hooked = self._hooked, set()
+        complete = len(hooked) == len(self._layer_of) > 0
+        fenced, self._layer_fenced = self._layer_fenced, {}
+        if complete:
+            self._hooks_seen = True
+        elif fenced:
+            # a layer's attention ran without waiting for its pages: its KV is not trusted
+            self._hooks_seen = False
+            log.error("kvtier: the forward skipped wait_for_layer_load for %d of %d layers; "
+                      "%d loads are recomputed and loads are fenced whole from now on",
+                      len(self._layer_of) - len(hooked), len(self._layer_of), len(fenced))
+            for gpu_ids in fenced.values():
+                self._load_errors.update(gpu_ids)
+            self._rt().engine.fence(list(fenced))
 
     def wait_for_save(self) -> None:
         self.start_load()  # in case vLLM skipped start_load_kv this step
@@ -177,6 +218,7 @@ class WorkerSide:
         if meta is None or self._saves_taken:
             return
         self._saves_taken = True
+        self._end_layer_fences()
         if self._forward is not None:
             self._forward.end()
         if not meta.stores:

@@ -8,6 +8,7 @@ manager); ``kvtier bench`` owns both in one process.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,7 +34,8 @@ def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
         except ImportError as exc:
             log.warning("kvtier: CUDA copy path unavailable (%s); using plain torch copies", exc)
         else:
-            return [CudaGpuToCpuHandler(view, pool), CudaCpuToGpuHandler(view, pool)]
+            loads = os.environ.get("KVTIER_CUDA_LOADS", "auto")  # auto | layered | staged
+            return [CudaGpuToCpuHandler(view, pool), CudaCpuToGpuHandler(view, pool, loads=loads)]
     return [GpuToCpuHandler(view, pool), CpuToGpuHandler(view, pool)]
 
 

@@ -381,6 +381,18 @@ class TransferEngine:
                 if job is not None:
                     self._lane(job).handler.fence(job.pending)
 
+    def fence_layer(self, job_ids: Iterable[int], layer: int) -> None:
+        """``fence`` for the pages of one layer: on a handler that copies layer by layer, the
+        caller's stream waits only for that layer of these jobs (vLLM's per-layer hook)."""
+        ids = [int(i) for i in job_ids]
+        with self._imm_lock:
+            started = {i: self._immediate[i] for i in ids if i in self._immediate}
+        rest = [i for i in ids if i not in started]
+        for job in started.values():
+            self._lane(job).handler.fence_layer(job.pending, layer)
+        if rest:
+            self.fence(rest)
+
     def get_finished(self) -> list[JobResult]:
         """Results completed since the last call, in completion order. Never waits for a job."""
         self._advance()

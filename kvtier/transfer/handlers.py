@@ -103,6 +103,11 @@ class ImmediateHandler(TransferHandler):
     def fence(self, pending: Any) -> None:
         """Order work the caller enqueues from now on after this hop (on the device)."""
 
+    def fence_layer(self, pending: Any, layer: int) -> None:
+        """``fence`` for the pages of one layer only; handlers that copy a hop layer by layer
+        override it (the rest fence the whole hop, which is always correct)."""
+        self.fence(pending)
+
     @abstractmethod
     def finish(self, pending: Any) -> TransferOutcome:
         """Block until the hop is done and return its outcome."""

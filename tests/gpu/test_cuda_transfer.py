@@ -64,9 +64,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+MODES = [("cupy", "layered"), ("cupy", "staged"), ("torch", "staged")] if cupy_available() \
+    else [("torch", "staged")]
+
+
+@pytest.mark.parametrize("backend,loads", MODES)
 @pytest.mark.parametrize("layout,dtype,page_bytes,layers,per", CASES)
-def test_round_trip_is_bit_exact(backend, layout, dtype, page_bytes, layers, per):
+def test_round_trip_is_bit_exact(backend, loads, layout, dtype, page_bytes, layers, per):
     seed = hash((backend, layout, page_bytes, per)) & 0xFFFFF
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rng = random.Random(seed)
@@ -78,7 +82,9 @@ def test_round_trip_is_bit_exact(backend, layout, dtype, page_bytes, layers, per
     # staging of a few pages (not a multiple of the block) so chunks straddle blocks and slots
     staging = max(view.page_bytes, 3 * view.page_bytes + 7)
     kw = dict(backend=backend, staging_bytes=staging, ring_slots=2, max_ctas=8)
-    store, load = CudaGpuToCpuHandler(view, pool, **kw), CudaCpuToGpuHandler(view, pool, **kw)
+    store = CudaGpuToCpuHandler(view, pool, **kw)
+    load = CudaCpuToGpuHandler(view, pool, loads=loads, **kw)
+    assert (load.direct is not None) == (loads == "layered")
     n = min(num_blocks // per // 2, 7)
     ids = rng.sample(range(num_blocks), n * per)
     slots = rng.sample(range(16), n)
@@ -241,3 +247,51 @@ def test_fence_orders_the_callers_next_kernel_after_the_load():
     assert result.ok and result.seconds > 0
     assert torch.equal(seen.reshape(len(ids), -1).cpu(), want), \
         "a kernel after fence() read pages before the load"
+
+
+@pytest.mark.skipif(not cupy_available(), reason="layer-by-layer loads need CuPy")
+def test_fence_layer_orders_a_kernel_after_that_layers_pages_only():
+    """After ``fence_layer(job, l)`` a kernel reading layer ``l`` sees the loaded bytes while the
+    host never waited; each layer has its own completion event."""
+    gen = torch.Generator(device=DEV).manual_seed(23)
+    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=32)
+    pool.wait_ready()
+    for s in range(32):
+        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    ids = list(range(1, 64, 2))
+    want = torch.stack([pool.slot(s) for s in range(32)]).view(32, 4, -1)  # [block, layer, ..]
+    handler = CudaCpuToGpuHandler(view, pool, loads="layered")
+    compute = torch.cuda.Stream(DEV)
+    torch.cuda.synchronize()
+    with TransferEngine([handler]) as engine:
+        with torch.cuda.stream(compute):
+            torch.cuda._sleep(200_000_000)  # the load is ordered after this
+            job = engine.submit(LoadStoreSpec.cpu(range(32)), LoadStoreSpec.gpu(ids))
+            seen = []
+            for layer in range(4):
+                engine.fence_layer([job], layer)
+                seen.append(torch.stack([view.layers[layer].pages[:, b] for b in ids]))
+        assert engine.get_finished() == []  # the host went on while the copy waits
+        pending = engine._immediate[job].pending
+        assert len(pending.job.layer_done) == 4
+        result = engine.wait([job], timeout=60)[0]
+        compute.synchronize()
+    assert result.ok and result.bytes == 32 * pool.geometry.block_bytes
+    for layer in range(4):
+        assert torch.equal(seen[layer].reshape(32, -1).cpu(), want[:, layer]), \
+            f"layer {layer} was read before its pages were loaded"
+
+
+def test_layered_loads_need_a_pinned_pool_and_auto_falls_back_to_staged():
+    gen = torch.Generator(device=DEV).manual_seed(29)
+    view = GpuKvView(make_caches("kv_first", 2, 8, 8 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=4, pin=False)
+    pool.wait_ready()
+    assert CudaCpuToGpuHandler(view, pool).direct is None
+    with pytest.raises(ValueError, match="pinned"):
+        CudaCpuToGpuHandler(view, pool, loads="layered")
+    with pytest.raises(ValueError, match="load mode"):
+        CudaCpuToGpuHandler(view, pool, loads="sideways")

@@ -312,6 +312,9 @@ class EngineLoop:
         self.aggregator = KVOutputAggregator(expected_finished_count=len(self.workers))
         self.forward_context = ForwardContext(no_compile_layers={}, attn_metadata={},
                                               slot_mapping={})
+        # Layers whose attention "runs" vLLM's per-layer hook (wait_for_layer_load) in each
+        # forward, as the model's attention layers do outside a full CUDA graph; None: no hooks
+        self.layer_hooks: list[str] | None = None
         self.history: list[StepRecord] = []
         self.outputs: dict[str, list[int]] = {}
         # req_id -> (local prefix-cache hit tokens, connector-loaded tokens) at first prefill
@@ -341,7 +344,14 @@ class EngineLoop:
         for i, w in enumerate(self.workers):
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
-            w.start_load_kv(self.forward_context)
+            hooks = self.layer_hooks
+            ctx = self.forward_context
+            if hooks is not None:
+                ctx = ForwardContext(no_compile_layers={}, attn_metadata={"hooked": True},
+                                     slot_mapping={})
+            w.start_load_kv(ctx)
+            for name in hooks or ():
+                w.wait_for_layer_load(name)
             if i < len(self.forwards):
                 self.forwards[i].write(self.scheduler, so)
             if self.after_forward is not None:

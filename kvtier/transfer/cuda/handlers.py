@@ -11,8 +11,13 @@ the GPU, never by host syncs:
 * ``fence`` makes the caller's current stream wait for the job's last copy: a forward enqueued
   afterwards reads loaded pages (or overwrites stored ones) only once the copy is done, while
   the host goes on at once.
+* ``fence_layer`` (loads copied layer by layer, :mod:`direct`): the same, for one layer's
+  pages only, so a forward's layer waits for its own KV and not for the whole load.
 * ``poll`` queries the job's completion event (never blocks); ``finish`` synchronises on it.
   Timing events give the copy's device time, which feeds the cost model.
+
+Loads go layer by layer straight from the pinned slots (``loads="layered"``, the default when
+the pool is pinned and CuPy is there) or through the staging ring (``"staged"``).
 
 Loads run on higher-priority streams than stores, and the two directions use separate
 streams and staging rings, so both PCIe directions run at once. Enqueueing a job costs a few
@@ -22,6 +27,7 @@ allocated (only right after start-up) makes the enqueue wait for that chunk.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +35,8 @@ import torch
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.gpu_view import GpuKvView
-from kvtier.transfer.cuda.page_movers import make_page_mover
+from kvtier.transfer.cuda.direct import DirectLayerLoader, LayeredJob
+from kvtier.transfer.cuda.page_movers import cupy_available, make_page_mover
 from kvtier.transfer.cuda.pipeline import (
     DEFAULT_RING_SLOTS,
     DEFAULT_STAGING_BYTES,
@@ -39,10 +46,15 @@ from kvtier.transfer.cuda.pipeline import (
 from kvtier.transfer.handlers import ImmediateHandler
 from kvtier.transfer.jobs import TransferOutcome
 
+log = logging.getLogger(__name__)
+
+
+LOAD_MODES = ("auto", "layered", "staged")
+
 
 @dataclass
 class _Pending:
-    job: EnqueuedJob | None  # None: an empty hop
+    job: EnqueuedJob | LayeredJob | None  # None: an empty hop
 
 
 class _CudaHandler(ImmediateHandler):
@@ -58,7 +70,10 @@ class _CudaHandler(ImmediateHandler):
         backend: str = "auto",
         max_ctas: int | None = None,
         compute_stream: torch.cuda.Stream | None = None,
+        loads: str = "auto",
     ) -> None:
+        if loads not in LOAD_MODES:
+            raise ValueError(f"unknown CUDA load mode {loads!r}; use one of {LOAD_MODES}")
         if view.device.type != "cuda":
             raise ValueError(f"{type(self).__name__} needs a CUDA KV view, got {view.device}")
         self.view = view
@@ -71,6 +86,15 @@ class _CudaHandler(ImmediateHandler):
             view, pool, make_page_mover(view, backend, max_ctas=max_ctas), to_gpu=self.to_gpu,
             staging_bytes=staging_bytes, ring_slots=ring_slots, priority=priority,
         )
+        self.direct: DirectLayerLoader | None = None
+        if self.to_gpu and loads == "layered":
+            self.direct = DirectLayerLoader(view, pool, priority=priority, max_ctas=max_ctas)
+        elif self.to_gpu and loads == "auto" and pool.pin and backend != "torch" \
+                and cupy_available():
+            try:
+                self.direct = DirectLayerLoader(view, pool, priority=priority, max_ctas=max_ctas)
+            except Exception as exc:  # noqa: BLE001 - the staged path is always there
+                log.warning("kvtier: layer-by-layer loads unavailable (%s); loads are staged", exc)
 
     def _addresses(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[list[int], list[int]]:
         gpu, cpu = (dst, src) if self.to_gpu else (src, dst)
@@ -87,6 +111,8 @@ class _CudaHandler(ImmediateHandler):
         if self.compute_stream != current:
             waits.append(torch.cuda.Event())
             waits[1].record(self.compute_stream)
+        if self.direct is not None:
+            return _Pending(self.direct.enqueue(ids, slots, waits))
         return _Pending(self.copier.enqueue(ids, slots, waits))
 
     def poll(self, pending: _Pending) -> TransferOutcome | None:
@@ -100,6 +126,13 @@ class _CudaHandler(ImmediateHandler):
     def fence(self, pending: _Pending) -> None:
         if pending.job is not None:
             torch.cuda.current_stream(self.view.device).wait_event(pending.job.done)
+
+    def fence_layer(self, pending: _Pending, layer: int) -> None:
+        job = pending.job
+        if isinstance(job, LayeredJob) and 0 <= layer < len(job.layer_done):
+            torch.cuda.current_stream(self.view.device).wait_event(job.layer_done[layer])
+        else:
+            self.fence(pending)
 
     def finish(self, pending: _Pending) -> TransferOutcome:
         if pending.job is not None:
