@@ -5,7 +5,9 @@ side by side on the same machine:
 
 * ``none``: no connector (recompute); ``kvtier``: kvtier's CPU tier; ``native``: vLLM's
   ``OffloadingConnector`` with the same CPU bytes; ``kvtier_disk``: kvtier with a small CPU
-  tier and a disk tier (prompts pushed out of CPU first); ``check``: GPU page bytes and
+  tier and a disk tier (prompts pushed out of CPU first); ``kvtier_staged``: kvtier with
+  whole-load copies through the staging ring (``KVTIER_CUDA_LOADS=staged``), the A/B of
+  layer-by-layer loads; ``check``: GPU page bytes and
   tokens/logprobs of kvtier hits against vLLM's own prefix-cache hits.
 * Random-weight models built from a config (Llama-3.1-8B shape, Llama-3.2-1B shape), bf16,
   vLLM block size 16, CUDA graphs on (vLLM's default), prefix caching on.
@@ -34,7 +36,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
-           "kvtier_disk": "kvtier_disk"}
+           "kvtier_disk": "kvtier_disk", "kvtier_cpu_staged": "kvtier_staged"}
 
 
 def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:
@@ -101,7 +103,8 @@ def report(results: dict, gpu: str) -> str:
     for shape, res in results["shapes"].items():
         lines += [f"## {shape} shape", "", "TTFT (ms, median [min-max] of n); ratio = recompute / hit", "",
                   "| prompt tokens | recompute | kvtier CPU hit | native CPU hit | kvtier disk hit |"
-                  " kvtier vs recompute | kvtier vs native |", "|---|---|---|---|---|---|---|"]
+                  " kvtier CPU hit, staged copy | kvtier vs recompute | kvtier vs native |",
+                  "|---|---|---|---|---|---|---|---|"]
         for length, cols in sorted(res["ttft"].items(), key=lambda kv: int(kv[0])):
             cells = []
             for c in COLUMNS:
