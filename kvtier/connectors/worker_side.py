@@ -184,7 +184,7 @@ class WorkerSide:
             self._rt().engine.fence([job.job_id for job in sync])
         if self._tl.enabled:
             self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
-                          jobs=[j.job_id for j in meta.loads])
+                          jobs=[j.job_id for j in meta.loads], per_layer=bool(self._layer_fenced))
         self._submit_ready_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -201,6 +201,8 @@ class WorkerSide:
         complete = len(hooked) == len(self._layer_of) > 0
         fenced, self._layer_fenced = self._layer_fenced, {}
         if complete:
+            if not self._hooks_seen and self._tl.enabled:
+                self._tl.mark("worker", "layer_hooks_seen", layers=len(hooked))
             self._hooks_seen = True
         elif fenced:
             # a layer's attention ran without waiting for its pages: its KV is not trusted
