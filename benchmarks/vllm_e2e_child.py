@@ -220,6 +220,7 @@ def metric_totals(llm) -> dict:
 def trace_prompts(a) -> list[dict]:
     chunk: dict[int, list[int]] = {}
     rows = []
+    t0 = None  # a slice of a trace starts at its own first request
     with open(a.trace) as f:
         for line in f:
             if len(rows) >= a.trace_requests:
@@ -231,7 +232,8 @@ def trace_prompts(a) -> list[dict]:
                     chunk[h] = tokens(512, 1_000_000 + h, a.vocab)
             n = min(int(r["input_length"]), 512 * len(ids), a.max_len - 64)
             p = [t for h in ids for t in chunk[h]][:n]
-            rows.append({"t": r["timestamp"] / 1e3 / a.trace_speedup, "prompt": p,
+            t0 = r["timestamp"] if t0 is None else t0
+            rows.append({"t": (r["timestamp"] - t0) / 1e3 / a.trace_speedup, "prompt": p,
                          "out": max(1, min(int(r["output_length"]), a.trace_max_out))})
     return rows
 
