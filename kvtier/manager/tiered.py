@@ -371,6 +371,12 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
     def take_events(self) -> list[Event]:
         return self.events.take_events()
 
+    def events_dropped(self) -> int:
+        return self.events.dropped
+
+    def tier(self, medium: Medium) -> TierIndex | None:
+        return {Medium.CPU: self.cpu, Medium.DISK: self.disk}.get(medium)
+
     def usage(self) -> dict[str, dict[str, int]]:
         out = {"CPU": {"used_blocks": len(self.cpu), "capacity_blocks": self.cpu.capacity}}
         if self.disk is not None:
