@@ -42,6 +42,7 @@ from kvtier.connectors.metadata import (
 from kvtier.connectors.settings import ConnectorSettings, ConnectorSetupError
 from kvtier.connectors.stats import KVTierStats, direction_delta
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer import JobResult
@@ -264,15 +265,7 @@ class WorkerSide:
         gpu_by_key = {key: job.gpu_ids[i * k:(i + 1) * k] for i, key in enumerate(job.keys)}
         running = _Running("load", job.req_id, job, frozenset(excluded), gpu_by_key)
         self._running[job.job_id] = running
-        disk = [(key, slot) for key, slot, d in zip(job.keys, job.cpu_slots, job.from_disk) if d]
-        copy = [(key, slot) for key, slot in zip(job.keys, job.cpu_slots) if key not in excluded]
-        hops = []
-        if disk:
-            hops.append((LoadStoreSpec.disk([key for key, _ in disk]),
-                         LoadStoreSpec.cpu([slot for _, slot in disk])))
-        if copy:
-            hops.append((LoadStoreSpec.cpu([slot for _, slot in copy]),
-                         LoadStoreSpec.gpu([b for key, _ in copy for b in gpu_by_key[key]])))
+        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, gpu_by_key, excluded)
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
@@ -316,12 +309,10 @@ class WorkerSide:
         job = running.load
         assert job is not None
         disk_keys = {key for key, d in zip(job.keys, job.from_disk) if d}
-        failed = set(r.failed_keys) | set(running.excluded)
+        failed = failed_load_keys(r, disk_keys, running.excluded)
         bad_gpu: set[int] = set(job.unloaded_gpu_ids)
-        if r.error is not None:
+        if gpu_untrusted(r):
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
-            if r.direction == (Medium.DISK, Medium.CPU):  # nothing reached the CPU slots
-                failed |= disk_keys
             bad_gpu.update(job.gpu_ids)  # whatever reached the GPU is not trusted
         for key in failed:
             bad_gpu.update(running.gpu_by_key.get(key, ()))
@@ -330,9 +321,8 @@ class WorkerSide:
         if disk_keys:  # loads that joined its promotions need to know what it could not read
             self._promotions[r.job_id] = frozenset(failed & disk_keys)
         self._load_errors |= bad_gpu
-        if r.error is None:  # what a load measured teaches the scheduler's cost model
-            self._load_hops.extend((src.value, nbytes, seconds)
-                                   for (src, _), nbytes, seconds in r.hops if nbytes > 0)
+        # what a load measured teaches the scheduler's cost model
+        self._load_hops.extend((src.value, n, sec) for src, n, sec in measured_hops(r))
         if self._tl.enabled:
             self._tl.mark("worker", "load_done", job=r.job_id, req=job.req_id, sync=job.sync,
                           hops=[(f"{a.value}->{b.value}", n, round(sec * 1e3, 3))
