@@ -50,6 +50,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         cpu_admission: AdmissionPolicy | None = None,
         disk_admission: AdmissionPolicy | None = None,
         initial_disk_keys: Iterable[BlockKey] = (),
+        stale_disk_keys: Iterable[BlockKey] = (),
         flush_reserve: int | None = None,
         disk_health: DiskHealth | None = None,
         cost: LoadCostModel | None = None,
@@ -87,8 +88,9 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self._bg_ready: list[BackgroundTransfer] = []
         self._pending_drops: dict[BlockKey, int] = {}  # key -> open DROP jobs
         self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
+        self._probes: set[int] = set()  # demotions let through as a degraded disk's probe
         if self.disk is not None:
-            self._restore_disk(initial_disk_keys)
+            self._restore_disk(initial_disk_keys, stale_disk_keys)
 
     # ------------------------------------------------------------------ lookups and loads
     def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
@@ -209,13 +211,15 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
         failed = set(failed)
         published: list[BlockKey] = []
+        bad_on_disk: list[BlockKey] = []
         for key in keys:
             entry = self.cpu.get(key)
             if entry is None:
                 self.stats.protocol_errors += 1
                 continue
             if entry.promoted and entry.state is BlockState.WRITING:
-                self._release_disk_reader(key, bad=key in failed)
+                if self._release_disk_reader(key, bad=key in failed):
+                    bad_on_disk.append(key)
                 if key in failed and entry.readers > 0:
                     # joined loads still pin the slot; they fail too, the last one frees it
                     entry.promoted = False
@@ -243,21 +247,24 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             else:
                 self.stats.protocol_errors += 1
         self.stats.failed_loads += len(failed)
+        self._drop_everywhere(bad_on_disk)  # other ranks still hold their slices
         self.events.emit(BlockStored(Medium.CPU, tuple(published)))
         self._plan_flushes(completion=True)
 
-    def _release_disk_reader(self, key: BlockKey, bad: bool) -> None:
+    def _release_disk_reader(self, key: BlockKey, bad: bool) -> bool:
+        """Unpin a promotion's disk entry; True if it was ``bad`` and is now forgotten."""
         d = self.disk.get(key) if self.disk is not None else None
         if d is None or d.readers <= 0:
             self.stats.protocol_errors += 1
-            return
+            return False
         d.readers -= 1
-        if bad:  # corrupt or missing on disk: forget it (the store already removed the record)
+        if bad:  # unreadable on some rank: forget it (and have every rank delete it)
             self.disk.remove(key)
             self.events.emit(BlockRemoved(Medium.DISK, (key,)))
             cpu = self.cpu.get(key)
             if cpu is not None:
                 cpu.on_disk = False
+        return bad
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
