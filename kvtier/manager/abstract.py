@@ -68,8 +68,9 @@ class OffloadingManager(ABC):
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
         """Release the pins of a ``prepare_load``. ``failed`` keys could not be read from
         their tier (corrupt or missing record, or the read itself failed): the manager
-        forgets them and has every copy deleted, so they are never offered again. A key whose
-        tier was read but whose copy to the GPU failed is *not* failed: its bytes are fine."""
+        forgets them, so they are never offered again. A key whose tier was read but whose
+        copy to the GPU failed is *not* failed: its bytes are fine
+        (``kvtier.runtime.load_job.failed_load_keys`` tells the two apart)."""
 
     # ------------------------------------------------------------------ stores
     @abstractmethod

@@ -211,15 +211,13 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
         failed = set(failed)
         published: list[BlockKey] = []
-        bad_on_disk: list[BlockKey] = []
         for key in keys:
             entry = self.cpu.get(key)
             if entry is None:
                 self.stats.protocol_errors += 1
                 continue
             if entry.promoted and entry.state is BlockState.WRITING:
-                if self._release_disk_reader(key, bad=key in failed):
-                    bad_on_disk.append(key)
+                self._release_disk_reader(key, bad=key in failed)
                 if key in failed and entry.readers > 0:
                     # joined loads still pin the slot; they fail too, the last one frees it
                     entry.promoted = False
@@ -247,24 +245,25 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             else:
                 self.stats.protocol_errors += 1
         self.stats.failed_loads += len(failed)
-        self._drop_everywhere(bad_on_disk)  # other ranks still hold their slices
         self.events.emit(BlockStored(Medium.CPU, tuple(published)))
         self._plan_flushes(completion=True)
 
-    def _release_disk_reader(self, key: BlockKey, bad: bool) -> bool:
-        """Unpin a promotion's disk entry; True if it was ``bad`` and is now forgotten."""
+    def _release_disk_reader(self, key: BlockKey, bad: bool) -> None:
         d = self.disk.get(key) if self.disk is not None else None
         if d is None or d.readers <= 0:
             self.stats.protocol_errors += 1
-            return False
+            return
         d.readers -= 1
-        if bad:  # unreadable on some rank: forget it (and have every rank delete it)
+        if bad:
+            # Unreadable (on some rank): forget it. No DROP: the store that found a record
+            # bad removed it already, and one that failed transiently (EIO, EMFILE) kept an
+            # intact record on purpose. Other ranks' slices, and kept records, are reconciled
+            # at the next start-up (keys on some ranks only are deleted, the rest restored).
             self.disk.remove(key)
             self.events.emit(BlockRemoved(Medium.DISK, (key,)))
             cpu = self.cpu.get(key)
             if cpu is not None:
                 cpu.on_disk = False
-        return bad
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:

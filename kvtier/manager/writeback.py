@@ -88,11 +88,11 @@ class WriteBack:
         """Delete the disk records of ``keys`` (no longer indexed) on every worker.
 
         With tensor parallelism each rank holds its own slice of a block in its own directory,
-        and a background transfer runs on every rank. So whenever the index forgets a block for
-        a reason that one rank found (a corrupt or unreadable record, a demotion that failed on
-        one rank), the other ranks' slices must be deleted too, or they stay on disk unindexed:
-        never served, never evicted, over capacity across restarts. A rank without the record
-        deletes nothing."""
+        and a background transfer runs on every rank. So when the index forgets a block whose
+        write failed on one rank only, the other ranks' slices must be deleted too, or they
+        stay on disk unindexed: never served, never evicted, over capacity. A rank without the
+        record deletes nothing. (Slices left by a crash, or by a record one rank found bad,
+        are deleted at the next start-up: ``stale`` of ``_restore_disk``.)"""
         if not keys:
             return
         for key in keys:
