@@ -106,4 +106,3 @@ def restored_keys(paths: Sequence[Path], geometries: Sequence[BlockGeometry]
         log.warning("kvtier: %d disk blocks are on some ranks only; deleting them",
                     len(partial))
     return [k for k in per_rank[0] if k in common], list(partial)
-
