@@ -10,6 +10,10 @@ machine without CUDA: GPU<->CPU figures are then memcpy figures). Per request:
 3. the rest is "computed" (written into engine blocks) and offered to kvtier for storing.
 
 Stores, demotions and deletions run asynchronously, as in the engine; loads are waited for.
+Every job is planned and submitted with the calls the vLLM connector makes
+(``prepare_shared_load``, ``kvtier.runtime.load_job``, ``TransferEngine.submit`` of the same
+specs, ``record_load`` from the job's measured hops), so the figures, ``wrong_blocks``
+included, are about the path vLLM runs.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.config import KvtierConfig
 from kvtier.events import EventPublisher, ManagerFeed, MetadataCache
 from kvtier.manager.factory import build_manager
-from kvtier.manager.specs import Medium, RequestContext
+from kvtier.manager.specs import LoadStoreSpec, Medium, RequestContext
 from kvtier.metrics import MetricsExporter
+from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
 from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
@@ -195,7 +200,7 @@ class Replay:
     # -- asynchronous completions
     def pump(self) -> None:
         for t in self.manager.take_background_transfers():
-            self._background[self.worker.submit_background(t)] = t.id
+            self._background[self.worker.engine.submit(t.src, t.dst)] = t.id
         for res in self.worker.poll():
             self.result.failed_jobs += not res.ok
             if res.job_id in self._stores:
@@ -230,15 +235,6 @@ class Replay:
         self.result.blocks[tier] += n
         self.result.tokens[tier] += sum(req.block_tokens(i) for i in range(first, first + n))
 
-    def _record_load(self, before: dict, after: dict) -> None:
-        """Feed the manager's cost model one load's achieved bandwidth per hop. A JobResult only
-        sums its hops; loads are waited for one at a time and nothing else uses the DISK->CPU
-        and CPU->GPU lanes here, so the lanes' counters around the wait are this load's hops."""
-        for route, medium in (("DISK->CPU", Medium.DISK), ("CPU->GPU", Medium.CPU)):
-            a, b = after.get(route), before.get(route)
-            if a is not None and b is not None and a.bytes > b.bytes:
-                self.manager.record_load(medium, a.bytes - b.bytes, a.seconds - b.seconds)
-
     def run_request(self, req: TraceRequest) -> None:
         keys = [block_key(h) for h in req.hash_ids]
         n_gpu = self.engine_cache.prefix_hits(keys)
@@ -247,24 +243,29 @@ class Replay:
         loaded = 0
         if rest:
             hits = self.manager.lookup(rest).num_hits
-            plan = self.manager.prepare_load(rest[:hits]) if hits else None
+            # loads are waited for one at a time: no promotion is ever in flight to join
+            plan = self.manager.prepare_shared_load(rest[:hits]) if hits else None
             if plan is not None and plan.keys:
                 ids = self._allocate(plan.keys)
-                before = self.worker.engine.stats()
-                res = self.worker.engine.wait([self.worker.submit_load(plan, ids)])[0]
-                self._record_load(before, self.worker.engine.stats())
+                hops = load_hops(plan.keys, plan.cpu_slots, plan.from_disk, ids, 1)
+                res = self.worker.engine.wait([self.worker.engine.submit_chain(hops)])[0]
+                for medium, nbytes, seconds in measured_hops(res):
+                    self.manager.record_load(medium, nbytes, seconds)
                 self.engine_cache.pin(ids, -1)
-                failed = set(res.failed_keys) if res.error is None else set(plan.keys)
+                disk_keys = [k for k, d in zip(plan.keys, plan.from_disk) if d]
+                failed = failed_load_keys(res, disk_keys)
                 self.manager.complete_load(plan.keys, failed)
-                self.result.failed_loads += len(failed)
+                self.result.failed_jobs += not res.ok
+                untrusted = gpu_untrusted(res)  # a hop raised: recompute every block
                 good = 0
                 for key, block, from_disk in zip(plan.keys, ids, plan.from_disk):
-                    if key in failed:
+                    if untrusted or key in failed:
                         break
                     self.result.wrong_blocks += not self._gpu_matches(key, block)
                     self._count("DISK" if from_disk else "CPU", req, n_gpu + good, 1)
                     good += 1
                 loaded = good
+                self.result.failed_loads += len(plan.keys) - good
                 self.engine_cache.release(plan.keys[good:])  # recomputed below
         first_miss = n_gpu + loaded
         misses = keys[first_miss:]
@@ -286,7 +287,8 @@ class Replay:
                 by_key = dict(zip(misses, ids))
                 store_ids = [by_key[k] for k in plan.keys]
                 self.engine_cache.pin(store_ids, 1)
-                self._stores[self.worker.submit_store(plan, store_ids)] = (plan.keys, store_ids)
+                job = self.worker.engine.submit(LoadStoreSpec.gpu(store_ids), plan.dst)
+                self._stores[job] = (plan.keys, store_ids)
             self.engine_cache.pin(ids, -1)
         self.result.requests += 1
         self.pump()
@@ -318,7 +320,7 @@ class Replay:
             "failed_jobs": r.failed_jobs,
             "gpu_is_simulated": self.view.device.type != "cuda",
         }
-        cost = getattr(self.manager, "cost", None)
+        cost = self.manager.cost
         if cost is not None:
             out["cost"] = cost.snapshot()
         return out

@@ -224,6 +224,8 @@ def print_stats(data: dict, console: Console) -> None:
     parts = [f"lookups {m.get('lookups', '-')} ({m.get('lookup_blocks', '-')} blocks)"]
     if m.get("evicted_blocks"):
         parts.append("evictions " + ", ".join(f"{k} {v}" for k, v in m["evicted_blocks"].items()))
+    if "evicted_unwritten" in m:  # > 0: write-back to disk falls behind the stores
+        parts.append(f"evicted before written to disk {m['evicted_unwritten']}")
     if m.get("admission_rejected"):
         parts.append("admission rejections " + ", ".join(f"{k} {v}" for k, v in m["admission_rejected"].items()))
     if "checksum_failures" in d:

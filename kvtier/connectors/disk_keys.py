@@ -7,7 +7,10 @@ writes) and checks the directory's geometry fingerprint, so a directory of anoth
 configuration is refused here too. When a worker of this very process already opened the
 store (vLLM with multiprocessing off builds the worker first), LMDB refuses a second open of
 the environment in one process, so the open store registered here is asked instead. With
-several workers a block is usable only if every rank has its slice: the keys are intersected.
+several workers a block is usable only if every rank has its slice: the keys are intersected,
+and the keys some ranks hold without the others (a demotion that failed on one rank, a record
+found corrupt on one rank, a crash between the ranks' writes) are handed to the manager to be
+deleted on every rank, so they do not pile up on disk across restarts.
 """
 
 from __future__ import annotations
@@ -88,14 +91,18 @@ def read_keys(path: Path, geometry: BlockGeometry) -> list[bytes]:
         ix.close()
 
 
-def initial_keys(paths: Sequence[Path], geometries: Sequence[BlockGeometry]) -> list[bytes]:
-    """Keys present on every rank's disk, in rank 0's age order."""
+def restored_keys(paths: Sequence[Path], geometries: Sequence[BlockGeometry]
+                  ) -> tuple[list[bytes], list[bytes]]:
+    """(keys present on every rank's disk, in rank 0's age order; keys present on some
+    ranks only, to be deleted)."""
     if not paths:
-        return []
-    first = read_keys(paths[0], geometries[0])
-    if len(paths) == 1 or not first:
-        return first
-    common = set(first)
-    for path, geometry in zip(paths[1:], geometries[1:]):
-        common &= set(read_keys(path, geometry))
-    return [k for k in first if k in common]
+        return [], []
+    per_rank = [read_keys(path, geometry) for path, geometry in zip(paths, geometries)]
+    if len(per_rank) == 1:
+        return per_rank[0], []
+    common = set(per_rank[0]).intersection(*per_rank[1:])
+    partial = dict.fromkeys(k for keys in per_rank for k in keys if k not in common)
+    if partial:
+        log.warning("kvtier: %d disk blocks are on some ranks only; deleting them",
+                    len(partial))
+    return [k for k in per_rank[0] if k in common], list(partial)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from kvtier.connectors.disk_keys import initial_keys
+from kvtier.connectors.disk_keys import restored_keys
 from kvtier.connectors.events import VllmEventConverter
 from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
@@ -52,9 +52,9 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         bb = settings.block_bytes
-        disk_keys = initial_keys(settings.disk_paths(),
-                                 [settings.geometry(r) for r in range(settings.world_size)])
-        manager = build_manager(settings.config, bb, disk_keys)
+        disk_keys, partial_keys = restored_keys(
+            settings.disk_paths(), [settings.geometry(r) for r in range(settings.world_size)])
+        manager = build_manager(settings.config, bb, disk_keys, partial_keys)
         if not isinstance(manager, OffloadRatioAdmission):
             # a no-op by default; lets per-request kv_transfer_params limit offloading
             manager = OffloadRatioAdmission(manager, 1.0, None)

@@ -49,6 +49,7 @@ from kvtier.connectors.metadata import (
 from kvtier.connectors.settings import ConnectorSettings, ConnectorSetupError
 from kvtier.connectors.stats import KVTierStats, direction_delta
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer import JobResult
@@ -306,21 +307,7 @@ class WorkerSide:
         if excluded:
             excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
         self._running[job.job_id] = _Running("load", job.req_id, job, frozenset(excluded))
-        hops = []
-        if any(job.from_disk):
-            disk = [(key, slot) for key, slot, d in zip(job.keys, job.cpu_slots, job.from_disk)
-                    if d]
-            hops.append((LoadStoreSpec.disk([key for key, _ in disk]),
-                         LoadStoreSpec.cpu([slot for _, slot in disk])))
-        if not excluded:  # the common case: every key's bytes go to the GPU, no per-key work
-            if job.keys:
-                hops.append((LoadStoreSpec.cpu(job.cpu_slots), LoadStoreSpec.gpu(job.gpu_ids)))
-        else:
-            copy = [i for i, key in enumerate(job.keys) if key not in excluded]
-            if copy:
-                hops.append((LoadStoreSpec.cpu([job.cpu_slots[i] for i in copy]),
-                             LoadStoreSpec.gpu([b for i in copy
-                                                for b in job.gpu_ids[i * k:(i + 1) * k]])))
+        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, k, excluded)
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
@@ -364,12 +351,10 @@ class WorkerSide:
         job = running.load
         assert job is not None
         disk_keys = {key for key, d in zip(job.keys, job.from_disk) if d}
-        failed = set(r.failed_keys) | set(running.excluded)
+        failed = failed_load_keys(r, disk_keys, running.excluded)
         bad_gpu: set[int] = set(job.unloaded_gpu_ids)
-        if r.error is not None:
+        if gpu_untrusted(r):
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
-            if r.direction == (Medium.DISK, Medium.CPU):  # nothing reached the CPU slots
-                failed |= disk_keys
             bad_gpu.update(job.gpu_ids)  # whatever reached the GPU is not trusted
         if failed:
             k = self.settings.engine_blocks_per_block
@@ -381,9 +366,8 @@ class WorkerSide:
         if disk_keys:  # loads that joined its promotions need to know what it could not read
             self._promotions[r.job_id] = frozenset(failed & disk_keys)
         self._load_errors |= bad_gpu
-        if r.error is None:  # what a load measured teaches the scheduler's cost model
-            self._load_hops.extend((src.value, nbytes, seconds)
-                                   for (src, _), nbytes, seconds in r.hops if nbytes > 0)
+        # what a load measured teaches the scheduler's cost model
+        self._load_hops.extend((src.value, n, sec) for src, n, sec in measured_hops(r))
         if self._tl.enabled:
             self._tl.mark("worker", "load_done", job=r.job_id, req=job.req_id, sync=job.sync,
                           hops=[(f"{a.value}->{b.value}", n, round(sec * 1e3, 3))

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 from kvtier.events.publisher import EventPublisher
 from kvtier.events.resync import walk_resident
+from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.specs import BlockKey, Medium
 from kvtier.manager.tier_index import BlockState
 
 
-def resident_blocks(manager) -> dict[Medium, list[BlockKey]]:
-    """READY blocks per tier of a tiered manager (or a wrapper of one): the state the
+def resident_blocks(manager: OffloadingManager) -> dict[Medium, list[BlockKey]]:
+    """READY blocks per tier of a manager (``OffloadingManager.tier``): the state the
     manager's events describe (blocks still being written have not been announced)."""
     out: dict[Medium, list[BlockKey]] = {}
-    for name in ("cpu", "disk"):
-        tier = getattr(manager, name, None)
+    for medium in (Medium.CPU, Medium.DISK):
+        tier = manager.tier(medium)
         if tier is None:
             continue
         out[tier.medium] = [k for k, e in tier.entries.items() if e.state is BlockState.READY]
@@ -33,7 +34,7 @@ def resident_blocks(manager) -> dict[Medium, list[BlockKey]]:
 
 
 class ManagerFeed:
-    def __init__(self, manager, publisher: EventPublisher) -> None:
+    def __init__(self, manager: OffloadingManager, publisher: EventPublisher) -> None:
         self.manager = manager
         self.publisher = publisher
         publisher.set_resident_source(lambda: resident_blocks(manager))  # one-shot fallback
@@ -43,8 +44,7 @@ class ManagerFeed:
         publisher.resync()
 
     def _dropped(self) -> int:
-        bus = getattr(self.manager, "events", None)
-        return int(getattr(bus, "dropped", 0))
+        return int(self.manager.events_dropped())
 
     def pump(self, events=None) -> None:
         """Publish the manager's new events. A caller that drains ``take_events`` itself (the

@@ -27,6 +27,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import Callable, Iterator, Mapping
 
+from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.specs import BlockKey, Medium
 
 # One item per unit of work: (medium, key) for a resident block, None for a key passed over
@@ -37,11 +38,11 @@ ResidentWalk = Callable[[], Iterator[WalkItem]]
 DEFAULT_CHUNK = 1024  # units per publish call: about a millisecond of scheduler time
 
 
-def walk_resident(manager) -> Iterator[WalkItem]:
-    """READY blocks of each tier of a tiered manager (or a wrapper of one), safe to suspend
+def walk_resident(manager: OffloadingManager) -> Iterator[WalkItem]:
+    """READY blocks of each tier of a manager (``OffloadingManager.tier``), safe to suspend
     between any two items while the manager changes (see the module docstring)."""
-    for name in ("cpu", "disk"):
-        tier = getattr(manager, name, None)
+    for medium in (Medium.CPU, Medium.DISK):
+        tier = manager.tier(medium)
         if tier is None:
             continue
         medium = tier.medium

@@ -4,18 +4,45 @@ Every data movement is prepare -> complete: ``prepare_*`` reserves slots and pin
 involved so that nothing in flight can be evicted; ``complete_*`` releases exactly what the
 matching prepare took. The manager never touches a tensor; it returns addresses
 (:mod:`kvtier.manager.specs`) that the worker side moves bytes between.
+
+This class is the whole contract: the vLLM connector, ``kvtier bench``, the reliability rig
+and the events feed use nothing else of a manager (``tests/vllm/test_connector_contract.py``
+runs the connector against a manager that exposes only what is declared here). Methods for
+optional features (shared promotions, background work, the cost model, resident tiers) have
+defaults that describe a manager without that feature, so a minimal manager implements only
+the abstract ones.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Collection, Iterable, Sequence
 
 from kvtier.manager.events import Event
-from kvtier.manager.specs import BlockKey, LoadPlan, LookupResult, RequestContext, StorePlan
+from kvtier.manager.specs import (
+    BackgroundTransfer,
+    BlockKey,
+    LoadPlan,
+    LookupResult,
+    Medium,
+    RequestContext,
+    StorePlan,
+)
+from kvtier.manager.stats import ManagerStats
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtier.manager.cost import LoadCostModel
+    from kvtier.manager.tier_index import TierIndex
 
 
 class OffloadingManager(ABC):
+    stats: ManagerStats
+    """Counters for operators (``kvtier stats``, Prometheus); every manager keeps them."""
+
+    cost: "LoadCostModel | None" = None
+    """The load-versus-recompute model lookups consult (None: every hit is loaded)."""
+
+    # ------------------------------------------------------------------ loads
     @abstractmethod
     def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
         """Leading run of ``keys`` that is ready to load, and the tier of each hit.
@@ -27,15 +54,25 @@ class OffloadingManager(ABC):
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         """Pin the (looked-up) ``keys`` for reading; may cover a shorter prefix than asked."""
 
+    def prepare_shared_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        """``prepare_load`` that may join another load's in-flight DISK -> CPU promotion
+        (``LoadPlan.joined``) instead of stopping at it; see the tiered manager for the
+        caller's duties. Default: no sharing, exactly ``prepare_load`` (no key is joined)."""
+        return self.prepare_load(keys)
+
     @abstractmethod
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` as recently used (eviction order)."""
 
     @abstractmethod
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
-        """Release the pins of a ``prepare_load``. ``failed`` keys could not be read (corrupt
-        or missing): they are removed so they are never offered again."""
+        """Release the pins of a ``prepare_load``. ``failed`` keys could not be read from
+        their tier (corrupt or missing record, or the read itself failed): the manager
+        forgets them, so they are never offered again. A key whose tier was read but whose
+        copy to the GPU failed is *not* failed: its bytes are fine
+        (``kvtier.runtime.load_job.failed_load_keys`` tells the two apart)."""
 
+    # ------------------------------------------------------------------ stores
     @abstractmethod
     def prepare_store(
         self, keys: Sequence[BlockKey], ctx: RequestContext | None = None
@@ -46,6 +83,42 @@ class OffloadingManager(ABC):
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         """Publish (success) or roll back (failure, slots freed) a ``prepare_store``."""
 
+    # ------------------------------------------------------------------ background work
+    def take_background_transfers(self) -> list[BackgroundTransfer]:
+        """Moves the manager wants on its own account (demotions, deletions), each to be run
+        on every worker and reported once with ``complete_background``. Default: none."""
+        return []
+
+    def complete_background(self, transfer_id: int, success: bool = True) -> None:
+        """Settle a transfer from ``take_background_transfers`` (on every worker: ``success``
+        only if it worked on all of them). Default: there are none, so any id is unknown."""
+        raise KeyError(f"unknown background transfer {transfer_id}")
+
+    # ------------------------------------------------------------------ cost model
+    def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
+        """A load hop out of ``medium`` moved ``nbytes`` in ``seconds``. Default: ignored."""
+
+    def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
+        """The engine's measured prefill time per token. Default: ignored."""
+
+    # ------------------------------------------------------------------ state
     @abstractmethod
     def take_events(self) -> Iterable[Event]:
         """Drain the events produced since the last call."""
+
+    def events_dropped(self) -> int:
+        """Events lost because nobody drained them in time (a feed then resyncs). Default 0."""
+        return 0
+
+    @abstractmethod
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tier name: ``used_blocks`` and ``capacity_blocks``."""
+
+    @abstractmethod
+    def pins(self) -> int:
+        """Outstanding pins (0 when nothing is in flight: tests check for leaks)."""
+
+    def tier(self, medium: Medium) -> "TierIndex | None":
+        """The index of the tier on ``medium`` (CPU, DISK), read by event resyncs and by
+        admission asking what is held below; None when there is none. Default: none."""
+        return None

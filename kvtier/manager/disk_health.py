@@ -54,13 +54,18 @@ class DiskHealth:
             return 0
         return min(n, self.probe_blocks)
 
-    def on_demotion_started(self) -> None:
-        """A demotion was queued; while degraded it is the probe (no other until it ends)."""
+    def on_demotion_started(self) -> bool:
+        """A demotion was queued; while degraded it is the probe (no other until it ends).
+        Returns whether it is the probe (the caller passes that back to ``on_demotion``)."""
         if self.degraded:
             self._probing = True
+            return True
+        return False
 
-    def on_demotion(self, ok: bool) -> None:
-        """A demotion to disk finished (``ok``) or failed."""
+    def on_demotion(self, ok: bool, probe: bool = True) -> None:
+        """A demotion to disk finished (``ok``) or failed. ``probe``: it was the probe; a
+        failure of a demotion queued before the tier degraded ends no probe (one is still
+        in flight: a second one must not start beside it)."""
         if ok:
             self.consecutive_failures = 0
             if self.degraded:
@@ -70,6 +75,8 @@ class DiskHealth:
             return
         self.consecutive_failures += 1
         if self.degraded:
+            if not probe:
+                return
             self._probing = False
             self._backoff = min(self._backoff * 2, self.max_retry_after_s)
             self._next_probe = self.clock() + self._backoff

@@ -31,10 +31,12 @@ def build_cost_model(config: KvtierConfig, block_bytes: int) -> LoadCostModel | 
 
 
 def build_manager(
-    config: KvtierConfig, block_bytes: int, initial_disk_keys: Iterable[BlockKey] = ()
+    config: KvtierConfig, block_bytes: int, initial_disk_keys: Iterable[BlockKey] = (),
+    stale_disk_keys: Iterable[BlockKey] = (),
 ) -> OffloadingManager:
     """``TieredOffloadingManager`` sized for ``block_bytes`` blocks, wrapped by the admission
-    the config asks for. Extras of the tiered manager stay reachable through the wrappers."""
+    the config asks for. ``stale_disk_keys``: records found on some ranks only, deleted on
+    every rank. Callers use only the ``OffloadingManager`` contract."""
     config.check_block_bytes(block_bytes)
     cpu_blocks = config.cpu_slots(block_bytes)
     disk = config.disk
@@ -51,6 +53,7 @@ def build_manager(
         cpu_admission=tier_admission(config.cpu.admission, 2, cpu_blocks),
         disk_admission=disk_admission,
         initial_disk_keys=initial_disk_keys,
+        stale_disk_keys=stale_disk_keys,
         cost=build_cost_model(config, block_bytes),
     )
     adm = config.admission

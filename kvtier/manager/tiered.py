@@ -50,6 +50,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         cpu_admission: AdmissionPolicy | None = None,
         disk_admission: AdmissionPolicy | None = None,
         initial_disk_keys: Iterable[BlockKey] = (),
+        stale_disk_keys: Iterable[BlockKey] = (),
         flush_reserve: int | None = None,
         disk_health: DiskHealth | None = None,
         cost: LoadCostModel | None = None,
@@ -87,8 +88,9 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self._bg_ready: list[BackgroundTransfer] = []
         self._pending_drops: dict[BlockKey, int] = {}  # key -> open DROP jobs
         self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
+        self._probes: set[int] = set()  # demotions let through as a degraded disk's probe
         if self.disk is not None:
-            self._restore_disk(initial_disk_keys)
+            self._restore_disk(initial_disk_keys, stale_disk_keys)
 
     # ------------------------------------------------------------------ lookups and loads
     def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
@@ -264,7 +266,11 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             self.stats.protocol_errors += 1
             return
         d.readers -= 1
-        if bad:  # corrupt or missing on disk: forget it (the store already removed the record)
+        if bad:
+            # Unreadable (on some rank): forget it. No DROP: the store that found a record
+            # bad removed it already, and one that failed transiently (EIO, EMFILE) kept an
+            # intact record on purpose. Other ranks' slices, and kept records, are reconciled
+            # at the next start-up (keys on some ranks only are deleted, the rest restored).
             self.disk.remove(key)
             self.events.emit(BlockRemoved(Medium.DISK, (key,)))
             cpu = self.cpu.get(key)
@@ -382,6 +388,12 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
     # ------------------------------------------------------------------ events and state
     def take_events(self) -> list[Event]:
         return self.events.take_events()
+
+    def events_dropped(self) -> int:
+        return self.events.dropped
+
+    def tier(self, medium: Medium) -> TierIndex | None:
+        return {Medium.CPU: self.cpu, Medium.DISK: self.disk}.get(medium)
 
     def usage(self) -> dict[str, dict[str, int]]:
         out = {"CPU": {"used_blocks": len(self.cpu), "capacity_blocks": self.cpu.capacity}}

@@ -59,7 +59,7 @@ class WriteBack:
         admitted = admitted[: max(0, self.disk.free_count)]
         if not admitted:
             return
-        self.disk_health.on_demotion_started()
+        probe = self.disk_health.on_demotion_started()
         self._demoting += len(admitted)
         slots = []
         for key in admitted:
@@ -67,7 +67,9 @@ class WriteBack:
             entry.flushing = True
             slots.append(entry.slot)
         self.disk.add_many(admitted, BlockState.WRITING)
-        self._queue_bg(LoadStoreSpec.cpu(slots), LoadStoreSpec.disk(admitted), admitted)
+        t = self._queue_bg(LoadStoreSpec.cpu(slots), LoadStoreSpec.disk(admitted), admitted)
+        if probe:
+            self._probes.add(t.id)
 
     def _evict_disk(self, n: int) -> None:
         victims = self.disk.victims(n)
@@ -77,16 +79,32 @@ class WriteBack:
             cpu = self.cpu.get(key)
             if cpu is not None:
                 cpu.on_disk = False
-            self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
         if victims:
             self.stats.evicted_blocks["DISK"] += len(victims)
             self.events.emit(BlockRemoved(Medium.DISK, tuple(victims)))
-            self._queue_bg(LoadStoreSpec.disk(victims), LoadStoreSpec.drop(victims), victims)
+            self._drop_everywhere(victims)
 
-    def _queue_bg(self, src: LoadStoreSpec, dst: LoadStoreSpec, keys: Sequence[BlockKey]) -> None:
+    def _drop_everywhere(self, keys: Sequence[BlockKey]) -> None:
+        """Delete the disk records of ``keys`` (no longer indexed) on every worker.
+
+        With tensor parallelism each rank holds its own slice of a block in its own directory,
+        and a background transfer runs on every rank. So when the index forgets a block whose
+        write failed on one rank only, the other ranks' slices must be deleted too, or they
+        stay on disk unindexed: never served, never evicted, over capacity. A rank without the
+        record deletes nothing. (Slices left by a crash, or by a record one rank found bad,
+        are deleted at the next start-up: ``stale`` of ``_restore_disk``.)"""
+        if not keys:
+            return
+        for key in keys:
+            self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
+        self._queue_bg(LoadStoreSpec.disk(keys), LoadStoreSpec.drop(keys), keys)
+
+    def _queue_bg(self, src: LoadStoreSpec, dst: LoadStoreSpec, keys: Sequence[BlockKey]
+                  ) -> BackgroundTransfer:
         t = BackgroundTransfer(next(self._bg_ids), src, dst, tuple(keys))
         self._bg_pending[t.id] = t
         self._bg_ready.append(t)
+        return t
 
     def take_background_transfers(self) -> list[BackgroundTransfer]:
         out, self._bg_ready = self._bg_ready, []
@@ -108,6 +126,7 @@ class WriteBack:
         self._demoting -= len(t.keys)
         self._write_back_behind = False  # blocks turned clean (or failed): worth a search
         stored: list[BlockKey] = []
+        unwritten: list[BlockKey] = []
         for key in t.keys:
             cpu = self.cpu.get(key)
             if cpu is not None:
@@ -122,7 +141,11 @@ class WriteBack:
                 stored.append(key)
             else:
                 self.disk.remove(key)
-        self.disk_health.on_demotion(success)
+                unwritten.append(key)
+        self._drop_everywhere(unwritten)  # the ranks where the write worked keep nothing
+        probe = transfer_id in self._probes
+        self._probes.discard(transfer_id)
+        self.disk_health.on_demotion(success, probe=probe)
         self.stats.disk_degraded = self.disk_health.degraded
         self.stats.disk_degradations = self.disk_health.degradations
         if success:
@@ -132,15 +155,15 @@ class WriteBack:
             self.stats.failed_stores["DISK"] += len(t.keys)
             log.warning("kvtier: demotion of %d blocks to disk failed", len(t.keys))
 
-    def _restore_disk(self, keys_oldest_first: Iterable[BlockKey]) -> None:
+    def _restore_disk(self, keys_oldest_first: Iterable[BlockKey],
+                      stale: Iterable[BlockKey] = ()) -> None:
+        """Index the blocks a previous run left on disk; delete ``stale`` ones (on some
+        ranks only: unusable) and the oldest beyond capacity, on every worker."""
+        self._drop_everywhere(list(dict.fromkeys(stale)))
         keys = list(keys_oldest_first)
         overflow = max(0, len(keys) - self.disk.capacity)
         if overflow:
             log.warning("kvtier: disk holds %d blocks over its capacity; evicting the oldest", overflow)
         for key in keys[overflow:]:
             self.disk.add(key, BlockState.READY)
-        if overflow:
-            dropped = keys[:overflow]
-            for key in dropped:
-                self._pending_drops[key] = self._pending_drops.get(key, 0) + 1
-            self._queue_bg(LoadStoreSpec.disk(dropped), LoadStoreSpec.drop(dropped), dropped)
+        self._drop_everywhere(keys[:overflow])

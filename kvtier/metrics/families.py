@@ -52,6 +52,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("manager_hit_blocks", "manager.hit_blocks.{tier}", "Blocks kvtier planned to load from each tier."),
     _c("stored_blocks", "manager.stored_blocks.{tier}", "Blocks that became readable in each tier."),
     _c("evictions", "manager.evicted_blocks.{tier}", "Blocks evicted from each tier."),
+    _c("evicted_unwritten", "manager.evicted_unwritten",
+       "CPU evictions of blocks the disk would have kept but had no copy of yet (write-back "
+       "behind): lost from the hierarchy, not just from the CPU tier."),
     _c("admission_rejections", "manager.admission_rejected.{tier}", "Blocks the admission policy kept out of each tier."),
     _c("store_skipped_no_space", "manager.store_skipped_no_space", "Blocks not stored: no evictable CPU slot."),
     _c("load_truncated_no_space", "manager.load_truncated_no_space", "Loads cut short: no CPU slot to promote into."),

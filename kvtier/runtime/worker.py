@@ -1,8 +1,10 @@
 """The worker side of one process: CPU pool, disk store and transfer engine, wired from config.
 
-It turns the manager's plans into transfer jobs and hands back results; it decides nothing
-about placement. vLLM's worker process owns one of these (the scheduler process owns the
-manager); ``kvtier bench`` owns both in one process.
+It runs transfer jobs and hands back results; it decides nothing about placement. vLLM's
+worker process owns one of these (the scheduler process owns the manager); ``kvtier bench``
+owns both in one process. Both build jobs the way the connector's worker side does
+(``kvtier.runtime.load_job`` for loads, ``engine.submit`` of the plan's specs for stores and
+background moves): there is no second, bench-only way to submit a job.
 """
 
 from __future__ import annotations
@@ -10,10 +12,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvtier.config import KvtierConfig
-from kvtier.manager.specs import BackgroundTransfer, LoadPlan, LoadStoreSpec, StorePlan
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
@@ -70,21 +70,6 @@ class WorkerRuntime:
     def disk_keys(self) -> list[bytes]:
         """Blocks already on disk, oldest first (the manager's start-up state)."""
         return self.store.keys_by_age() if self.store is not None else []
-
-    def submit_load(self, plan: LoadPlan, gpu_ids: Sequence[int], job_id: int | None = None) -> int:
-        """Bring ``plan``'s blocks into engine blocks ``gpu_ids`` (k per block), through CPU."""
-        hops = []
-        disk = plan.disk_hop()
-        if disk is not None:
-            hops.append(disk)
-        hops.append((LoadStoreSpec.cpu(plan.cpu_slots), LoadStoreSpec.gpu(gpu_ids)))
-        return self.engine.submit_chain(hops, job_id=job_id)
-
-    def submit_store(self, plan: StorePlan, gpu_ids: Sequence[int], job_id: int | None = None) -> int:
-        return self.engine.submit(LoadStoreSpec.gpu(gpu_ids), plan.dst, job_id=job_id)
-
-    def submit_background(self, transfer: BackgroundTransfer, job_id: int | None = None) -> int:
-        return self.engine.submit(transfer.src, transfer.dst, job_id=job_id)
 
     def poll(self) -> list[JobResult]:
         return self.engine.get_finished()

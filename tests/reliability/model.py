@@ -1,8 +1,9 @@
 """The manager against a reference model, one operation at a time, invariants after each.
 
-``ManagerModel`` drives a real TieredOffloadingManager the way the connector does (every plan
-is later completed once, background transfers are taken after every call) and simulates the
-worker side with plain dictionaries: which key's bytes sit in which CPU slot, which keys have a
+``ManagerModel`` drives a real TieredOffloadingManager the way the connector does (loads are
+planned with ``prepare_shared_load`` and may join another load's in-flight promotion, settling
+only after it and failing what it failed; every plan is later completed once; background
+transfers are taken after every call) and simulates the worker side with plain dictionaries: which key's bytes sit in which CPU slot, which keys have a
 record on disk. After every operation ``check()`` proves:
 
 * capacity: no tier over capacity; CPU slots unique, in range, and free + used == capacity;
@@ -52,6 +53,7 @@ class ModelCounts:
     degradations: int = 0
     pins_checked: int = 0
     cpu_hits: int = 0
+    joined_hits: int = 0
     disk_hits: int = 0
     demotions: int = 0
     drops: int = 0
@@ -80,6 +82,9 @@ class ManagerModel:
         self.slot_data: dict[int, bytes] = {}
         self.stores: dict[int, object] = {}
         self.loads: dict[int, object] = {}
+        self.after: dict[int, set[int]] = {}  # load -> promoting loads it joined
+        self.promoting: dict[bytes, int] = {}  # key -> load promoting it from disk
+        self.promotion_failed: dict[int, set[bytes]] = {}  # settled promoting load -> failed
         self.bg: dict[int, object] = {}
         self.probes: set[int] = set()
         self._next = 0
@@ -150,29 +155,51 @@ class ManagerModel:
     def load(self, idx: list[int]) -> None:
         keys = [mk(i) for i in idx]
         hits = self._call("lookup", self.m.lookup, keys).num_hits
-        plan = self._call("prepare_load", self.m.prepare_load, keys[:hits])
+        plan = self._call("prepare_shared_load", self.m.prepare_shared_load, keys[:hits])
         assert plan.keys == tuple(keys[: len(plan.keys)])
+        joined = plan.joined or (False,) * len(plan.keys)
         writing = {k for p in self.stores.values() for k in p.keys}
-        writing |= {k for p in self.loads.values() for k, d in zip(p.keys, p.from_disk) if d}
-        for key, slot, from_disk in zip(plan.keys, plan.cpu_slots, plan.from_disk):
+        promoting = {k for p in self.loads.values() for k, d in zip(p.keys, p.from_disk) if d}
+        after: set[int] = set()
+        for key, slot, from_disk, j in zip(plan.keys, plan.cpu_slots, plan.from_disk, joined):
             assert key not in writing, "a block being written was handed out for reading"
+            if j:  # shares the slot another load's promotion is filling
+                assert not from_disk and key in promoting, "joined a promotion not in flight"
+                op = self.promoting[key]
+                assert self.loads[op].cpu_slots[self.loads[op].keys.index(key)] == slot
+                after.add(op)
+                continue
+            assert key not in promoting, "a block being promoted was handed out for reading"
             if not from_disk:
                 assert self.slot_data.get(slot) == key, "CPU hit points at another block's bytes"
             else:
                 assert key in self.disk_data, "disk hit for a key with no record on disk"
         if plan.keys:
-            self.loads[self._id()] = plan
+            op = self._id()
+            self.loads[op] = plan
+            self.after[op] = after
+            for key, from_disk in zip(plan.keys, plan.from_disk):
+                if from_disk:
+                    self.promoting[key] = op
             self.counts.disk_hits += sum(plan.from_disk)
-            self.counts.cpu_hits += len(plan.keys) - sum(plan.from_disk)
+            self.counts.joined_hits += sum(joined)
+            self.counts.cpu_hits += len(plan.keys) - sum(plan.from_disk) - sum(joined)
 
     def complete_load(self, pick: int, corrupt: bool) -> None:
-        if not self.loads:
+        # a load that joined promotions settles after them (the connector parks it)
+        ready = sorted(op for op in self.loads if not self.after[op] & set(self.loads))
+        if not ready:
             return
-        op = sorted(self.loads)[pick % len(self.loads)]
+        op = ready[pick % len(ready)]
         plan = self.loads.pop(op)
+        joined_from = self.after.pop(op)
+        failed_joined = set().union(*(self.promotion_failed.get(d, set()) for d in joined_from))
         failed = []
-        for key, slot, from_disk in zip(plan.keys, plan.cpu_slots, plan.from_disk):
-            if not from_disk:
+        for key, slot, from_disk, j in zip(plan.keys, plan.cpu_slots, plan.from_disk,
+                                            plan.joined or (False,) * len(plan.keys)):
+            if j and key in failed_joined:  # the promotion it shared could not read it
+                failed.append(key)
+            elif not from_disk:
                 assert self.slot_data.get(slot) == key, "slot changed under a pinned CPU hit"
             elif corrupt:
                 failed.append(key)
@@ -181,6 +208,15 @@ class ManagerModel:
             else:
                 assert self.disk_data.get(key) == key, "disk record gone under a pinned load"
                 self.slot_data[slot] = key
+        promoted = {k for k, d in zip(plan.keys, plan.from_disk) if d}
+        if promoted:
+            self.promotion_failed[op] = set(failed) & promoted
+            for key in promoted:
+                if self.promoting.get(key) == op:
+                    del self.promoting[key]
+        waiting = set().union(*self.after.values()) if self.after else set()
+        for done in [d for d in self.promotion_failed if d not in waiting and d not in self.loads]:
+            del self.promotion_failed[done]
         self._call("complete_load", self.m.complete_load, plan.keys, failed)
 
     def background(self, pick: int, ok: bool) -> None:
@@ -234,6 +270,10 @@ class ManagerModel:
         n = sum(len(p.keys) for p in self.stores.values())
         n += sum(2 if d else 1 for p in self.loads.values() for d in p.from_disk)
         n += sum(2 * len(t.keys) + 1 if t.dst.medium is Medium.DISK else 1 for t in self.bg.values())
+        # a failed promotion that joined loads still read stays a half-written entry (one pin)
+        # until the last of them settles
+        n += len({k for op, p in self.loads.items() for k, j in zip(p.keys, p.joined or ())
+                  if j and any(k in self.promotion_failed.get(d, ()) for d in self.after[op])})
         return n
 
     def check(self) -> None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import vllm_harness as vh
 
+from kvtier.manager.specs import Medium
+
 BS = 16
 BLOCK_BYTES = 2 * BS * 2 * 64 * 4  # layers * tokens * heads * (K+V dims) * float32
 MODULE = "kvtier.connectors.vllm"
@@ -159,7 +161,7 @@ def assert_cpu_tier_exact(rig: Rig, requests, worker: int = 0) -> int:
         for i, h in enumerate(req.block_hashes):
             known[bytes(h)] = (list(req.all_token_ids), i)
     pool = rig.worker_side(worker).runtime.pool
-    tier = rig.side.manager.cpu
+    tier = rig.side.manager.tier(Medium.CPU)
     checked = 0
     for key, entry in tier.entries.items():
         if entry.state.name != "READY" or key not in known:

@@ -22,6 +22,8 @@ import sys  # noqa: E402
 
 import engine_util as eu  # noqa: E402
 
+from kvtier.manager.specs import Medium  # noqa: E402
+
 N_PROMPTS, PROMPT_LEN = 4, 100  # 3 full blocks of 32 per prompt (the last token is computed)
 HIT = 3 * eu.BLOCK
 
@@ -84,10 +86,10 @@ def runs(tmp_path_factory):
 
     # negative control: the CPU copies of two blocks (now promoted) swap places
     a, b = keys[1], keys[3 + 1]
-    _swap_cpu_slots(manager.cpu, a, b)
+    _swap_cpu_slots(manager.tier(Medium.CPU), a, b)
     llm.reset_prefix_cache()
     out["wrong_block"] = eu.generate(llm, ps)
-    _swap_cpu_slots(manager.cpu, a, b)
+    _swap_cpu_slots(manager.tier(Medium.CPU), a, b)
     eu.drain(llm)
     eu.shutdown(llm)  # closes the disk store
 

@@ -1,18 +1,33 @@
 """Admission added by wrapping a manager (the way vLLM composes it).
 
-Wrappers filter what reaches ``prepare_store``; every other call passes straight through, so a
-wrapper stack behaves exactly like the manager underneath for loads, events and completions.
+Wrappers filter what reaches ``prepare_store``; every other call of the ``OffloadingManager``
+contract passes straight through, method by method (no attribute forwarding: what a wrapper
+stack offers is exactly the contract), so it behaves like the manager underneath for loads,
+events, completions, background work, the cost model and stats.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.admission.base import SightingThreshold
 from kvtier.manager.events import Event
-from kvtier.manager.specs import BlockKey, LoadPlan, LookupResult, RequestContext, StorePlan
+from kvtier.manager.specs import (
+    BackgroundTransfer,
+    BlockKey,
+    LoadPlan,
+    LookupResult,
+    Medium,
+    RequestContext,
+    StorePlan,
+)
+from kvtier.manager.stats import ManagerStats
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from kvtier.manager.cost import LoadCostModel
+    from kvtier.manager.tier_index import TierIndex
 
 
 class ManagerWrapper(OffloadingManager):
@@ -39,11 +54,43 @@ class ManagerWrapper(OffloadingManager):
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         self.inner.complete_store(keys, success)
 
+    def prepare_shared_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
+        return self.inner.prepare_shared_load(keys)
+
+    def take_background_transfers(self) -> list[BackgroundTransfer]:
+        return self.inner.take_background_transfers()
+
+    def complete_background(self, transfer_id: int, success: bool = True) -> None:
+        self.inner.complete_background(transfer_id, success)
+
+    def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
+        self.inner.record_load(medium, nbytes, seconds)
+
+    def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
+        self.inner.measured_recompute(s_per_token, block_tokens, block_bytes)
+
     def take_events(self) -> Iterable[Event]:
         return self.inner.take_events()
 
-    def __getattr__(self, name: str):  # extras of the wrapped manager (stats, background work)
-        return getattr(self.inner, name)
+    def events_dropped(self) -> int:
+        return self.inner.events_dropped()
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        return self.inner.usage()
+
+    def pins(self) -> int:
+        return self.inner.pins()
+
+    def tier(self, medium: Medium) -> "TierIndex | None":
+        return self.inner.tier(medium)
+
+    @property
+    def stats(self) -> ManagerStats:  # type: ignore[override]
+        return self.inner.stats
+
+    @property
+    def cost(self) -> "LoadCostModel | None":  # type: ignore[override]
+        return self.inner.cost
 
 
 class StoreThresholdAdmission(ManagerWrapper):
@@ -72,7 +119,7 @@ class StoreThresholdAdmission(ManagerWrapper):
         return self.inner.prepare_store(admitted, ctx)
 
     def _held_below(self, key: BlockKey) -> bool:
-        for tier in (getattr(self.inner, "cpu", None), getattr(self.inner, "disk", None)):
+        for tier in (self.inner.tier(Medium.CPU), self.inner.tier(Medium.DISK)):
             if tier is not None and key in tier:
                 return True
         return False

@@ -1,0 +1,115 @@
+"""One load path (``kvtier.runtime.load_job``): which keys a failed load really failed.
+
+A disk hit whose DISK -> CPU hop worked but whose CPU -> GPU hop raised has an intact disk
+record and an intact CPU copy: only the engine's blocks are untrusted. ``kvtier bench`` and
+the reliability rig used to fail every key of an errored job, so the manager forgot disk
+blocks that were fine (the record stayed on disk, unindexed: leaked).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.bench.replay import Replay, block_key
+from kvtier.bench.trace import TraceRequest
+from kvtier.config import load_config
+from kvtier.manager.specs import LoadStoreSpec, Medium
+from kvtier.runtime import worker as worker_mod
+from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
+from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
+from kvtier.transfer.jobs import JobResult
+
+BB = 16 * 1024
+CPU_TO_GPU = (Medium.CPU, Medium.GPU)
+DISK_TO_CPU = (Medium.DISK, Medium.CPU)
+
+
+def result(error=None, direction=CPU_TO_GPU, failed=(), hops=()):
+    return JobResult(1, error is None and not failed, error, tuple(failed), 0, 0.0, direction,
+                     tuple(hops))
+
+
+def test_copy_to_gpu_error_fails_no_key_but_untrusts_the_gpu():
+    r = result("boom", CPU_TO_GPU, hops=[(DISK_TO_CPU, 100, 0.1)])
+    assert failed_load_keys(r, [b"a", b"b"]) == set()
+    assert gpu_untrusted(r)
+    assert measured_hops(r) == []  # a failed job teaches the cost model nothing
+
+
+def test_disk_read_error_fails_every_promoted_key():
+    r = result("eio", DISK_TO_CPU)
+    assert failed_load_keys(r, [b"a", b"b"], excluded=[b"c"]) == {b"a", b"b", b"c"}
+
+
+def test_unreadable_records_fail_alone():
+    r = result(None, CPU_TO_GPU, failed=[b"b"], hops=[(DISK_TO_CPU, 10, 0.5), (CPU_TO_GPU, 0, 0.1)])
+    assert failed_load_keys(r, [b"a", b"b"]) == {b"b"}
+    assert not gpu_untrusted(r)
+    assert measured_hops(r) == [(Medium.DISK, 10, 0.5)]
+
+
+def test_hops_promote_then_copy_all_but_excluded():
+    hops = load_hops([b"a", b"b", b"c"], [5, 6, 7], [True, False, False],
+                     [1, 2, 3, 4, 8, 9], 2, excluded={b"b"})
+    assert hops == [(LoadStoreSpec.disk([b"a"]), LoadStoreSpec.cpu([5])),
+                    (LoadStoreSpec.cpu([5, 7]), LoadStoreSpec.gpu([1, 2, 8, 9]))]
+    assert load_hops([b"a"], [1], [False], [1], 1, excluded={b"a"}) == []
+    # nothing excluded: every key's pages, in order
+    assert load_hops([b"a", b"b"], [3, 4], [False, False], [7, 8, 9, 10], 2) == [
+        (LoadStoreSpec.cpu([3, 4]), LoadStoreSpec.gpu([7, 8, 9, 10]))]
+
+
+class FlakyCpuToGpu(CpuToGpuHandler):
+    failing = False
+
+    async def run(self, src, dst):
+        if FlakyCpuToGpu.failing:
+            raise RuntimeError("injected CPU -> GPU copy failure")
+        return await super().run(src, dst)
+
+
+@pytest.fixture
+def flaky_bench(monkeypatch, tmp_path):
+    monkeypatch.setattr(worker_mod, "gpu_handlers",
+                        lambda view, pool: [GpuToCpuHandler(view, pool), FlakyCpuToGpu(view, pool)])
+    monkeypatch.setattr(FlakyCpuToGpu, "failing", False)
+    cfg = load_config(text=f"tiers:\n  cpu: {{capacity: {4 * BB}}}\n"
+                           f"  disk: {{path: {tmp_path / 'disk'}, capacity: {64 * BB}, fsync: false}}\n",
+                      env={})
+    rep = Replay(cfg, BB, gpu_blocks=16)
+    yield rep
+    rep.close()
+
+
+def request(ids):
+    return TraceRequest(0.0, 512 * len(ids), 1, tuple(ids))
+
+
+def test_bench_disk_hit_whose_gpu_copy_fails_keeps_its_disk_block(flaky_bench):
+    rep = flaky_bench
+    a = [1, 2, 3, 4]
+    keys = [block_key(h) for h in a]
+    rep.run_request(request(a))
+    rep.drain()
+    for first in (10, 20, 30):  # push a's blocks out of the CPU tier
+        rep.run_request(request(range(first, first + 4)))
+        rep.drain()
+    assert rep.manager.usage()["CPU"]["capacity_blocks"] == 4
+    rep.engine_cache.release(keys)
+    assert rep.manager.lookup(keys, sighting=False).tiers == (Medium.DISK,) * 4
+
+    FlakyCpuToGpu.failing = True
+    rep.run_request(request(a))
+    rep.drain()
+    FlakyCpuToGpu.failing = False
+    disk = rep.manager.tier(Medium.DISK)
+    assert rep.result.failed_loads == 4  # recomputed: the engine's copies were not trusted
+    assert rep.manager.stats.failed_loads == 0  # ... but no block was bad
+    assert all(disk.is_ready(k) for k in keys), "an intact disk block was forgotten"
+    assert sorted(rep.worker.store.keys_by_age()) == sorted(disk.entries), "disk record leaked"
+
+    rep.engine_cache.release(keys)
+    before = dict(rep.result.blocks)
+    rep.run_request(request(a))  # the promotion's CPU copies were published: CPU hits
+    assert rep.result.blocks["CPU"] - before["CPU"] == 4
+    assert rep.result.wrong_blocks == 0
