@@ -64,8 +64,8 @@ CASES = [
 ]
 
 
-MODES = [("cupy", "layered"), ("cupy", "staged"), ("torch", "staged")] if cupy_available() \
-    else [("torch", "staged")]
+MODES = [("cupy", "layered"), ("cupy", "uva"), ("cupy", "staged"), ("torch", "staged")] \
+    if cupy_available() else [("torch", "staged")]
 
 
 @pytest.mark.parametrize("backend,loads", MODES)
@@ -83,8 +83,11 @@ def test_round_trip_is_bit_exact(backend, loads, layout, dtype, page_bytes, laye
     staging = max(view.page_bytes, 3 * view.page_bytes + 7)
     kw = dict(backend=backend, staging_bytes=staging, ring_slots=2, max_ctas=8)
     store = CudaGpuToCpuHandler(view, pool, **kw)
-    load = CudaCpuToGpuHandler(view, pool, loads=loads, **kw)
-    assert (load.direct is not None) == (loads == "layered")
+    load = CudaCpuToGpuHandler(view, pool, loads="staged" if loads == "staged" else "layered",
+                               **kw)
+    assert (load.direct is not None) == (loads != "staged")
+    if loads == "uva":
+        load.direct._copy2d = None
     n = min(num_blocks // per // 2, 7)
     ids = rng.sample(range(num_blocks), n * per)
     slots = rng.sample(range(16), n)
@@ -250,7 +253,8 @@ def test_fence_orders_the_callers_next_kernel_after_the_load():
 
 
 @pytest.mark.skipif(not cupy_available(), reason="layer-by-layer loads need CuPy")
-def test_fence_layer_orders_a_kernel_after_that_layers_pages_only():
+@pytest.mark.parametrize("uva", [False, True])
+def test_fence_layer_orders_a_kernel_after_that_layers_pages_only(uva):
     """After ``fence_layer(job, l)`` a kernel reading layer ``l`` sees the loaded bytes while the
     host never waited; each layer has its own completion event."""
     gen = torch.Generator(device=DEV).manual_seed(23)
@@ -263,6 +267,10 @@ def test_fence_layer_orders_a_kernel_after_that_layers_pages_only():
     ids = list(range(1, 64, 2))
     want = torch.stack([pool.slot(s) for s in range(32)]).view(32, 4, -1)  # [block, layer, ..]
     handler = CudaCpuToGpuHandler(view, pool, loads="layered")
+    if uva:  # the fallback: the kernel reads the pinned slots through their UVA addresses
+        handler.direct._copy2d = None
+    else:
+        assert handler.direct._copy2d is not None, "CuPy's 2-D copy should be used"
     compute = torch.cuda.Stream(DEV)
     torch.cuda.synchronize()
     with TransferEngine([handler]) as engine:

@@ -9,12 +9,15 @@ layer ``l``'s attention waits (on the GPU, through ``wait_for_layer_load``) only
 ``l``'s pages, so the forward's first layers run while later layers are still on the wire and
 a hit costs about the copy alone.
 
-The kernel reads the pinned pool slots through their unified (UVA) addresses: pinned memory
-allocated by CUDA is addressable from the device at its host address, so there is no staging
-buffer and no DMA request per (slot, layer) piece, which would be tens of thousands of small
-requests for one 8k hit. Page ``(l, k, e)`` of a slot sits at
-``slot + ((l * kv_parts + k) * per_block + e) * page_bytes`` (the slot layout of
-:mod:`kvtier.tiers.layout`); its engine page at the same address the staged kernel uses.
+How a layer gets there: a layer's bytes of a slot are one contiguous run (page ``(l, k, e)``
+of a slot sits at ``slot + ((l * kv_parts + k) * per_block + e) * page_bytes``, the slot
+layout of :mod:`kvtier.tiers.layout`), so a layer of a run of neighbouring slots is one
+*strided* copy (row = that run, pitch = the slot size): one cudaMemcpy2DAsync per (layer,
+chunk, run of slots) into a staging buffer, then a kernel scatters the chunk into the engine's
+pages (addresses computed as in the staged kernel). That keeps the copy engines' full rate;
+one DMA request per (slot, layer) piece would be tens of thousands of small requests for one
+8k hit. Without CuPy's 2-D copy, the kernel reads the pinned slots through their unified
+(UVA) addresses instead (no staging; ~6 % slower on the H100).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ kvtier_pages_direct(const long long* __restrict__ layer_base,
                     const long long* __restrict__ part_stride,
                     const long long* __restrict__ block_stride,
                     const long long* __restrict__ ids, const long long* __restrict__ slot_ptr,
-                    int first_layer, int n_layers, long long n_blocks, int kv_parts,
-                    int per_block, long long page_bytes, long long page_vecs,
+                    long long stage, int first_layer, int n_layers, long long n_blocks,
+                    int kv_parts, int per_block, long long page_bytes, long long page_vecs,
                     long long tiles_per_page, int to_host)
 {
     const long long per_layer = (long long)kv_parts * per_block;  // pages of one block, layer
@@ -62,8 +65,11 @@ kvtier_pages_direct(const long long* __restrict__ layer_base,
         const long long l = first_layer + lr;
         vec_t* dev = reinterpret_cast<vec_t*>(layer_base[l] + k * part_stride[l]
                                               + ids[b * per_block + e] * block_stride[l]);
-        vec_t* host = reinterpret_cast<vec_t*>(slot_ptr[b]
-                                               + ((l * kv_parts + k) * per_block + e) * page_bytes);
+        // stage != 0: one layer of n_blocks blocks packed in a staging buffer (layer-local
+        // page order); else the slots themselves, read through their UVA addresses
+        vec_t* host = reinterpret_cast<vec_t*>(stage
+            ? stage + ((b * kv_parts + k) * per_block + e) * page_bytes
+            : slot_ptr[b] + ((l * kv_parts + k) * per_block + e) * page_bytes);
         const vec_t* src = to_host ? dev : host;
         vec_t* dst = to_host ? host : dev;
         const long long first = (t - p * tiles_per_page) * (long long)(THREADS * UNROLL);
@@ -126,73 +132,138 @@ class LayeredJob:
     keepalive: list[Any] = field(default_factory=list)
 
 
-class DirectLayerLoader:
-    """CPU slots -> engine pages, one kernel per layer on its own high-priority stream."""
+def _memcpy2d() -> Any:
+    """CuPy's cudaMemcpy2DAsync binding, or None (then the kernel reads the slots itself)."""
+    try:
+        import cupy
 
-    def __init__(self, view: GpuKvView, pool: CpuBlockPool, *, priority: int = 0,
-                 max_ctas: int | None = None) -> None:
+        return cupy.cuda.runtime.memcpy2DAsync, cupy.cuda.runtime.memcpyDefault
+    except Exception:  # noqa: BLE001 - old CuPy: UVA reads
+        return None
+
+
+class DirectLayerLoader:
+    """CPU slots -> engine pages, layer by layer, on the copier's streams and staging ring.
+
+    With CuPy's 2-D copy (the default) each (layer, chunk of blocks) is one strided DMA per
+    run of neighbouring slots (row = the layer's bytes of one slot, pitch = the slot size)
+    into a staging buffer, then one kernel scatters it into the pages: the copy engines keep
+    their full PCIe rate (UVA reads by the SMs measured ~6 % slower on the H100) and the DMA of
+    chunk i + 1 overlaps the scatter of chunk i. Without it the kernel reads the pinned slots
+    through their UVA addresses, no staging.
+    """
+
+    def __init__(self, view: GpuKvView, pool: CpuBlockPool, ring: Any,
+                 kernel_stream: torch.cuda.Stream, dma_stream: torch.cuda.Stream, *,
+                 max_ctas: int | None = None, uva: bool = False) -> None:
         import cupy
 
         if view.device.type != "cuda":
             raise ValueError(f"direct loads need a CUDA KV view, got {view.device}")
         if not pool.pin:
-            raise ValueError("direct loads need a pinned CPU pool (UVA addresses)")
+            raise ValueError("layer-by-layer loads need a pinned CPU pool")
         self._cupy = cupy
-        self.view, self.pool = view, pool
+        self.view, self.pool, self.ring = view, pool, ring
+        self.stream, self.dma_stream = kernel_stream, dma_stream
         self.device_index = view.device.index if view.device.index is not None else 0
         self.addressing = LayerAddressing.of(view)
         self.width = self.addressing.vector_width()
         self.max_ctas = max(1, int(max_ctas or default_max_ctas(view.device)))
         self._kernel = _kernel(self.width, self.device_index)
+        layer_bytes = (self.addressing.kv_parts * pool.geometry.engine_blocks_per_block
+                       * self.addressing.page_bytes)
+        # a staging buffer must hold one block's layer at least; else read the slots directly
+        self._copy2d = None if uva or ring.slot_bytes < layer_bytes else _memcpy2d()
         a = self.addressing
         with torch.cuda.device(view.device):
-            self.stream = torch.cuda.Stream(view.device, priority=priority)
             self._layers = torch.from_numpy(
                 np.stack([a.base, a.part_stride, a.block_stride]).astype(np.int64)
             ).to(view.device)
         with warnings.catch_warnings():  # newer CuPy prefers Stream.from_external
             warnings.simplefilter("ignore", DeprecationWarning)
-            self._cp_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, self.device_index)
+            self._cp_stream = cupy.cuda.ExternalStream(kernel_stream.cuda_stream,
+                                                       self.device_index)
         self._lock = threading.Lock()
+
+    def _launch(self, ids_ptr: int, ptrs_ptr: int, stage: int, layer: int, n_blocks: int,
+                per: int) -> None:
+        a = self.addressing
+        page_vecs = a.page_bytes // self.width
+        tiles_per_page = -(-page_vecs // (_THREADS * _UNROLL))
+        grid = max(1, min(self.max_ctas, n_blocks * a.kv_parts * per * tiles_per_page))
+        layers = self._layers.data_ptr()
+        row = 8 * a.num_layers
+        self._kernel(
+            (grid,), (_THREADS,),
+            (np.uint64(layers), np.uint64(layers + row), np.uint64(layers + 2 * row),
+             np.uint64(ids_ptr), np.uint64(ptrs_ptr), np.int64(stage), np.int32(layer),
+             np.int32(1), np.int64(n_blocks), np.int32(a.kv_parts), np.int32(per),
+             np.int64(a.page_bytes), np.int64(page_vecs), np.int64(tiles_per_page), np.int32(0)),
+        )
 
     def enqueue(self, engine_ids: Sequence[int], slots: Sequence[int],
                 waits: Sequence[torch.cuda.Event] = ()) -> LayeredJob:
         per = validate_job(self.view, self.pool, engine_ids, slots, to_gpu=True)
-        a = self.addressing
-        page = a.page_bytes
-        page_vecs = page // self.width
-        tiles_per_page = -(-page_vecs // (_THREADS * _UNROLL))
-        n_blocks = len(slots)
-        layer_tiles = n_blocks * a.kv_parts * per * tiles_per_page
-        grid = max(1, min(self.max_ctas, layer_tiles))
+        n = len(slots)
         host_ids = torch.from_numpy(np.asarray(engine_ids, dtype=np.int64)).pin_memory()
-        host_ptrs = torch.from_numpy(slot_pointers(self.pool, slots)).pin_memory()
-        layers = self._layers.data_ptr()
-        row = 8 * a.num_layers
+        keep: list[Any] = [host_ids]
+        ptrs_ptr = 0
+        runs: list[tuple[int, int, int]] = []  # (first block, blocks, host address)
+        block_bytes = self.pool.geometry.block_bytes
+        if self._copy2d is None:
+            host_ptrs = torch.from_numpy(slot_pointers(self.pool, slots)).pin_memory()
+            keep.append(host_ptrs)
+        else:
+            runs = [(r.job_offset // block_bytes, r.nbytes // block_bytes,
+                     r.chunk.data_ptr() + r.chunk_offset) for r in host_runs(self.pool, slots)]
+        layer_done: list[torch.cuda.Event] = []
         with self._lock, torch.cuda.device(self.view.device):
-            for wait in waits:
+            for wait in waits:  # only the kernel stream touches the engine's pages
                 self.stream.wait_event(wait)
             started = torch.cuda.Event(enable_timing=True)
-            started.record(self.stream)
+            started.record(self.dma_stream if self._copy2d else self.stream)
             with torch.cuda.stream(self.stream):
                 ids = host_ids.to(self.view.device, non_blocking=True)
-                ptrs = host_ptrs.to(self.view.device, non_blocking=True)
-            layer_done = []
+                keep.append(ids)
+                if self._copy2d is None:
+                    ptrs = host_ptrs.to(self.view.device, non_blocking=True)
+                    keep.append(ptrs)
+                    ptrs_ptr = ptrs.data_ptr()
             with self._cupy.cuda.Device(self.device_index), self._cp_stream:
-                for layer in range(a.num_layers):
-                    self._kernel(
-                        (grid,), (_THREADS,),
-                        (np.uint64(layers), np.uint64(layers + row), np.uint64(layers + 2 * row),
-                         np.uint64(ids.data_ptr()), np.uint64(ptrs.data_ptr()), np.int32(layer),
-                         np.int32(1), np.int64(n_blocks), np.int32(a.kv_parts), np.int32(per),
-                         np.int64(page), np.int64(page_vecs), np.int64(tiles_per_page),
-                         np.int32(0)),
-                    )
+                for layer in range(self.addressing.num_layers):
+                    if self._copy2d is None:
+                        self._launch(ids.data_ptr(), ptrs_ptr, 0, layer, n, per)
+                    else:
+                        self._staged_layer(ids.data_ptr(), runs, layer, n, per)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
                     layer_done.append(ev)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        nbytes = n_blocks * self.pool.geometry.block_bytes
-        return LayeredJob(done=done, nbytes=nbytes, started=started, layer_done=layer_done,
-                          keepalive=[ids, ptrs, host_ids, host_ptrs])
+        return LayeredJob(done=done, nbytes=n * block_bytes, started=started,
+                          layer_done=layer_done, keepalive=keep)
+
+    def _staged_layer(self, ids_ptr: int, runs: list[tuple[int, int, int]], layer: int,
+                      n: int, per: int) -> None:
+        """One layer: strided DMAs into staging buffers, each followed by its scatter."""
+        memcpy2d, kind = self._copy2d
+        ring = self.ring
+        layer_bytes = self.addressing.kv_parts * per * self.addressing.page_bytes
+        block_bytes = self.pool.geometry.block_bytes
+        chunk = max(1, ring.slot_bytes // layer_bytes)
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            i = ring.take()
+            stage = ring.buffers[i].data_ptr()
+            self.dma_stream.wait_event(ring.freed[i])
+            for first, count, host in runs:
+                lo, hi = max(first, c0), min(first + count, c1)
+                if lo < hi:
+                    memcpy2d(stage + (lo - c0) * layer_bytes, layer_bytes,
+                             host + (lo - first) * block_bytes + layer * layer_bytes,
+                             block_bytes, layer_bytes, hi - lo, kind,
+                             self.dma_stream.cuda_stream)
+            ring.filled[i].record(self.dma_stream)
+            self.stream.wait_event(ring.filled[i])
+            self._launch(ids_ptr + 8 * c0 * per, 0, stage, layer, c1 - c0, per)
+            ring.freed[i].record(self.stream)

@@ -88,13 +88,20 @@ class _CudaHandler(ImmediateHandler):
         )
         self.direct: DirectLayerLoader | None = None
         if self.to_gpu and loads == "layered":
-            self.direct = DirectLayerLoader(view, pool, priority=priority, max_ctas=max_ctas)
+            self.direct = self._layered(max_ctas)
         elif self.to_gpu and loads == "auto" and pool.pin and backend != "torch" \
                 and cupy_available():
             try:
-                self.direct = DirectLayerLoader(view, pool, priority=priority, max_ctas=max_ctas)
+                self.direct = self._layered(max_ctas)
             except Exception as exc:  # noqa: BLE001 - the staged path is always there
                 log.warning("kvtier: layer-by-layer loads unavailable (%s); loads are staged", exc)
+
+    def _layered(self, max_ctas: int | None) -> DirectLayerLoader:
+        """Layer-by-layer loads on the copier's own streams and staging ring (a handler uses
+        one of the two for all its loads, so they never share a buffer at once)."""
+        c = self.copier
+        return DirectLayerLoader(self.view, self.pool, c.ring, c.kernel_stream, c.dma_stream,
+                                 max_ctas=max_ctas)
 
     def _addresses(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[list[int], list[int]]:
         gpu, cpu = (dst, src) if self.to_gpu else (src, dst)
