@@ -80,6 +80,8 @@ class WorkerSide:
         self._forward: ForwardTimer | None = None
         self._stats_before: dict = {}
         self._tl = timeline()
+        self.asleep = False  # sleep mode: no GPU copies between unregister and restore
+        self._sleep_addresses: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -241,6 +243,10 @@ class WorkerSide:
     def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
         self._running[job.job_id] = _Running("store", job.req_id)
         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
+        if self.asleep:  # the GPU pages are suspended: the store fails (a future miss)
+            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
+                                      0, 0.0, (Medium.GPU, Medium.CPU)))
+            return
         self._submit(lambda: rt.engine.submit(LoadStoreSpec.gpu(job.gpu_ids),
                                               LoadStoreSpec.cpu(job.cpu_slots),
                                               job_id=job.job_id), job.job_id)
@@ -273,6 +279,11 @@ class WorkerSide:
         if copy:
             hops.append((LoadStoreSpec.cpu([slot for _, slot in copy]),
                          LoadStoreSpec.gpu([b for key, _ in copy for b in gpu_by_key[key]])))
+        if self.asleep:  # the GPU pages are suspended: recompute (reported as load errors)
+            first = (Medium.DISK, Medium.CPU) if disk else (Medium.CPU, Medium.GPU)
+            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
+                                      0, 0.0, first))  # a disk read never ran: keys failed
+            return
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
