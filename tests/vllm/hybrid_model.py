@@ -26,7 +26,7 @@ def write_gemma3(path: str, seed: int = 0, layers: int = 2) -> str:
         vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
         sliding_window=WINDOW, layer_types=types, query_pre_attn_scalar=32,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
         torch_dtype="float32",
     )
     cfg.architectures = ["Gemma3ForCausalLM"]
@@ -35,11 +35,11 @@ def write_gemma3(path: str, seed: int = 0, layers: int = 2) -> str:
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in names.items():
-        if name == "lm_head.weight":
-            continue  # tied to the embedding
         if "norm" in name:
             weights[name] = torch.zeros(shape)  # Gemma's RMSNorm scales by (1 + weight)
-        elif name.endswith("embed_tokens.weight"):
+        elif name.endswith("embed_tokens.weight"):  # Gemma scales it by sqrt(hidden)
+            weights[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
+        elif name == "lm_head.weight":
             weights[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5 * 4.0
         else:
             w = torch.randn(shape, generator=g) / shape[1] ** 0.5
