@@ -108,3 +108,26 @@ def test_request_kv_hints_reach_the_manager_with_each_store(model_dir):
     assert got[hinted.request_id] == (KvHint("retention", "1", "x", {"priority": "high"}),)
     assert got[plain.request_id] == ()
     rig.close()
+
+
+def test_pending_block_frees_while_a_finished_requests_stores_run(model_dir):
+    """``has_pending_block_frees``: vLLM waits for blocks a finished request still holds
+    (its stores are in flight) instead of preempting a running request."""
+    import vllm_harness as vh
+    from rig import BS, StoreGate, kvtier_config, make_rig, settle
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=16))
+    gate = StoreGate(rig.workers[0])
+    make = vh.RequestMaker(BS)
+    rig.loop.add(make(vh.random_tokens(40, seed=33), max_tokens=1))
+    try:
+        for _ in range(4):
+            rig.loop.step()
+        assert rig.loop.outputs  # it finished ...
+        assert rig.connector.has_pending_block_frees()  # ... its blocks held for its stores
+    finally:
+        gate.open()
+    settle(rig)
+    assert not rig.connector.has_pending_block_frees()
+    assert rig.connector.requires_kv_delivery is False
+    rig.close()
