@@ -66,3 +66,12 @@ class GroupKeyMap(KeyMap):
 
     def tokens(self, request: Any, index: int) -> list[int]:
         return super().tokens(request, index // self.per_block)
+
+
+def hybrid_notice(kinds: Sequence[str], flag: str) -> str:
+    """The start-up line for a hybrid model: what kvtier does with its groups, what it costs,
+    and what it does not support."""
+    return (f"kvtier: hybrid model, {len(kinds)} KV cache groups ({', '.join(kinds)}): each "
+            f"group's blocks are stored under their own keys ({len(kinds)}x the bytes per "
+            f"block of {flag}); sliding-window groups load only their window. Not supported: "
+            "Mamba/SSM state groups (refused at start-up)")

@@ -32,7 +32,8 @@ from kvtier.connectors.compat import sleep
 from kvtier.connectors.compat.version import SUPPORTED_VLLM, check_version
 from kvtier.connectors.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.connectors.scheduler_side import SchedulerSide
-from kvtier.connectors.settings import derive_settings, describe
+from kvtier.connectors.group_keys import hybrid_notice
+from kvtier.connectors.settings import HMA_FLAG, derive_settings, describe
 from kvtier.connectors.stats import KVTierStats
 from kvtier.connectors.worker_side import WorkerSide
 
@@ -82,6 +83,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 kvt.kv_load_failure_policy = "recompute"
             self._sched = SchedulerSide(self.settings)
             log.info("kvtier connector (scheduler): %s", describe(self.settings))
+            if len(self.settings.groups) > 1:
+                log.warning(hybrid_notice([g.kind for g in self.settings.groups], HMA_FLAG))
         else:
             self._worker = WorkerSide(self.settings, _tp_rank(vllm_config))
 

@@ -17,8 +17,10 @@ from kvtier.connectors.group_keys import group_key, split_group_key  # noqa: E40
 from kvtier.manager.specs import Medium  # noqa: E402
 
 
-def test_hybrid_groups_store_every_block_and_load_only_the_window(model_dir):
+def test_hybrid_groups_store_every_block_and_load_only_the_window(model_dir, caplog):
     rig = make_hybrid_rig(model_dir, kvtier_config(cpu_blocks=32))
+    notice = [r.getMessage() for r in caplog.records if "hybrid model" in r.getMessage()]
+    assert notice and "Mamba/SSM" in notice[0] and "--disable-hybrid-kv-cache-manager" in notice[0]
     assert len(rig.side.settings.groups) == 2
     events: list = []
     take = rig.side.take_events
