@@ -65,6 +65,7 @@ class RequestTrack:
     store_jobs: set[int] = field(default_factory=set)  # unsettled stores of its blocks
     finished: bool = False
     sighted: bool = False  # its blocks were counted once for admission (vLLM asks every step)
+    hints: tuple = ()  # the request's kv_hints (compat.hints.KvHint), for placement
 
     @property
     def req_id(self) -> str:
@@ -76,12 +77,25 @@ class RequestTrack:
 
 
 class KeyMap:
-    """Maps a request's kvtier block index to its key and to its engine block ids."""
+    """Maps a request's kvtier block index to its key and to its engine block ids.
+
+    ``per_block``: kvtier blocks per token block (1 here; one per KV cache group in
+    :class:`~kvtier.connectors.group_keys.GroupKeyMap`)."""
+
+    per_block = 1
 
     def __init__(self, block_tokens: int, hash_block_size: int, block_size: int) -> None:
         self.block_tokens = block_tokens
         self.hashes_per_block = block_tokens // hash_block_size
         self.engine_per_block = block_tokens // block_size
+
+    def parent_index(self, index: int) -> int:
+        """The kvtier block before ``index`` in the same chain (-1: none)."""
+        return index - 1
+
+    def table(self, block_id_groups: Any) -> Any:
+        """The block table(s) ``gpu_ids`` reads, from vLLM's per-group block ids."""
+        return block_id_groups[0]
 
     def num_keyed(self, request: Any) -> int:
         """Full kvtier blocks whose key exists (hashes appear once a block's tokens are known)."""

@@ -25,8 +25,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
+from kvtier.connectors.compat.hints import request_hints
+from kvtier.connectors.compat.req_data import written_block_ids
 from kvtier.connectors.disk_keys import restored_keys
 from kvtier.connectors.events import VllmEventConverter
+from kvtier.connectors.group_keys import GroupKeyMap
 from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
 from kvtier.connectors.observability import SchedulerObservability
@@ -59,7 +62,12 @@ class SchedulerSide:
             # a no-op by default; lets per-request kv_transfer_params limit offloading
             manager = OffloadRatioAdmission(manager, 1.0, None)
         self.manager = manager
-        self.keymap = KeyMap(settings.block_tokens, settings.hash_block_size, settings.block_size)
+        if len(settings.groups) > 1:  # hybrid allocator: one kvtier block per (block, group)
+            self.keymap: KeyMap = GroupKeyMap(settings.block_tokens, settings.hash_block_size,
+                                              settings.block_size, len(settings.groups))
+        else:
+            self.keymap = KeyMap(settings.block_tokens, settings.hash_block_size,
+                                 settings.block_size)
         self.ledger = JobLedger(settings.world_size)
         self.tracks: dict[str, RequestTrack] = {}
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound after construction
@@ -76,7 +84,8 @@ class SchedulerSide:
         # token ids are needed until a block's last event (its demotion to disk at the latest,
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
         self._events = VllmEventConverter(settings.block_tokens,
-                                          2 * settings.config.cpu_slots(bb) + 1024)
+                                          2 * settings.config.cpu_slots(bb) + 1024,
+                                          settings.groups)
         # Token ids and parents are only kept when some event stream publishes them
         self._describe = settings.vllm_kv_events or settings.config.events is not None
         self._stats = KVTierStats()
@@ -91,7 +100,8 @@ class SchedulerSide:
     def track(self, request: Any) -> RequestTrack:
         t = self.tracks.get(request.request_id)
         if t is None:
-            t = RequestTrack(request, RequestParams.parse(request.kv_transfer_params))
+            t = RequestTrack(request, RequestParams.parse(request.kv_transfer_params),
+                             hints=request_hints(request))
             self.tracks[request.request_id] = t
         return t
 
@@ -104,18 +114,18 @@ class SchedulerSide:
         t = self.track(request)
         if t.load_job is not None:  # our previous load of it has not settled yet
             return None, False
-        bt = self.settings.block_tokens
+        bt, per = self.settings.block_tokens, self.keymap.per_block
         if t.params.skip_load or num_computed_tokens % bt:
             return 0, False
-        start = num_computed_tokens // bt
-        stop = min((request.num_tokens - 1) // bt, self.keymap.num_keyed(request))
+        start = num_computed_tokens // bt * per
+        stop = min((request.num_tokens - 1) // bt * per, self.keymap.num_keyed(request))
         if stop <= start:
             return 0, False
         found = self.manager.lookup(self.keymap.keys(request, start, stop),
                                     sighting=not t.sighted)
-        hits = found.num_hits
+        hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
         t.sighted = True
-        self._stats.add("lookup_tokens", (stop - start) * bt)
+        self._stats.add("lookup_tokens", (stop - start) // per * bt)
         if hits == 0:
             if self._tl.enabled:
                 self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
@@ -129,17 +139,18 @@ class SchedulerSide:
         if self._tl.enabled:
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
                           sync=t.sync_load)
-        return hits * bt, not t.sync_load
+        return hits // per * bt, not t.sync_load
 
     def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         t = self.track(request)
-        bt, bs = self.settings.block_tokens, self.settings.block_size
-        start, n = t.lookup_start // bt, num_external_tokens // bt
-        block_ids = blocks.get_block_ids()[0]
-        per = self.keymap.engine_per_block
-        flat = self.keymap.engine_ids(block_ids, start, n)
+        bt, bs, per = self.settings.block_tokens, self.settings.block_size, self.keymap.per_block
+        start, n = t.lookup_start // bt * per, num_external_tokens // bt * per
+        block_ids = self.keymap.table(blocks.get_block_ids())
+        epb = self.keymap.engine_per_block
+        # one group (per == 1): the units' engine ids are one flat slice of the block table
+        flat = self.keymap.engine_ids(block_ids, start, n) if per == 1 else None
         # vLLM may trim a hit to its own block size; engine blocks of a partial kvtier block
         # were claimed but cannot be loaded: they are reported as load errors (recomputed)
         partial = self.keymap.gpu_ids(block_ids, start + n)[:(num_external_tokens % bt) // bs]
@@ -147,10 +158,12 @@ class SchedulerSide:
         # Blocks left outside a sliding window are null (id 0): nothing to load into them.
         # Without any (the common case) everything below is slices, not per-block loops.
         wanted: Any = range(n)
-        if 0 in flat:
-            wanted = [i for i in range(n) if 0 not in flat[i * per:(i + 1) * per]]
+        if flat is None or 0 in flat:
+            gpu = ([flat[i * epb:(i + 1) * epb] for i in range(n)] if flat is not None
+                   else [self.keymap.gpu_ids(block_ids, start + i) for i in range(n)])
+            wanted = [i for i in range(n) if 0 not in gpu[i]]
             keys = [keys[i] for i in wanted]
-            gpu = [flat[i * per:(i + 1) * per] for i in wanted]
+            gpu = [gpu[i] for i in wanted]
         plan = self.manager.prepare_shared_load(keys)
         sync = t.sync_load
         if sync and (any(plan.from_disk) or any(plan.joined or ())):
@@ -160,7 +173,7 @@ class SchedulerSide:
         got = len(plan.keys)
         loaded = wanted[:got]
         if isinstance(wanted, range):
-            gpu_ids, unloaded = flat[:got * per], flat[got * per:] + partial
+            gpu_ids, unloaded = flat[:got * epb], flat[got * epb:] + partial
         else:
             gpu_ids = [b for ids in gpu[:got] for b in ids]
             unloaded = [b for ids in gpu[got:] for b in ids] + partial
@@ -184,7 +197,7 @@ class SchedulerSide:
             self._tl.mark("sched", "plan_load", req=t.req_id, job=job_id, blocks=len(plan.keys),
                           sync=sync, disk=sum(plan.from_disk))
         disk = sum(1 for f, j in zip(plan.from_disk, joined) if f or j)
-        t.hit_tokens = {"CPU": (len(plan.keys) - disk) * bt, "DISK": disk * bt}
+        t.hit_tokens = {"CPU": (len(plan.keys) - disk) * bt // per, "DISK": disk * bt // per}
         self._stats.add("hit_tokens_cpu", t.hit_tokens["CPU"])
         self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
         self._stats.add("unloadable_tokens", len(unloaded) * bs)
@@ -203,7 +216,8 @@ class SchedulerSide:
     def _remember(self, request: Any, index: int, key: BlockKey) -> None:
         if not self._describe:
             return
-        parent = self.keymap.key(request, index - 1) if index > 0 else None
+        before = self.keymap.parent_index(index)
+        parent = self.keymap.key(request, before) if before >= 0 else None
         lora = getattr(request, "lora_request", None)
         self._events.remember(key, self.keymap.tokens(request, index), parent,
                               getattr(lora, "lora_name", None))
@@ -212,16 +226,16 @@ class SchedulerSide:
         request = t.request
         if t.params.skip_store or self.kv_cache_manager is None:
             return None
-        bt = self.settings.block_tokens
+        bt, per = self.settings.block_tokens, self.keymap.per_block
         # build_connector_meta runs before vLLM adds this step's tokens to num_computed_tokens;
         # tokens not known yet (speculative drafts) are never stored
         computed = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
-        stop = min(computed // bt, self.keymap.num_keyed(request))
+        stop = min(computed // bt * per, self.keymap.num_keyed(request))
         first = t.next_store
         if stop <= first:
             return None
         t.next_store = stop
-        block_ids = self.kv_cache_manager.get_block_ids(t.req_id)[0]
+        block_ids = self.keymap.table(self.kv_cache_manager.get_block_ids(t.req_id))
         cand = [i for i in range(first, stop)
                 if all(b != 0 for b in self.keymap.gpu_ids(block_ids, i))]
         if not cand:
@@ -229,10 +243,12 @@ class SchedulerSide:
         keys = {self.keymap.key(request, i): i for i in cand}
         ctx = RequestContext(
             request_id=t.req_id, first_block_index=cand[0],
-            num_prompt_blocks=request.num_prompt_tokens // bt,
+            num_prompt_blocks=request.num_prompt_tokens // bt * per,
             offload_ratio=t.params.offload_ratio, max_offload_tokens=t.params.max_offload_tokens,
             block_tokens=bt,
-            parent_key=self.keymap.key(request, cand[0] - 1) if cand[0] > 0 else None,
+            parent_key=(self.keymap.key(request, self.keymap.parent_index(cand[0]))
+                        if self.keymap.parent_index(cand[0]) >= 0 else None),
+            hints=t.hints,
         )
         plan = self.manager.prepare_store(list(keys), ctx)
         if not plan.keys:
@@ -252,22 +268,7 @@ class SchedulerSide:
     def _written_blocks(self, so: Any) -> set[int]:
         """Engine blocks this step writes: newly allocated ones (computed or loaded into) and
         copy-on-write destinations. A pending store reading one of them must finish first."""
-        bs = self.settings.block_size
-        out: set[int] = set()
-        for r in so.scheduled_new_reqs:
-            out.update(r.block_ids[0][r.num_computed_tokens // bs:])
-        cached = so.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        for i, req_id in enumerate(cached.req_ids):
-            groups = cached.new_block_ids[i]
-            if not groups:
-                continue
-            ids = groups[0]
-            if req_id in resumed:  # the whole table is sent; the local hit is not rewritten
-                ids = ids[cached.num_computed_tokens[i] // bs:]
-            out.update(ids)
-        for copy in getattr(so, "kv_cache_block_copies", None) or ():
-            out.add(copy.dst_block_id)
+        out = written_block_ids(so, self.settings.block_size)  # every group's
         for job in self._step_loads:
             out.update(job.gpu_ids)
         out.discard(0)
@@ -384,6 +385,9 @@ class SchedulerSide:
             return True
         self._drop_if_done(t)
         return False
+
+    def has_delayed_frees(self) -> bool:
+        return any(t.finished and t.store_jobs for t in self.tracks.values())
 
     # ------------------------------------------------------------------ reporting
     def has_pending_work(self) -> bool:

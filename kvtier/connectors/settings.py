@@ -5,9 +5,11 @@ share nothing but the per-step metadata, so anything both must agree on — the 
 block size in tokens, bytes per block, the disk geometry fingerprint — is computed here from
 ``VllmConfig`` + ``KVCacheConfig`` by one function both roles call.
 
-Refusals happen here, at start-up, with the setting to change: several KV cache groups
-(hybrid allocator), cache kinds without one page per block and layer, pipeline or context
-parallelism, a kvtier block that is not a whole number of vLLM blocks.
+Refusals happen here, at start-up, with the setting to change: cache kinds without one page
+per block and layer (Mamba/SSM state, chunked-local attention), pipeline or context
+parallelism, a kvtier block that is not a whole number of vLLM blocks. Hybrid models
+(full-attention + sliding-window groups of vLLM's hybrid allocator) are served per group
+(:mod:`group_keys`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ class ConnectorSetupError(ValueError):
 
 
 @dataclass(frozen=True)
+class GroupInfo:
+    """One KV cache group as events describe it (vLLM's spec kind, window in tokens)."""
+
+    kind: str
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
 class ConnectorSettings:
     config: KvtierConfig
     block_size: int  # vLLM tokens per engine block
@@ -53,6 +63,7 @@ class ConnectorSettings:
     identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
+    groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -171,13 +182,20 @@ def _check_spec(spec: Any) -> int | None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     kind = type(spec).__name__
+    if "Mamba" in kind or "State" in kind:
+        raise ConnectorSetupError(
+            f"kvtier: KV cache spec {kind} (Mamba/SSM recurrent state) is not supported: kvtier "
+            "stores attention pages only. Serve hybrid SSM models (Jamba, Bamba, Nemotron-H, "
+            "...) without kvtier's --kv-transfer-config")
     if isinstance(spec, SlidingWindowSpec) and kind in ("SlidingWindowSpec",):
         return int(spec.sliding_window)
     if isinstance(spec, FullAttentionSpec) and kind in (
         "FullAttentionSpec", "MLAAttentionSpec"
     ):
         if getattr(spec, "attention_chunk_size", None):
-            raise ConnectorSetupError("kvtier: chunked-local attention caches are not supported")
+            raise ConnectorSetupError(
+                "kvtier: chunked-local attention caches are not supported; start vLLM with "
+                f"{HMA_FLAG} (every layer is then cached as full attention)")
         return None
     raise ConnectorSetupError(
         f"kvtier: KV cache spec {kind} is not supported (supported: full attention, MLA, "
@@ -192,21 +210,32 @@ def kv_events_enabled(vllm_config: Any) -> bool:
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
+def _hybrid_groups(groups: list, windows: list[int | None]) -> tuple[GroupInfo, ...]:
+    """Several groups (vLLM's hybrid allocator): same block size and page size in every
+    group, as the allocator guarantees; each group's kind for events and the log."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    specs = [g.kv_cache_spec for g in groups]
+    if len({int(s.block_size) for s in specs}) > 1 or len(
+            {int(s.real_page_size_bytes) for s in specs}) > 1:
+        raise ConnectorSetupError(
+            "kvtier: KV cache groups with different block or page sizes are not supported; "
+            f"start vLLM with {HMA_FLAG}")
+    return tuple(GroupInfo(str(get_kv_cache_spec_kind(s).value), w)
+                 for s, w in zip(specs, windows))
+
+
 def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
     kvt = vllm_config.kv_transfer_config
     extra = kvt.kv_connector_extra_config if kvt is not None else None
     config = load_kvtier_config(extra)
     groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
-    if len(groups) != 1:
-        raise ConnectorSetupError(
-            f"kvtier supports one KV cache group; this model has {len(groups)} "
-            f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups) or 'none'}). For "
-            f"hybrid models (full + sliding-window attention) start vLLM with {HMA_FLAG} "
-            "(kvtier then keeps every layer's blocks as full attention)"
-        )
-    group = groups[0]
-    spec = group.kv_cache_spec
-    window = _check_spec(spec)
+    if not groups:
+        raise ConnectorSetupError("kvtier: the model has no KV cache group to offload")
+    windows = [_check_spec(g.kv_cache_spec) for g in groups]
+    spec = groups[0].kv_cache_spec
+    window = windows[0] if len(groups) == 1 else None
+    hybrid = _hybrid_groups(groups, windows)
     pc = vllm_config.parallel_config
     for name in ("pipeline_parallel_size", "decode_context_parallel_size",
                  "prefill_context_parallel_size"):
@@ -222,10 +251,15 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
             + f"; set block_tokens: {max(block_size, hash_block_size)} in the kvtier config "
             f"(or KVTIER_BLOCK_TOKENS={max(block_size, hash_block_size)})"
         )
-    if window is not None and bt != block_size:
+    if any(w is not None for w in windows) and bt != block_size:
         raise ConnectorSetupError(
             f"kvtier: a sliding-window model needs block_tokens equal to vLLM's block size "
             f"({block_size}), got {bt}"
+        )
+    if len(groups) > 1 and bt != block_size:
+        raise ConnectorSetupError(
+            f"kvtier: hybrid KV cache groups need block_tokens equal to vLLM's block size "
+            f"({block_size}), got {bt}; or start vLLM with {HMA_FLAG}"
         )
     hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
     if hash_algo in UNSTABLE_HASHES and os.environ.get("PYTHONHASHSEED") is None:
@@ -242,15 +276,17 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         block_size=block_size,
         hash_block_size=hash_block_size,
         block_tokens=bt,
-        layer_names=tuple(group.layer_names),
+        layer_names=tuple(n for g in groups for n in g.layer_names),
         page_bytes=int(spec.real_page_size_bytes),
         sliding_window=window,
         world_size=int(pc.world_size),
         tp_size=int(pc.tensor_parallel_size),
         kv_dtype=str(spec.dtype).replace("torch.", ""),
-        identity=_model_identity(vllm_config, spec, layout, hash_algo),
+        identity=_model_identity(vllm_config, spec, layout, hash_algo)
+        + (f";groups={'/'.join(g.kind for g in hybrid)}" if len(groups) > 1 else ""),
         sync_load_budget_bytes=sync_load_budget(extra),
         vllm_kv_events=kv_events_enabled(vllm_config),
+        groups=hybrid,
     )
     config.check_block_bytes(settings.block_bytes)
     return settings
@@ -265,4 +301,6 @@ def describe(settings: ConnectorSettings) -> str:
         "disk_blocks": c.disk_blocks(settings.block_bytes),
         "disk": str(c.disk.path) if c.disk is not None else None,
         "sync_load_budget_bytes": settings.sync_load_budget_bytes,
+        "kv_cache_groups": [g.kind + (f"(window {g.sliding_window})" if g.sliding_window else "")
+                            for g in settings.groups],
     })

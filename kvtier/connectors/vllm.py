@@ -1,4 +1,4 @@
-"""``KVTierConnector``: kvtier as a vLLM 0.32 KV connector (``KVConnectorBase_V1``).
+"""``KVTierConnector``: kvtier as a vLLM 0.32 / 0.33 KV connector (``KVConnectorBase_V1``).
 
 Load it with ``kv_connector="KVTierConnector"``, ``kv_connector_module_path=
 "kvtier.connectors.vllm"``, ``kv_role="kv_both"`` and ``kv_connector_extra_config=
@@ -7,10 +7,11 @@ per role: the SCHEDULER one (engine-core process) owns kvtier's manager
 (:mod:`scheduler_side`), each WORKER one owns that worker's CPU pool, disk store and transfer
 engine (:mod:`worker_side`). They share nothing but the metadata of :mod:`metadata`.
 
-Hybrid models: kvtier is not ``SupportsHMA``. vLLM then turns its hybrid allocator off by
-itself (every layer in one group, sliding-window layers kept as full attention), and if the
-user forces it on, vLLM refuses to start naming the connector; kvtier's own check repeats the
-flag (``--disable-hybrid-kv-cache-manager``) if it is ever handed several groups.
+Hybrid models: kvtier is ``SupportsHMA``: with vLLM's hybrid allocator (on by default for
+such connectors) full-attention and sliding-window groups are stored and loaded per group
+(:mod:`group_keys`); Mamba/SSM state groups are refused at start-up (settings).
+Sleep mode: ``supports_sleep_mode()`` is True; the worker's unregister/restore hooks are in
+:mod:`compat.sleep`. Differences between vLLM releases live in :mod:`compat`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.connectors.compat import sleep
+from kvtier.connectors.compat.version import SUPPORTED_VLLM, check_version
 from kvtier.connectors.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.connectors.scheduler_side import SchedulerSide
-from kvtier.connectors.settings import derive_settings, describe
+from kvtier.connectors.group_keys import hybrid_notice
+from kvtier.connectors.settings import HMA_FLAG, derive_settings, describe
 from kvtier.connectors.stats import KVTierStats
 from kvtier.connectors.worker_side import WorkerSide
 
@@ -43,19 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32",)
-
-__all__ = ["KVTierConnector", "KVTierConnectorMetadata", "KVTierStats", "KVTierWorkerMetadata"]
-
-
-def _check_version() -> None:
-    try:
-        from vllm import __version__ as version
-    except ImportError:  # pragma: no cover
-        return
-    if not any(version.startswith(v + ".") or version == v for v in SUPPORTED_VLLM):
-        log.warning("kvtier: tested with vLLM %s; this is vLLM %s", ", ".join(SUPPORTED_VLLM),
-                    version)
+__all__ = ["KVTierConnector", "KVTierConnectorMetadata", "KVTierStats", "KVTierWorkerMetadata",
+           "SUPPORTED_VLLM"]
 
 
 def _runs_layer_hooks(forward_context: Any) -> bool:
@@ -76,13 +70,13 @@ def _tp_rank(vllm_config: "VllmConfig") -> int:
     return int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _check_version()
+        check_version()
         self.settings = derive_settings(vllm_config, kv_cache_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -96,12 +90,18 @@ class KVTierConnector(KVConnectorBase_V1):
                 kvt.kv_load_failure_policy = "recompute"
             self._sched = SchedulerSide(self.settings)
             log.info("kvtier connector (scheduler): %s", describe(self.settings))
+            if len(self.settings.groups) > 1:
+                log.warning(hybrid_notice([g.kind for g in self.settings.groups], HMA_FLAG))
         else:
             self._worker = WorkerSide(self.settings, _tp_rank(vllm_config))
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped store is a future miss, never a correctness issue
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        return True  # CPU and disk tiers survive; GPU copies pause (compat.sleep)
 
     # ================================================================== scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
@@ -145,6 +145,15 @@ class KVTierConnector(KVConnectorBase_V1):
             return False, None
         return self._sched.request_finished(request), None
 
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid allocator's form: the stores of every group are tracked per request."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests whose blocks wait for their stores: vLLM waits, not preempts."""
+        return self._sched is not None and self._sched.has_delayed_frees()
+
     def take_events(self) -> Iterable[Any]:
         return self._sched.take_events() if self._sched is not None else ()
 
@@ -166,6 +175,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            sleep.unregister(self._worker)
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            sleep.restore(self._worker)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:

@@ -91,6 +91,8 @@ class WorkerSide:
         self._hooks_seen = False  # vLLM called wait_for_layer_load for every layer once
         self._hooked: set[int] = set()  # layers whose hook ran in this step's forward
         self._layer_fenced: dict[int, tuple[int, ...]] = {}  # sync load -> its GPU blocks
+        self.asleep = False  # sleep mode: no GPU copies between unregister and restore
+        self._sleep_addresses: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -285,6 +287,10 @@ class WorkerSide:
     def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
         self._running[job.job_id] = _Running("store", job.req_id)
         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
+        if self.asleep:  # the GPU pages are suspended: the store fails (a future miss)
+            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
+                                      0, 0.0, (Medium.GPU, Medium.CPU)))
+            return
         self._submit(lambda: rt.engine.submit(LoadStoreSpec.gpu(job.gpu_ids),
                                               LoadStoreSpec.cpu(job.cpu_slots),
                                               job_id=job.job_id), job.job_id)
@@ -308,6 +314,11 @@ class WorkerSide:
             excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
         self._running[job.job_id] = _Running("load", job.req_id, job, frozenset(excluded))
         hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, k, excluded)
+        if self.asleep:  # the GPU pages are suspended: recompute (reported as load errors)
+            first = (Medium.DISK, Medium.CPU) if any(job.from_disk) else (Medium.CPU, Medium.GPU)
+            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
+                                      0, 0.0, first))  # a disk read never ran: keys failed
+            return
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))

@@ -65,6 +65,7 @@ class RequestContext:
     max_offload_tokens: int | None = None
     block_tokens: int = 0
     parent_key: BlockKey | None = None  # block before the first key of this call, if any
+    hints: tuple = ()  # per-request kv_hints passed through from vLLM (action objects)
 
 
 @dataclass(frozen=True)

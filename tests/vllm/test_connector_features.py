@@ -179,15 +179,19 @@ def test_refuses_block_tokens_not_a_multiple_of_vllm_block(model_dir):
         make_rig(model_dir, kvtier_config(cpu_blocks=8, block_tokens=8))
 
 
-def test_refuses_several_kv_cache_groups_naming_the_flag(model_dir):
+def test_refuses_a_mamba_state_group_saying_what_is_unsupported(model_dir):
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
+
     from kvtier.connectors.settings import derive_settings
 
     vc = vh.make_vllm_config(model_dir, connector="KVTierConnector",
                              module_path="kvtier.connectors.vllm",
                              extra_config=kvtier_config(cpu_blocks=8), block_size=BS)
     kcc = vh.make_kv_cache_config(vc, num_blocks=16)
-    kcc.kv_cache_groups = kcc.kv_cache_groups * 2
-    with pytest.raises(ConnectorSetupError, match="--disable-hybrid-kv-cache-manager"):
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.float32,))
+    kcc.kv_cache_groups = kcc.kv_cache_groups + [KVCacheGroupSpec(["mamba.0"], mamba)]
+    with pytest.raises(ConnectorSetupError, match="Mamba/SSM.*without kvtier"):
         derive_settings(vc, kcc)
 
 

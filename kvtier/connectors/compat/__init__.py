@@ -1,0 +1,29 @@
+"""What differs between the vLLM releases kvtier supports (0.32, 0.33), behind small adapters.
+
+Each module answers one question the same way on both releases, so the connector itself holds
+no version checks:
+
+* :mod:`.version` — which vLLM is running, and whether kvtier was tested with it.
+* :mod:`.req_data` — a step's block tables per request, with "is this the whole table" meaning
+  the same thing on both (vLLM 0.33 changed the third element of ``yield_req_data``).
+* :mod:`.kv_events` — ``BlockStored`` / ``BlockRemoved`` with the fields this vLLM's structs
+  have (medium, locality, group index, cache-spec kind).
+* :mod:`.hints` — per-request ``kv_hints`` (orchestrator retention hints) as plain kvtier data
+  for the placement layer.
+* :mod:`.sleep` — the worker's sleep/wake hooks (0.33 calls them; 0.32 never does).
+
+What 0.33 changes that needs no adapter here, and why:
+
+* vLLM's ``OffloadingManager`` gains a ``lock`` (held from a lookup HIT to the
+  ``prepare_load`` that pins it), ``on_reset_flushed()`` and ``config_info()``; kvtier does not
+  plug into vLLM's offloading manager but drives its own (``kvtier.manager``) from the
+  connector, only on the scheduler thread: nothing can evict a hit between
+  ``get_num_new_matched_tokens`` and ``update_state_after_alloc``, and a shorter
+  ``prepare_shared_load`` plan is recomputed, never read. ``CachePolicy.insert(ctx)``'s request
+  context is kvtier's ``prepare_store(keys, RequestContext)`` (which now carries the hints).
+* ``sync_load_budget_bytes`` (small hits loaded inside the step) is a kvtier key of the same
+  name and meaning on both releases (``settings.sync_load_budget``).
+* ``get_loaded_kv_cache_group_ids`` keeps vLLM's default (the prefix-cacheable groups: all a
+  hash-addressed store holds); ``requires_kv_delivery`` is False (a cache);
+  ``has_pending_block_frees`` is True while a finished request's blocks wait for its stores.
+"""
