@@ -30,6 +30,8 @@ SUITE=(
   tests/vllm/test_connector_concurrency.py
   tests/vllm/test_connector_sleep.py
   tests/vllm/test_connector_hybrid.py
+  tests/vllm/test_connector_layer_fences.py
+  tests/vllm/test_connector_contract.py
 )
 say "scheduler-level suite against vLLM $VERSION"
 PYTHONPATH="$DIR:$PWD${PYTHONPATH:+:$PYTHONPATH}" KVTIER_EXPECT_VLLM=$VERSION \
