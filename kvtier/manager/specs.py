@@ -18,6 +18,7 @@ class Medium(str, Enum):
     GPU = "GPU"
     CPU = "CPU"
     DISK = "DISK"
+    REMOTE = "REMOTE"  # the shared tier (Redis / Valkey), addressed by key
     DROP = "DROP"  # destination of deletions: the bytes are discarded
 
     def __str__(self) -> str:  # pragma: no cover - cosmetic
@@ -30,7 +31,7 @@ class LoadStoreSpec:
 
     GPU: ``ids`` are engine block ids (``engine_blocks_per_block`` per kvtier block, in order).
     CPU: ``ids`` are CPU pool slot ids, one per block.
-    DISK / DROP: ``keys`` name the blocks.
+    DISK / REMOTE / DROP: ``keys`` name the blocks.
     """
 
     medium: Medium
@@ -48,6 +49,10 @@ class LoadStoreSpec:
     @staticmethod
     def disk(keys: Sequence[BlockKey]) -> "LoadStoreSpec":
         return LoadStoreSpec(Medium.DISK, keys=tuple(keys))
+
+    @staticmethod
+    def remote(keys: Sequence[BlockKey]) -> "LoadStoreSpec":
+        return LoadStoreSpec(Medium.REMOTE, keys=tuple(keys))
 
     @staticmethod
     def drop(keys: Sequence[BlockKey]) -> "LoadStoreSpec":
