@@ -33,8 +33,10 @@ from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
+from kvtier.tiers.remote.directory import RemoteDirectory
 
 BENCH_LAYERS = 4
+TIERS = ("GPU", "CPU", "DISK", "REMOTE")  # where a block's hit came from
 
 
 def bench_geometry(block_bytes: int) -> BlockGeometry:
@@ -64,8 +66,8 @@ def synth_block(key: bytes, block_bytes: int) -> torch.Tensor:
 @dataclass
 class BenchResult:
     requests: int = 0
-    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("GPU", "CPU", "DISK", "MISS"), 0))
-    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("GPU", "CPU", "DISK", "MISS"), 0))
+    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS + ("MISS",), 0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS + ("MISS",), 0))
     wrong_blocks: int = 0
     failed_loads: int = 0
     failed_jobs: int = 0
@@ -136,8 +138,12 @@ class Replay:
         self.worker = WorkerRuntime.create(config, self.view, g)
         # a trace block is one kvtier block of 512 tokens, whatever block_tokens the YAML says
         # (the manager's cost model prices recompute per block with it)
+        self.remote = (RemoteDirectory(self.worker.remote) if self.worker.remote is not None
+                       else None)
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
-                                     g.block_bytes, self.worker.disk_keys())
+                                     g.block_bytes, self.worker.disk_keys(), self.remote)
+        self.lookup_wait_s = 0.0  # time spent waiting for the shared tier's presence answers
+        self.max_lookup_s = 0.0  # the longest single (non-blocking) lookup call
         self.engine_cache = EngineCache(gpu_blocks)
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
@@ -164,6 +170,10 @@ class Replay:
         }
         if self.worker.store is not None:
             out["disk"] = self.worker.store.stats().to_dict()
+        if self.worker.remote is not None:
+            out["remote"] = {**self.worker.remote.stats().to_dict(),
+                             "lookup_wait_s": round(self.lookup_wait_s, 4),
+                             "max_lookup_ms": round(self.max_lookup_s * 1e3, 3)}
         return out
 
     def live_stats(self) -> dict:
@@ -171,8 +181,8 @@ class Replay:
         r = self.result
         blocks, tokens = dict(r.blocks), dict(r.tokens)
         out = self._tier_stats()
-        out["requests"] = {"hit_blocks": {t: blocks[t] for t in ("GPU", "CPU", "DISK")},
-                           "hit_tokens": {t: tokens[t] for t in ("GPU", "CPU", "DISK")},
+        out["requests"] = {"hit_blocks": {t: blocks[t] for t in TIERS},
+                           "hit_tokens": {t: tokens[t] for t in TIERS},
                            "miss_blocks": blocks["MISS"], "miss_tokens": tokens["MISS"]}
         if self.events is not None:
             pub = self.events.publisher
@@ -234,10 +244,29 @@ class Replay:
         """Feed the manager's cost model one load's achieved bandwidth per hop. A JobResult only
         sums its hops; loads are waited for one at a time and nothing else uses the DISK->CPU
         and CPU->GPU lanes here, so the lanes' counters around the wait are this load's hops."""
-        for route, medium in (("DISK->CPU", Medium.DISK), ("CPU->GPU", Medium.CPU)):
+        for route, medium in (("DISK->CPU", Medium.DISK), ("REMOTE->CPU", Medium.REMOTE),
+                              ("CPU->GPU", Medium.CPU)):
             a, b = after.get(route), before.get(route)
             if a is not None and b is not None and a.bytes > b.bytes:
                 self.manager.record_load(medium, a.bytes - b.bytes, a.seconds - b.seconds)
+
+    def _lookup(self, keys: Sequence[bytes]) -> int:
+        """Hits of ``keys``. A lookup never blocks; while the shared tier's answer is pending
+        the simulated scheduler steps (pumps completions) and asks again, as vLLM does after
+        a ``None`` from the connector."""
+        first = None
+        while True:
+            t0 = time.perf_counter()
+            found = self.manager.lookup(keys, sighting=first is None)
+            now = time.perf_counter()
+            self.max_lookup_s = max(self.max_lookup_s, now - t0)
+            if not found.pending:
+                if first is not None:
+                    self.lookup_wait_s += now - first
+                return found.num_hits
+            first = first or t0
+            self.pump()
+            time.sleep(0.0005)
 
     def run_request(self, req: TraceRequest) -> None:
         keys = [block_key(h) for h in req.hash_ids]
@@ -246,7 +275,7 @@ class Replay:
         rest = keys[n_gpu:]
         loaded = 0
         if rest:
-            hits = self.manager.lookup(rest).num_hits
+            hits = self._lookup(rest)
             plan = self.manager.prepare_load(rest[:hits]) if hits else None
             if plan is not None and plan.keys:
                 ids = self._allocate(plan.keys)
@@ -258,11 +287,14 @@ class Replay:
                 self.manager.complete_load(plan.keys, failed)
                 self.result.failed_loads += len(failed)
                 good = 0
-                for key, block, from_disk in zip(plan.keys, ids, plan.from_disk):
+                remote = plan.from_remote or (False,) * len(plan.keys)
+                for key, block, from_disk, from_remote in zip(plan.keys, ids, plan.from_disk,
+                                                              remote):
                     if key in failed:
                         break
                     self.result.wrong_blocks += not self._gpu_matches(key, block)
-                    self._count("DISK" if from_disk else "CPU", req, n_gpu + good, 1)
+                    tier = "REMOTE" if from_remote else "DISK" if from_disk else "CPU"
+                    self._count(tier, req, n_gpu + good, 1)
                     good += 1
                 loaded = good
                 self.engine_cache.release(plan.keys[good:])  # recomputed below

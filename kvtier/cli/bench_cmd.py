@@ -41,7 +41,9 @@ def _table(report: dict) -> Table:
     t = Table(title=f"kvtier bench: {report['requests']} requests in {report['seconds']:.1f}s")
     for col in ("tier", "blocks", "tokens", "block hit rate", "token hit rate"):
         t.add_column(col, justify="right" if col != "tier" else "left")
-    for tier in ("GPU", "CPU", "DISK", "MISS"):
+    for tier in ("GPU", "CPU", "DISK", "REMOTE", "MISS"):
+        if tier == "REMOTE" and "remote" not in report:
+            continue
         t.add_row(tier, str(report["blocks"][tier]), str(report["tokens"][tier]),
                   f"{report['block_hit_rate'][tier]:.1%}", f"{report['token_hit_rate'][tier]:.1%}")
     return t

@@ -77,6 +77,7 @@ class LookupResult:
     """Leading run of ``keys`` that is ready in some tier, and where each hit lives."""
 
     tiers: tuple[Medium, ...]  # one per hit, in key order; len == num_hits
+    pending: bool = False  # the shared tier's answer is on its way: ask again, don't settle
 
     @property
     def num_hits(self) -> int:
@@ -100,6 +101,7 @@ class LoadPlan:
     cpu_slots: tuple[int, ...]
     from_disk: tuple[bool, ...]
     joined: tuple[bool, ...] = ()
+    from_remote: tuple[bool, ...] = ()  # REMOTE -> CPU hop first (empty: no shared-tier hits)
 
     def is_joined(self, i: int) -> bool:
         return bool(self.joined) and self.joined[i]
@@ -112,6 +114,19 @@ class LoadPlan:
             LoadStoreSpec.disk([self.keys[i] for i in idx]),
             LoadStoreSpec.cpu([self.cpu_slots[i] for i in idx]),
         )
+
+    def remote_hop(self) -> tuple[LoadStoreSpec, LoadStoreSpec] | None:
+        idx = [i for i, r in enumerate(self.from_remote) if r]
+        if not idx:
+            return None
+        return (
+            LoadStoreSpec.remote([self.keys[i] for i in idx]),
+            LoadStoreSpec.cpu([self.cpu_slots[i] for i in idx]),
+        )
+
+    def promotion_hops(self) -> list[tuple[LoadStoreSpec, LoadStoreSpec]]:
+        """The hops that fill CPU slots before the CPU -> GPU copy (disk, shared tier)."""
+        return [hop for hop in (self.disk_hop(), self.remote_hop()) if hop is not None]
 
 
 @dataclass(frozen=True)

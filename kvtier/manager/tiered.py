@@ -25,6 +25,7 @@ from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
+from kvtier.manager.remote_tier import RemoteTier
 from kvtier.manager.specs import (
     BackgroundTransfer,
     BlockKey,
@@ -39,7 +40,7 @@ from kvtier.manager.tier_index import BlockState, Entry, TierIndex
 from kvtier.manager.writeback import WriteBack
 
 
-class TieredOffloadingManager(WriteBack, OffloadingManager):
+class TieredOffloadingManager(WriteBack, RemoteTier, OffloadingManager):
     def __init__(
         self,
         *,
@@ -54,6 +55,10 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         disk_health: DiskHealth | None = None,
         cost: LoadCostModel | None = None,
         max_demotions_in_flight: int | None = None,
+        remote=None,  # a RemoteDirectory: the shared tier (kvtier.tiers.remote)
+        remote_admission: AdmissionPolicy | None = None,
+        remote_max_writes: int = 256,
+        remote_capacity_blocks: int | None = None,
     ) -> None:
         self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
         self.disk = (
@@ -87,6 +92,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self._bg_ready: list[BackgroundTransfer] = []
         self._pending_drops: dict[BlockKey, int] = {}  # key -> open DROP jobs
         self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
+        self._init_remote(remote, remote_admission, remote_max_writes, remote_capacity_blocks)
         if self.disk is not None:
             self._restore_disk(initial_disk_keys)
 
@@ -108,6 +114,13 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
                 tiers.append(Medium.DISK)
             else:
                 break
+        pending = False
+        if self.remote is not None and len(tiers) < len(keys):
+            held, pending = self._remote_run(keys[len(tiers):])
+            tiers.extend([Medium.REMOTE] * held)
+            if pending:
+                self.stats.remote_pending_lookups += 1
+                return LookupResult(tuple(tiers), pending=True)
         if self.cost is not None and tiers:
             keep = self.cost.worth_loading(tiers)
             for medium in tiers[keep:]:  # resident, but recomputing them is faster
@@ -155,6 +168,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         joined: list[bool] = []
         cpu_hits: list[BlockKey] = []
         disk_hits: list[BlockKey] = []
+        from_remote: list[bool] = []
+        remote_hits: list[BlockKey] = []
         touched: list[tuple] = []  # (policy, key), applied last-to-first below
         for key in keys:
             entry = self.cpu.ready(key)
@@ -164,19 +179,30 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
                 self.cpu_admission.on_hit(key)
                 cpu_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
-                joined.append(False)
+                joined.append(False), from_remote.append(False)
                 continue
             entry = self.cpu.get(key)
-            if join and entry is not None and entry.promoted and entry.state is BlockState.WRITING:
+            if (join and entry is not None and entry.promoted and entry.state is BlockState.WRITING
+                    and key not in self._remote_promotions):
                 entry.readers += 1  # pins the slot past the promotion's own completion
                 touched.append((self.disk.policy, key))
                 disk_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
-                joined.append(True)
+                joined.append(True), from_remote.append(False)
                 continue
             d = self.disk.ready(key) if self.disk is not None else None
-            if d is None or key in self.cpu:  # miss, or a promotion of it already in flight
+            if key in self.cpu:  # a promotion of it already in flight
                 break
+            if d is None:  # held by the shared tier, or a miss
+                if not self._remote_promote(key) or not self._make_room(1):
+                    break
+                entry = self.cpu.add(key, BlockState.WRITING)
+                entry.promoted = True
+                self._remote_promotions.add(key)
+                remote_hits.append(key)
+                out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
+                joined.append(False), from_remote.append(True)
+                continue
             if not self._make_room(1):
                 self.stats.load_truncated_no_space += 1
                 break
@@ -187,7 +213,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             entry.promoted = entry.on_disk = True
             disk_hits.append(key)
             out_keys.append(key), slots.append(entry.slot), from_disk.append(True)
-            joined.append(False)
+            joined.append(False), from_remote.append(False)
         # Last-to-first, so the prefix's first block ends up the most recent: it is needed
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
         for policy, key in reversed(touched):
@@ -196,8 +222,11 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self.stats.hit_blocks["DISK"] += len(disk_hits)
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
         self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_hits)))
+        if remote_hits:
+            self._emit_remote_hits(remote_hits)
         return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk),
-                        tuple(joined) if join else ())
+                        tuple(joined) if join else (),
+                        tuple(from_remote) if remote_hits else ())
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
@@ -215,7 +244,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
                 self.stats.protocol_errors += 1
                 continue
             if entry.promoted and entry.state is BlockState.WRITING:
-                self._release_disk_reader(key, bad=key in failed)
+                if not self._settle_remote_promotion(key, bad=key in failed):
+                    self._release_disk_reader(key, bad=key in failed)
                 if key in failed and entry.readers > 0:
                     # joined loads still pin the slot; they fail too, the last one frees it
                     entry.promoted = False
@@ -309,6 +339,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             self.cpu.mark_ready(stored)
             self.stats.stored_blocks["CPU"] += len(stored)
             self.events.emit(BlockStored(Medium.CPU, tuple(stored)))
+            self._queue_remote_writes(stored)
         else:
             self.cpu.remove_many(stored)
             self.stats.failed_stores["CPU"] += len(stored)
@@ -375,6 +406,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         out = {"CPU": {"used_blocks": len(self.cpu), "capacity_blocks": self.cpu.capacity}}
         if self.disk is not None:
             out["DISK"] = {"used_blocks": len(self.disk), "capacity_blocks": self.disk.capacity}
+        if self.remote is not None:
+            out["REMOTE"] = self._remote_usage()
         return out
 
     def pins(self) -> int:

@@ -18,9 +18,13 @@ from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
+from kvtier.tiers.remote.blocks import RemoteBlocks
+from kvtier.tiers.remote.connect import connect_remote
+from kvtier.tiers.remote.store import RemoteStore
 from kvtier.transfer import JobResult, TransferEngine, TransferHandler
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.disk_io import CpuToDiskHandler, DiskDropHandler, DiskToCpuHandler
+from kvtier.transfer.remote_io import CpuToRemoteHandler, RemoteToCpuHandler
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +47,11 @@ class WorkerRuntime:
     pool: CpuBlockPool
     store: DiskStore | None
     engine: TransferEngine
+    remote: RemoteStore | None = None
 
     @classmethod
-    def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry) -> "WorkerRuntime":
+    def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry, *,
+               rank: int = 0, world_size: int = 1) -> "WorkerRuntime":
         config.check_block_bytes(geometry.block_bytes)
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin)
         store = None
@@ -63,7 +69,12 @@ class WorkerRuntime:
             else:
                 handlers += [CpuToDiskHandler(pool, store), DiskToCpuHandler(pool, store),
                              DiskDropHandler(store)]
-        return cls(geometry, pool, store, TransferEngine(handlers))
+        remote = None
+        if config.remote is not None:  # connects lazily: a down server costs nothing here
+            remote = connect_remote(config.remote, geometry, rank=rank, world_size=world_size)
+            blocks = RemoteBlocks(remote)
+            handlers += [CpuToRemoteHandler(pool, blocks), RemoteToCpuHandler(pool, blocks)]
+        return cls(geometry, pool, store, TransferEngine(handlers), remote)
 
     def disk_keys(self) -> list[bytes]:
         """Blocks already on disk, oldest first (the manager's start-up state)."""
@@ -71,10 +82,7 @@ class WorkerRuntime:
 
     def submit_load(self, plan: LoadPlan, gpu_ids: Sequence[int], job_id: int | None = None) -> int:
         """Bring ``plan``'s blocks into engine blocks ``gpu_ids`` (k per block), through CPU."""
-        hops = []
-        disk = plan.disk_hop()
-        if disk is not None:
-            hops.append(disk)
+        hops = plan.promotion_hops()
         hops.append((LoadStoreSpec.cpu(plan.cpu_slots), LoadStoreSpec.gpu(gpu_ids)))
         return self.engine.submit_chain(hops, job_id=job_id)
 
@@ -91,3 +99,5 @@ class WorkerRuntime:
         self.engine.close()
         if self.store is not None:
             self.store.close()
+        if self.remote is not None:
+            self.remote.close()
