@@ -36,6 +36,11 @@ class RemoteTier:
         self.remote_capacity_blocks = capacity_blocks  # advisory (the server's maxmemory rules)
         self._remote_writing = 0
         self._remote_promotions: set[BlockKey] = set()
+        if directory is not None:  # per-tier counters gain a REMOTE column
+            s = self.stats
+            for per_tier in (s.hit_blocks, s.stored_blocks, s.evicted_blocks, s.admission_rejected,
+                             s.skipped_slower_than_recompute, s.failed_stores):
+                per_tier.setdefault("REMOTE", 0)
 
     def _remote_run(self, keys: Sequence[BlockKey]) -> tuple[int, bool]:
         """Leading run of ``keys`` the shared tier holds, and whether an answer is pending."""

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 
 def _per_tier() -> dict[str, int]:
-    return {"CPU": 0, "DISK": 0, "REMOTE": 0}
+    return {"CPU": 0, "DISK": 0}  # "REMOTE" joins when the shared tier is configured
 
 
 @dataclass

@@ -10,6 +10,7 @@ stopped by their PID. A Cluster is built with CLUSTER ADDSLOTSRANGE / CLUSTER ME
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,10 +39,23 @@ def server_binary() -> str:
     return str(get_binary_path())
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free loopback port whose Cluster bus port (+10000) is free too (servers refuse ports
+    above 55535 in Cluster mode)."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free loopback port pair found")
 
 
 class Server:

@@ -37,5 +37,5 @@ def make_client(cfg: RemoteTierConfig) -> Any:
         # require_full_coverage=False: a dead primary costs only the keys of its slots
         return RedisCluster(startup_nodes=nodes, require_full_coverage=False,
                             max_connections=MAX_CONNECTIONS,
-                            cluster_error_retry_attempts=max(1, cfg.retries), **common)
+                            **common)
     return Redis.from_url(cfg.url, max_connections=MAX_CONNECTIONS, **common)

@@ -94,14 +94,24 @@ class RemoteStore:
         """Blocking helper for tools and tests (never on a scheduler or engine path)."""
         return self.submit(coro).result(timeout if timeout is not None else 10 * self.deadline_s)
 
-    def _ensure(self) -> Any:
+    async def _ensure(self) -> Any:
+        """The client, ready for concurrent commands. A Cluster client learns the slot map
+        first, once, under a lock: redis-py's asyncio Cluster client loses commands issued
+        concurrently while it is still connecting (seen with redis-py 8.1)."""
         if self._client is None:
             self._client = make_client(self.cfg)
             self._sem = asyncio.Semaphore(IN_FLIGHT)
+            self._init_lock = asyncio.Lock()
+            self._ready = not self.cfg.cluster
+        if not self._ready:
+            async with self._init_lock:
+                if not self._ready:
+                    await asyncio.wait_for(self._client.initialize(), self.deadline_s)
+                    self._ready = True
         return self._client
 
     async def _one(self, method: str, *args: Any) -> Any:
-        client = self._ensure()
+        client = await self._ensure()
         async with self._sem:
             return await asyncio.wait_for(getattr(client, method)(*args), self.deadline_s)
 
