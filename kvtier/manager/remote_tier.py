@@ -46,6 +46,7 @@ class RemoteTier:
         """Leading run of ``keys`` the shared tier holds, and whether an answer is pending."""
         if self.remote is None or not keys:
             return 0, False
+        self._sync_remote_stats()
         n = 0
         for present in self.remote.query(keys):
             if present is None:

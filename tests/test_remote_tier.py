@@ -1,0 +1,151 @@
+"""The shared tier in the data path: two kvtier instances (``kvtier bench``'s replay: the real
+manager, transfer engine and tiers) sharing one real server. The second serves the first's
+blocks as REMOTE hits with exact bytes; a hung, corrupted or partly dead tier costs hits only,
+never correctness, and never blocks a lookup."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvtier.bench.replay import Replay
+from kvtier.bench.trace import load_trace
+from kvtier.config import load_config
+from remote.fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
+
+BLOCK = 64 << 10
+GPU_BLOCKS = 48
+
+
+def config(tmp_path, remote: dict, disk: bool = False):
+    tiers = {"cpu": {"capacity": "2MiB"},
+             "remote": {"timeout_s": 0.2, "connect_timeout_s": 0.2, "probe_interval_s": 0.3,
+                        **remote}}
+    if disk:
+        tiers["disk"] = {"path": str(tmp_path / "disk"), "capacity": "8MiB", "fsync": False}
+    return load_config(data={"tiers": tiers}, env={})
+
+
+def replay(cfg, trace, during=None):
+    r = Replay(cfg, BLOCK, GPU_BLOCKS)
+    try:
+        if during is not None:
+            half = len(trace) // 2
+            r.run(trace[:half])
+            during(r)
+            r.run(trace[half:])
+        else:
+            r.run(trace)
+        rep = r.report()
+        rep["pins"] = r.manager.pins()
+        return rep
+    finally:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return load_trace(limit=60)
+
+
+def test_second_instance_serves_the_first_ones_blocks_as_remote_hits(tmp_path, valkey, trace):
+    server = valkey()
+    cfg = config(tmp_path, {"url": server.url})
+    first = replay(cfg, trace)
+    assert first["manager"]["stored_blocks"]["REMOTE"] > 0
+    second = replay(cfg, trace)
+    assert second["wrong_blocks"] == 0 and second["failed_loads"] == 0
+    # every block the first instance had to compute, the second loads from the shared tier
+    assert second["blocks"]["REMOTE"] >= first["blocks"]["MISS"] - 1
+    assert second["blocks"]["MISS"] < first["blocks"]["MISS"] // 10
+    assert second["manager"]["stored_blocks"]["REMOTE"] <= 1  # held already: not rewritten
+    assert second["remote"]["hits"] == second["blocks"]["REMOTE"]
+    assert second["transfers"]["REMOTE->CPU"]["failed_jobs"] == 0
+    assert second["pins"] == 0 and first["pins"] == 0
+
+
+def test_values_corrupted_on_the_server_are_recomputed_never_served(tmp_path, valkey, trace):
+    server = valkey()
+    cfg = config(tmp_path, {"url": server.url})
+    replay(cfg, trace)
+    raw = server.client()
+    damaged = 0
+    for key in raw.scan_iter(b"kvtier:*"):
+        value = raw.get(key)
+        raw.setrange(key, len(value) - 7, bytes([value[-7] ^ 0x40]))
+        damaged += 1
+    assert damaged > 0
+    second = replay(cfg, trace)
+    assert second["wrong_blocks"] == 0
+    assert second["remote"]["rejected"] > 0
+    assert second["failed_loads"] == second["remote"]["rejected"]
+    assert second["pins"] == 0
+    # a rejected block was recomputed, stored and written back: the tier healed itself
+    assert second["manager"]["stored_blocks"]["REMOTE"] >= second["remote"]["rejected"]
+    third = replay(cfg, trace)
+    assert third["wrong_blocks"] == 0
+    assert third["remote"]["rejected"] < second["remote"]["rejected"] // 4
+    assert third["blocks"]["REMOTE"] > second["blocks"]["REMOTE"]
+
+
+def test_hung_server_mid_run_local_tiers_keep_serving(tmp_path, valkey, trace):
+    server = valkey()
+    cfg = config(tmp_path, {"url": server.url}, disk=True)
+    replay(cfg, trace)
+    t0 = time.monotonic()
+    try:
+        second = replay(cfg, trace, during=lambda r: server.pause())
+    finally:
+        server.resume()
+    assert time.monotonic() - t0 < 60
+    assert second["wrong_blocks"] == 0
+    assert second["remote"]["degraded"] or second["remote"]["degradations"] >= 1
+    assert second["manager"]["remote_degraded"] or second["manager"]["remote_degradations"] >= 1
+    # the first half came from the shared tier; after the hang, local tiers and recompute
+    assert second["blocks"]["REMOTE"] > 0
+    assert second["blocks"]["GPU"] + second["blocks"]["CPU"] + second["blocks"]["DISK"] > 0
+    assert second["pins"] == 0
+
+
+def test_a_lookup_never_waits_on_the_network(tmp_path, valkey, trace):
+    """With the server SIGSTOPped, every manager.lookup returns at once ("pending", then a
+    miss once the bounded wait ran out): the scheduler step is never blocked by the tier."""
+    server = valkey()
+    cfg = config(tmp_path, {"url": server.url})
+    r = Replay(cfg, BLOCK, GPU_BLOCKS)
+    try:
+        keys = [i.to_bytes(8, "little") for i in range(1, 9)]
+        server.pause()
+        slowest, pending_seen = 0.0, 0
+        deadline = time.monotonic() + 10
+        while True:
+            t0 = time.perf_counter()
+            found = r.manager.lookup(keys)
+            slowest = max(slowest, time.perf_counter() - t0)
+            if not found.pending:
+                break
+            pending_seen += 1
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert found.num_hits == 0 and pending_seen > 0
+        # generous for a loaded 2-core CI box; a blocking call would take the 0.2 s timeout
+        assert slowest < 0.05, slowest
+        assert r.worker.remote.health.degraded
+        t0 = time.perf_counter()
+        assert not r.manager.lookup([b"other-k1"]).pending  # degraded: answered locally
+        assert time.perf_counter() - t0 < 0.05
+    finally:
+        server.resume()
+        r.close()
+
+
+def test_cluster_losing_a_primary_mid_run_costs_only_hits(tmp_path, cluster, trace):
+    cfg = config(tmp_path, {"nodes": [n.node for n in cluster]})
+    first = replay(cfg, trace)
+    assert first["manager"]["stored_blocks"]["REMOTE"] > 0
+    second = replay(cfg, trace, during=lambda r: cluster[2].kill())
+    assert second["wrong_blocks"] == 0
+    assert second["blocks"]["REMOTE"] > 0
+    assert second["pins"] == 0
