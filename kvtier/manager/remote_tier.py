@@ -72,7 +72,7 @@ class RemoteTier:
     def _queue_remote_writes(self, keys: Sequence[BlockKey]) -> None:
         if self.remote is None or not keys:
             return
-        if self.remote.store.health.degraded:
+        if self.remote.degraded:
             self.stats.remote_writes_skipped += len(keys)
             return
         wanted: list[BlockKey] = []
@@ -118,9 +118,8 @@ class RemoteTier:
 
     def _sync_remote_stats(self) -> None:
         if self.remote is not None:
-            health = self.remote.store.health
-            self.stats.remote_degraded = health.degraded
-            self.stats.remote_degradations = health.degradations
+            self.stats.remote_degraded = self.remote.degraded
+            self.stats.remote_degradations = self.remote.degradations
 
     def _remote_usage(self) -> dict[str, int | None]:
         """What ``usage()`` reports for the shared tier: this instance's view only."""

@@ -100,6 +100,15 @@ class RemoteDirectory:
         """What this instance itself found out (a write landed, a read missed)."""
         self._answer(keys, [present] * len(keys))
 
+    @property
+    def degraded(self) -> bool:
+        """The tier is down or hung (see ``RemoteHealth``): writes are not worth queueing."""
+        return self.store.health.degraded
+
+    @property
+    def degradations(self) -> int:
+        return self.store.health.degradations
+
     def pending(self) -> int:
         with self._lock:
             return len(self._asking)
