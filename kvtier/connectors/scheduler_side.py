@@ -26,6 +26,7 @@ import logging
 from typing import Any, Iterable
 
 from kvtier.connectors.disk_keys import initial_keys
+from kvtier.connectors.remote import open_remote_directory
 from kvtier.connectors.events import VllmEventConverter
 from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
@@ -54,7 +55,8 @@ class SchedulerSide:
         bb = settings.block_bytes
         disk_keys = initial_keys(settings.disk_paths(),
                                  [settings.geometry(r) for r in range(settings.world_size)])
-        manager = build_manager(settings.config, bb, disk_keys)
+        self.remote = open_remote_directory(settings)
+        manager = build_manager(settings.config, bb, disk_keys, self.remote)
         if not isinstance(manager, OffloadRatioAdmission):
             # a no-op by default; lets per-request kv_transfer_params limit offloading
             manager = OffloadRatioAdmission(manager, 1.0, None)
@@ -111,8 +113,10 @@ class SchedulerSide:
             return 0, False
         found = self.manager.lookup(self.keymap.keys(request, start, stop),
                                     sighting=not t.sighted)
-        hits = found.num_hits
         t.sighted = True
+        if found.pending:  # the shared tier is being asked: vLLM asks again next step
+            return None, False
+        hits = found.num_hits
         self._stats.add("lookup_tokens", (stop - start) * bt)
         if hits == 0:
             if self._tl.enabled:
@@ -164,6 +168,7 @@ class SchedulerSide:
             cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
             gpu_ids=tuple(b for i in loaded for b in gpu[i]), joined=tuple(joined),
             after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
+            from_remote=tuple(plan.from_remote),
         ))
         t.load_job = job_id
         t.load_first_index = start
@@ -171,9 +176,13 @@ class SchedulerSide:
             self._tl.mark("sched", "plan_load", req=t.req_id, job=job_id, blocks=len(plan.keys),
                           sync=sync, disk=sum(plan.from_disk))
         disk = sum(1 for f, j in zip(plan.from_disk, joined) if f or j)
-        t.hit_tokens = {"CPU": (len(plan.keys) - disk) * bt, "DISK": disk * bt}
+        remote = sum(plan.from_remote)
+        t.hit_tokens = {"CPU": (len(plan.keys) - disk - remote) * bt, "DISK": disk * bt}
         self._stats.add("hit_tokens_cpu", t.hit_tokens["CPU"])
         self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
+        if remote:
+            t.hit_tokens["REMOTE"] = remote * bt
+            self._stats.add("hit_tokens_remote", remote * bt)
         self._stats.add("unloadable_tokens", len(unloaded) * bs)
         t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
         known = self._events.metadata  # a lookup refreshes a known block's entry: cheaper
@@ -380,6 +389,8 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.observability.close()
+        if self.remote is not None:
+            self.remote.store.close()
 
     def take_stats(self) -> KVTierStats | None:
         if self._stats.is_empty():

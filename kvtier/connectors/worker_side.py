@@ -100,7 +100,8 @@ class WorkerSide:
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
-        self.runtime = WorkerRuntime.create(config, view, geometry)
+        self.runtime = WorkerRuntime.create(config, view, geometry, rank=self.tp_rank,
+                                            world_size=self.settings.world_size)
         if self.runtime.store is not None:
             register_open_store(config.disk.path, self.runtime.store)
         self._stats_before = self.runtime.engine.stats()
@@ -265,11 +266,16 @@ class WorkerSide:
         running = _Running("load", job.req_id, job, frozenset(excluded), gpu_by_key)
         self._running[job.job_id] = running
         disk = [(key, slot) for key, slot, d in zip(job.keys, job.cpu_slots, job.from_disk) if d]
+        remote = [(key, slot) for key, slot, r in zip(job.keys, job.cpu_slots, job.from_remote)
+                  if r]
         copy = [(key, slot) for key, slot in zip(job.keys, job.cpu_slots) if key not in excluded]
         hops = []
         if disk:
             hops.append((LoadStoreSpec.disk([key for key, _ in disk]),
                          LoadStoreSpec.cpu([slot for _, slot in disk])))
+        if remote:
+            hops.append((LoadStoreSpec.remote([key for key, _ in remote]),
+                         LoadStoreSpec.cpu([slot for _, slot in remote])))
         if copy:
             hops.append((LoadStoreSpec.cpu([slot for _, slot in copy]),
                          LoadStoreSpec.gpu([b for key, _ in copy for b in gpu_by_key[key]])))
@@ -316,12 +322,13 @@ class WorkerSide:
         job = running.load
         assert job is not None
         disk_keys = {key for key, d in zip(job.keys, job.from_disk) if d}
+        remote_keys = {key for key, d in zip(job.keys, job.from_remote) if d}
         failed = set(r.failed_keys) | set(running.excluded)
         bad_gpu: set[int] = set(job.unloaded_gpu_ids)
         if r.error is not None:
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
-            if r.direction == (Medium.DISK, Medium.CPU):  # nothing reached the CPU slots
-                failed |= disk_keys
+            if r.direction in ((Medium.DISK, Medium.CPU), (Medium.REMOTE, Medium.CPU)):
+                failed |= disk_keys | remote_keys  # nothing (more) reached the CPU slots
             bad_gpu.update(job.gpu_ids)  # whatever reached the GPU is not trusted
         for key in failed:
             bad_gpu.update(running.gpu_by_key.get(key, ()))
