@@ -47,6 +47,15 @@ def bench_geometry(block_bytes: int) -> BlockGeometry:
                          page_bytes=page, dtype="bfloat16", model="kvtier-bench-synthetic")
 
 
+def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    """p50 / p99 of lookup call durations in ms (what a scheduler step spends per lookup)."""
+    if not seconds:
+        return {}
+    s = sorted(seconds)
+    pick = lambda q: round(s[min(len(s) - 1, int(q * len(s)))] * 1e3, 4)  # noqa: E731
+    return {"lookup_p50_ms": pick(0.5), "lookup_p99_ms": pick(0.99), "lookups_timed": len(s)}
+
+
 def block_key(hash_id: int) -> bytes:
     return hash_id.to_bytes(8, "little")
 
@@ -144,6 +153,7 @@ class Replay:
                                      g.block_bytes, self.worker.disk_keys(), self.remote)
         self.lookup_wait_s = 0.0  # time spent waiting for the shared tier's presence answers
         self.max_lookup_s = 0.0  # the longest single (non-blocking) lookup call
+        self.lookup_s: list[float] = []  # every lookup call's duration (shared tier only)
         self.engine_cache = EngineCache(gpu_blocks)
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
@@ -173,7 +183,8 @@ class Replay:
         if self.worker.remote is not None:
             out["remote"] = {**self.worker.remote.stats().to_dict(),
                              "lookup_wait_s": round(self.lookup_wait_s, 4),
-                             "max_lookup_ms": round(self.max_lookup_s * 1e3, 3)}
+                             "max_lookup_ms": round(self.max_lookup_s * 1e3, 3),
+                             **_percentiles_ms(self.lookup_s)}
         return out
 
     def live_stats(self) -> dict:
@@ -260,6 +271,8 @@ class Replay:
             found = self.manager.lookup(keys, sighting=first is None)
             now = time.perf_counter()
             self.max_lookup_s = max(self.max_lookup_s, now - t0)
+            if self.remote is not None:
+                self.lookup_s.append(now - t0)
             if not found.pending:
                 if first is not None:
                     self.lookup_wait_s += now - first

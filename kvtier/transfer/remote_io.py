@@ -25,7 +25,7 @@ class CpuToRemoteHandler(TransferHandler):
 
     direction = (Medium.CPU, Medium.REMOTE)
 
-    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = 2) -> None:
+    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = 4) -> None:
         self.pool = pool
         self.blocks = blocks
         self.concurrency = concurrency
