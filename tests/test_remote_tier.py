@@ -13,6 +13,8 @@ import pytest
 from kvtier.bench.replay import Replay
 from kvtier.bench.trace import load_trace
 from kvtier.config import load_config
+from kvtier.events.convert import wire_medium
+from kvtier.manager.specs import Medium
 from remote.fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
 
 BLOCK = 64 << 10
@@ -40,6 +42,8 @@ def replay(cfg, trace, during=None):
             r.run(trace)
         rep = r.report()
         rep["pins"] = r.manager.pins()
+        rep["remote_events"] = sorted({type(e).__name__ for e in r.manager.take_events()
+                                       if e.medium is Medium.REMOTE})
         return rep
     finally:
         r.close()
@@ -64,6 +68,10 @@ def test_second_instance_serves_the_first_ones_blocks_as_remote_hits(tmp_path, v
     assert second["remote"]["hits"] == second["blocks"]["REMOTE"]
     assert second["transfers"]["REMOTE->CPU"]["failed_jobs"] == 0
     assert second["pins"] == 0 and first["pins"] == 0
+    # events carry the medium: stored by the first, hit (accessed) by the second
+    assert "BlockStored" in first["remote_events"]
+    assert "BlockAccessed" in second["remote_events"]
+    assert wire_medium(Medium.REMOTE) == "REMOTE"
 
 
 def test_values_corrupted_on_the_server_are_recomputed_never_served(tmp_path, valkey, trace):
