@@ -157,3 +157,52 @@ def test_cluster_losing_a_primary_mid_run_costs_only_hits(tmp_path, cluster, tra
     assert second["wrong_blocks"] == 0
     assert second["blocks"]["REMOTE"] > 0
     assert second["pins"] == 0
+
+
+def test_replicated_ranks_store_each_block_once_and_all_read_it(tmp_path, valkey):
+    """MLA caches are the same bytes on every TP rank: rank 0 writes one value per block,
+    rank 1 writes nothing and reads rank 0's value (exact bytes)."""
+    import torch
+
+    from kvtier.bench.replay import bench_geometry
+    from kvtier.manager.specs import LoadStoreSpec
+    from kvtier.runtime.worker import WorkerRuntime
+    from kvtier.tiers.gpu_view import GpuKvView
+    from kvtier.tiers.layout import BlockGeometry
+
+    server = valkey()
+    cfg = config(tmp_path, {"url": server.url})
+    base = bench_geometry(BLOCK)
+
+    def rank_geometry(rank: int) -> BlockGeometry:  # as the connector names them per rank
+        return BlockGeometry(base.num_layers, base.kv_parts, base.engine_blocks_per_block,
+                             base.page_bytes, base.dtype, f"mla;tp={rank}/2")
+
+    runtimes = []
+    for rank in (0, 1):
+        gpu = {f"layer.{i}": torch.zeros((2, 4, base.page_bytes), dtype=torch.uint8)
+               for i in range(base.num_layers)}
+        runtimes.append(WorkerRuntime.create(cfg, GpuKvView(gpu, layout="kv_first"),
+                                             rank_geometry(rank), rank=rank, world_size=2,
+                                             remote_geometry=rank_geometry(0), replicated=True))
+    try:
+        keys = [b"mla-0", b"mla-1"]
+        data = torch.randint(0, 255, (2, base.block_bytes), dtype=torch.uint8)
+        for rt in runtimes:
+            for slot in (0, 1):
+                rt.pool.slot(slot).copy_(data[slot])
+            [res] = rt.engine.wait([rt.engine.submit(LoadStoreSpec.cpu([0, 1]),
+                                                     LoadStoreSpec.remote(keys))])
+            assert res.ok
+        assert len(server.client().keys(b"kvtier:*")) == 2
+        # written once, not once per rank
+        assert runtimes[0].remote.stats().puts == 2 and runtimes[1].remote.stats().puts == 0
+        one = runtimes[1]
+        one.pool.slot(2).zero_(), one.pool.slot(3).zero_()
+        [res] = one.engine.wait([one.engine.submit(LoadStoreSpec.remote(keys),
+                                                   LoadStoreSpec.cpu([2, 3]))])
+        assert res.ok and res.failed_keys == ()
+        assert torch.equal(one.pool.slot(2), data[0]) and torch.equal(one.pool.slot(3), data[1])
+    finally:
+        for rt in runtimes:
+            rt.close()

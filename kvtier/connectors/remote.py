@@ -16,5 +16,6 @@ def open_remote_directory(settings: ConnectorSettings) -> RemoteDirectory | None
     cfg = settings.config.remote
     if cfg is None:
         return None
-    store = connect_remote(cfg, settings.geometry(0), rank=0, world_size=settings.world_size)
+    store = connect_remote(cfg, settings.geometry(0), rank=0, world_size=settings.world_size,
+                           replicated=settings.replicated_kv and settings.world_size > 1)
     return RemoteDirectory(store)

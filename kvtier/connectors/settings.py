@@ -52,6 +52,7 @@ class ConnectorSettings:
     kv_dtype: str  # dtype of the cache pages (informational part of the geometry)
     identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
+    replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -242,6 +243,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         kv_dtype=str(spec.dtype).replace("torch.", ""),
         identity=_model_identity(vllm_config, spec, layout, hash_algo),
         sync_load_budget_bytes=sync_load_budget(extra),
+        replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
     )
     config.check_block_bytes(settings.block_bytes)
     return settings

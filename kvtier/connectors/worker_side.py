@@ -100,8 +100,11 @@ class WorkerSide:
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
-        self.runtime = WorkerRuntime.create(config, view, geometry, rank=self.tp_rank,
-                                            world_size=self.settings.world_size)
+        replicated = self.settings.replicated_kv and self.settings.world_size > 1
+        self.runtime = WorkerRuntime.create(
+            config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
+            remote_geometry=self.settings.geometry(0) if replicated else None,
+            replicated=replicated)
         if self.runtime.store is not None:
             register_open_store(config.disk.path, self.runtime.store)
         self._stats_before = self.runtime.engine.stats()

@@ -23,6 +23,7 @@ from typing import Sequence
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
 from kvtier.manager.events import BlockAccessed, BlockStored
 from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec, Medium
+from kvtier.manager.tier_index import BlockState
 
 
 class RemoteTier:
@@ -42,23 +43,33 @@ class RemoteTier:
                              s.skipped_slower_than_recompute, s.failed_stores):
                 per_tier.setdefault("REMOTE", 0)
 
-    def _remote_run(self, keys: Sequence[BlockKey]) -> tuple[int, bool]:
-        """Leading run of ``keys`` the shared tier holds, and whether an answer is pending."""
-        if self.remote is None or not keys:
-            return 0, False
+    def _extend_with_remote(self, keys: Sequence[BlockKey], tiers: list) -> bool:
+        """``lookup``: append REMOTE for the leading run of ``keys[len(tiers):]`` the shared
+        tier holds; True when an answer is still pending (nothing is waited for)."""
+        if self.remote is None or len(tiers) >= len(keys):
+            return False
         self._sync_remote_stats()
-        n = 0
-        for present in self.remote.query(keys):
+        for present in self.remote.query(keys[len(tiers):]):
             if present is None:
-                return n, True
+                self.stats.remote_pending_lookups += 1
+                return True
             if not present:
                 break
-            n += 1
-        return n, False
+            tiers.append(Medium.REMOTE)
+        return False
 
-    def _remote_promote(self, key: BlockKey) -> bool:
-        """Whether ``key`` (held nowhere locally) can be promoted from the shared tier."""
-        return self.remote is not None and self.remote.known_present(key)
+    def _promote_from_remote(self, key: BlockKey):
+        """``prepare_load`` of a key held nowhere locally: a CPU slot reserved for its
+        REMOTE -> CPU hop (WRITING, promoted), or None (not held there, or no free slot)."""
+        if self.remote is None or not self.remote.known_present(key):
+            return None
+        if not self._make_room(1):
+            self.stats.load_truncated_no_space += 1
+            return None
+        entry = self.cpu.add(key, BlockState.WRITING)
+        entry.promoted = True
+        self._remote_promotions.add(key)
+        return entry
 
     def _settle_remote_promotion(self, key: BlockKey, bad: bool) -> bool:
         """``complete_load`` of a promoted key: True when it came from the shared tier."""

@@ -114,13 +114,8 @@ class TieredOffloadingManager(WriteBack, RemoteTier, OffloadingManager):
                 tiers.append(Medium.DISK)
             else:
                 break
-        pending = False
-        if self.remote is not None and len(tiers) < len(keys):
-            held, pending = self._remote_run(keys[len(tiers):])
-            tiers.extend([Medium.REMOTE] * held)
-            if pending:
-                self.stats.remote_pending_lookups += 1
-                return LookupResult(tuple(tiers), pending=True)
+        if self._extend_with_remote(keys, tiers):  # the server's answer is on its way
+            return LookupResult(tuple(tiers), pending=True)
         if self.cost is not None and tiers:
             keep = self.cost.worth_loading(tiers)
             for medium in tiers[keep:]:  # resident, but recomputing them is faster
@@ -194,11 +189,9 @@ class TieredOffloadingManager(WriteBack, RemoteTier, OffloadingManager):
             if key in self.cpu:  # a promotion of it already in flight
                 break
             if d is None:  # held by the shared tier, or a miss
-                if not self._remote_promote(key) or not self._make_room(1):
+                entry = self._promote_from_remote(key)
+                if entry is None:
                     break
-                entry = self.cpu.add(key, BlockState.WRITING)
-                entry.promoted = True
-                self._remote_promotions.add(key)
                 remote_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
                 joined.append(False), from_remote.append(True)

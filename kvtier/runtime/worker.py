@@ -51,7 +51,11 @@ class WorkerRuntime:
 
     @classmethod
     def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry, *,
-               rank: int = 0, world_size: int = 1) -> "WorkerRuntime":
+               rank: int = 0, world_size: int = 1, remote_geometry: BlockGeometry | None = None,
+               replicated: bool = False) -> "WorkerRuntime":
+        """``replicated``: every rank holds the same bytes (MLA), so the shared tier keeps one
+        value per block: rank 0 writes it (under ``remote_geometry``, rank 0's), every rank
+        reads it."""
         config.check_block_bytes(geometry.block_bytes)
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin)
         store = None
@@ -71,9 +75,11 @@ class WorkerRuntime:
                              DiskDropHandler(store)]
         remote = None
         if config.remote is not None:  # connects lazily: a down server costs nothing here
-            remote = connect_remote(config.remote, geometry, rank=rank, world_size=world_size)
+            remote = connect_remote(config.remote, remote_geometry or geometry, rank=rank,
+                                    world_size=world_size, replicated=replicated)
             blocks = RemoteBlocks(remote)
-            handlers += [CpuToRemoteHandler(pool, blocks), RemoteToCpuHandler(pool, blocks)]
+            handlers += [CpuToRemoteHandler(pool, blocks, write=rank == 0 or not replicated),
+                         RemoteToCpuHandler(pool, blocks)]
         return cls(geometry, pool, store, TransferEngine(handlers), remote)
 
     def disk_keys(self) -> list[bytes]:

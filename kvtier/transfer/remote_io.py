@@ -21,19 +21,23 @@ from kvtier.transfer.jobs import TransferOutcome
 
 
 class CpuToRemoteHandler(TransferHandler):
-    """Write-back: CPU slots (src) -> server values under ``keys`` (dst)."""
+    """Write-back: CPU slots (src) -> server values under ``keys`` (dst). ``write=False``: a
+    rank whose bytes another rank already writes (replicated MLA caches) reports the job done
+    without sending anything, so each block is stored once, not once per rank."""
 
     direction = (Medium.CPU, Medium.REMOTE)
 
-    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = 4) -> None:
+    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = 4,
+                 write: bool = True) -> None:
         self.pool = pool
         self.blocks = blocks
         self.concurrency = concurrency
+        self.write = write
 
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
         self.check_media(src, dst)
         _check_pairs(self.name, self.pool, src.ids, dst.keys)
-        if not src.ids:
+        if not src.ids or not self.write:
             return TransferOutcome()
         keys = dst.keys
         values = await self.run_blocking(self._encode, keys, src.ids)
