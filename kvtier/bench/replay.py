@@ -376,6 +376,8 @@ class Replay:
             self.metrics.close()
         if self.snapshot is not None:
             self.snapshot.close()
+        if self.remote is not None:
+            self.remote.close()
         self.worker.close()
 
 

@@ -390,6 +390,7 @@ class SchedulerSide:
     def shutdown(self) -> None:
         self.observability.close()
         if self.remote is not None:
+            self.remote.close()
             self.remote.store.close()
 
     def take_stats(self) -> KVTierStats | None:

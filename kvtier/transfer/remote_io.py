@@ -20,6 +20,10 @@ from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import TransferOutcome
 
 
+WRITE_JOBS = 4  # CPU -> REMOTE jobs at once (each sends its blocks' SETs concurrently)
+READ_JOBS = 4
+
+
 class CpuToRemoteHandler(TransferHandler):
     """Write-back: CPU slots (src) -> server values under ``keys`` (dst). ``write=False``: a
     rank whose bytes another rank already writes (replicated MLA caches) reports the job done
@@ -27,7 +31,7 @@ class CpuToRemoteHandler(TransferHandler):
 
     direction = (Medium.CPU, Medium.REMOTE)
 
-    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = 4,
+    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = WRITE_JOBS,
                  write: bool = True) -> None:
         self.pool = pool
         self.blocks = blocks
@@ -58,7 +62,7 @@ class RemoteToCpuHandler(TransferHandler):
 
     direction = (Medium.REMOTE, Medium.CPU)
 
-    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = 4) -> None:
+    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = READ_JOBS) -> None:
         self.pool = pool
         self.blocks = blocks
         self.concurrency = concurrency

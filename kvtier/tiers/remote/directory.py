@@ -7,6 +7,11 @@ answered at once; the others are asked in one batch on the store's loop and read
 A failed or degraded server answers "absent", so a dead tier costs only its hits. Answers are
 hints: a key can be evicted between the answer and the read, which the read then reports as a
 miss (recomputed), never as wrong bytes.
+
+The scheduler's thread never hands the question to the store's loop itself: that hand-off
+writes to the loop's wake-up socket, a system call that releases the GIL, after which the
+woken loop thread kept the scheduler waiting for up to ~3 ms (measured, 2-core machine). It
+only queues the keys and sets an event; an asker thread of the directory does the hand-off.
 """
 
 from __future__ import annotations
@@ -31,8 +36,15 @@ class RemoteDirectory:
         self._lock = threading.Lock()
         self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._asking: set[bytes] = set()
+        self._outbox: list[bytes] = []  # asked by query(), not yet handed to the store
+        self._probe_wanted = False
+        self._wake = threading.Event()
+        self._closed = False
         self.queries = 0  # batches sent to the server
         self.answered_present = 0
+        self._asker = threading.Thread(target=self._ask_loop, name="kvtier-remote-ask",
+                                       daemon=True)
+        self._asker.start()
 
     def query(self, keys: Sequence[bytes]) -> list[bool | None]:
         """For each key: True (held), False (not held, or the tier is down) or None (asked,
@@ -55,11 +67,33 @@ class RemoteDirectory:
                     self._asking.add(key)
                     ask.append(key)
                     out.append(None)
-        if down and self.store.health.probe_due():
-            self.store.submit(self.store.probe())
-        if ask:
-            self._ask(ask)
+            self._outbox.extend(ask)
+            probe = down and self.store.health.probe_due()
+            self._probe_wanted |= probe
+        if ask or probe:
+            self._wake.set()
         return out
+
+    def _ask_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                keys, self._outbox = self._outbox, []
+                probe, self._probe_wanted = self._probe_wanted, False
+            if probe:
+                try:
+                    self.store.submit(self.store.probe())
+                except RemoteUnavailable:
+                    pass
+            if keys:
+                self._ask(keys)
+
+    def close(self) -> None:
+        """Stop the asker thread (the store is closed by its owner)."""
+        self._closed = True
+        self._wake.set()
+        self._asker.join(timeout=5)
 
     def _ask(self, keys: list[bytes]) -> None:
         self.queries += 1
