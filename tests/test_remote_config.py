@@ -54,6 +54,7 @@ def test_environment_enables_and_overrides():
     ("    url: redis://h:1\n    admission: reuse_gate\n    store_threshold: 3\n", 4,
      "tiers.remote.admission", "contradicts"),
     ("    url: redis://h:1\n    ttl: 3\n", 4, "tiers.remote.ttl", "unknown key"),
+    ("    url: redis://h:1\n    lookup_ttl_s: 0\n", 4, "tiers.remote.lookup_ttl_s", "range"),
 ])
 def test_bad_input_names_the_line_and_key(text, line, key, words):
     with pytest.raises(ConfigError) as err:

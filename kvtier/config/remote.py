@@ -171,7 +171,8 @@ def build_remote(reader: "_Reader", admissions: tuple[str, ...],
         capacity=capacity,
         max_writes_in_flight=reader.get_int("tiers.remote.max_writes_in_flight", 256, 1,
                                             1 << 20),
+        # an answer must outlive the step between vLLM's lookup and its load planning
         lookup_ttl_s=reader.get_float("tiers.remote.lookup_ttl_s", 2.0,
-                                      "a number of seconds from 0 to 3600",
-                                      lambda s: 0 <= s <= 3600),
+                                      "a number of seconds from 0.1 to 3600",
+                                      lambda s: 0.1 <= s <= 3600),
     )
