@@ -206,3 +206,21 @@ def test_replicated_ranks_store_each_block_once_and_all_read_it(tmp_path, valkey
     finally:
         for rt in runtimes:
             rt.close()
+
+
+def test_server_evicting_under_maxmemory_costs_hits_only(tmp_path, valkey, trace):
+    """A server smaller than the blocks written: allkeys-lru evicts as the instances write. The
+    next instance hits what survived (exact bytes); a key evicted between the presence answer
+    and the read is a failed load, recomputed; nothing is an error."""
+    server = valkey("--maxmemory", "10mb", "--maxmemory-policy", "allkeys-lru")
+    cfg = config(tmp_path, {"url": server.url})
+    first = replay(cfg, trace)
+    written = first["manager"]["stored_blocks"]["REMOTE"]
+    assert written * BLOCK > 14 << 20  # more than the server keeps
+    second = replay(cfg, trace)
+    assert second["wrong_blocks"] == 0 and second["pins"] == 0
+    assert 0 < second["blocks"]["REMOTE"] < written
+    assert second["blocks"]["MISS"] > 0
+    r = second["remote"]
+    assert second["failed_loads"] == r["misses"] + r["rejected"] and r["rejected"] == 0
+    assert not r["degraded"] and r["errors"] == 0
