@@ -10,6 +10,7 @@ import json
 from click.testing import CliRunner
 
 from kvtier.cli.main import cli as main
+from kvtier.metrics.exporter import metric_families
 from remote.fixtures import valkey  # noqa: F401 - pytest fixture
 
 
@@ -40,6 +41,11 @@ def test_bench_json_reports_remote_blocks(tmp_path, valkey):
     assert second["wrong_blocks"] == 0
     assert second["usage"]["REMOTE"]["capacity_blocks"] == (1 << 30) // (64 << 10)
     assert second["transfers"]["REMOTE->CPU"]["bytes"] > 0
+    families = {f.name: f for f in metric_families(second)}
+    assert any(s.labels.get("tier") == "REMOTE" and s.value > 0
+               for s in families["kvtier_manager_hit_blocks"].samples)
+    assert families["kvtier_remote_degraded"].samples[0].value == 0
+    assert families["kvtier_remote_rejected"].samples[0].value == 0
     res = CliRunner().invoke(main, ["stats", "--snapshot", str(tmp_path / "snap.json"), "--json"])
     assert res.exit_code == 0, res.output
     stats = json.loads(res.output)

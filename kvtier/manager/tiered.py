@@ -9,6 +9,9 @@
   evicted. A store that finds no unpinned slot is cut short (counted) instead of blocking.
 * A disk hit is promoted: ``prepare_load`` reserves a CPU slot for it; the worker runs
   DISK -> CPU then CPU -> GPU; ``complete_load`` publishes the CPU copy.
+* The shared tier (Redis/Valkey; ``RemoteTier`` in ``remote_tier.py``): lookups ask a presence
+  directory without waiting (``LookupResult.pending``), a hit is promoted REMOTE -> CPU like a
+  disk hit, stored CPU blocks are written back behind the tier's admission.
 * Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
   come out of ``take_background_transfers`` and are reported back through
   ``complete_background``.

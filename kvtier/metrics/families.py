@@ -110,7 +110,10 @@ def samples(spec: MetricSpec, stats: dict) -> Iterator[tuple[str | None, float]]
 
     def walk(node: Any, steps: list[str], label: str | None):
         if not steps:
-            value = _number(node)
+            # a flag (disk_degraded, remote_degraded) is a gauge of 1 while set; elsewhere a
+            # bool is junk, not a count
+            flag = spec.kind == "gauge" and isinstance(node, bool)
+            value = float(node) if flag else _number(node)
             if value is not None:
                 yield label, value
             return
