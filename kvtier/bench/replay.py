@@ -38,8 +38,10 @@ from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
+from kvtier.tiers.remote.directory import RemoteDirectory
 
 BENCH_LAYERS = 4
+TIERS = ("GPU", "CPU", "DISK", "REMOTE")  # where a block's hit came from
 
 
 def bench_geometry(block_bytes: int) -> BlockGeometry:
@@ -48,6 +50,15 @@ def bench_geometry(block_bytes: int) -> BlockGeometry:
         raise ValueError(f"block size must be a multiple of {BENCH_LAYERS * 4} bytes, got {block_bytes}")
     return BlockGeometry(num_layers=BENCH_LAYERS, kv_parts=2, engine_blocks_per_block=1,
                          page_bytes=page, dtype="bfloat16", model="kvtier-bench-synthetic")
+
+
+def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    """p50 / p99 of lookup call durations in ms (what a scheduler step spends per lookup)."""
+    if not seconds:
+        return {}
+    s = sorted(seconds)
+    pick = lambda q: round(s[min(len(s) - 1, int(q * len(s)))] * 1e3, 4)  # noqa: E731
+    return {"lookup_p50_ms": pick(0.5), "lookup_p99_ms": pick(0.99), "lookups_timed": len(s)}
 
 
 def block_key(hash_id: int) -> bytes:
@@ -69,8 +80,8 @@ def synth_block(key: bytes, block_bytes: int) -> torch.Tensor:
 @dataclass
 class BenchResult:
     requests: int = 0
-    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("GPU", "CPU", "DISK", "MISS"), 0))
-    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("GPU", "CPU", "DISK", "MISS"), 0))
+    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS + ("MISS",), 0))
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS + ("MISS",), 0))
     wrong_blocks: int = 0
     failed_loads: int = 0
     failed_jobs: int = 0
@@ -141,8 +152,13 @@ class Replay:
         self.worker = WorkerRuntime.create(config, self.view, g)
         # a trace block is one kvtier block of 512 tokens, whatever block_tokens the YAML says
         # (the manager's cost model prices recompute per block with it)
+        self.remote = (RemoteDirectory(self.worker.remote) if self.worker.remote is not None
+                       else None)
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
-                                     g.block_bytes, self.worker.disk_keys())
+                                     g.block_bytes, self.worker.disk_keys(), self.remote)
+        self.lookup_wait_s = 0.0  # time spent waiting for the shared tier's presence answers
+        self.max_lookup_s = 0.0  # the longest single (non-blocking) lookup call
+        self.lookup_s: list[float] = []  # every lookup call's duration (shared tier only)
         self.engine_cache = EngineCache(gpu_blocks)
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
@@ -169,6 +185,11 @@ class Replay:
         }
         if self.worker.store is not None:
             out["disk"] = self.worker.store.stats().to_dict()
+        if self.worker.remote is not None:
+            out["remote"] = {**self.worker.remote.stats().to_dict(),
+                             "lookup_wait_s": round(self.lookup_wait_s, 4),
+                             "max_lookup_ms": round(self.max_lookup_s * 1e3, 3),
+                             **_percentiles_ms(self.lookup_s)}
         return out
 
     def live_stats(self) -> dict:
@@ -176,8 +197,8 @@ class Replay:
         r = self.result
         blocks, tokens = dict(r.blocks), dict(r.tokens)
         out = self._tier_stats()
-        out["requests"] = {"hit_blocks": {t: blocks[t] for t in ("GPU", "CPU", "DISK")},
-                           "hit_tokens": {t: tokens[t] for t in ("GPU", "CPU", "DISK")},
+        out["requests"] = {"hit_blocks": {t: blocks[t] for t in TIERS},
+                           "hit_tokens": {t: tokens[t] for t in TIERS},
                            "miss_blocks": blocks["MISS"], "miss_tokens": tokens["MISS"]}
         if self.events is not None:
             pub = self.events.publisher
@@ -235,6 +256,26 @@ class Replay:
         self.result.blocks[tier] += n
         self.result.tokens[tier] += sum(req.block_tokens(i) for i in range(first, first + n))
 
+    def _lookup(self, keys: Sequence[bytes]) -> int:
+        """Hits of ``keys``. A lookup never blocks; while the shared tier's answer is pending
+        the simulated scheduler steps (pumps completions) and asks again, as vLLM does after
+        a ``None`` from the connector."""
+        first = None
+        while True:
+            t0 = time.perf_counter()
+            found = self.manager.lookup(keys, sighting=first is None)
+            now = time.perf_counter()
+            self.max_lookup_s = max(self.max_lookup_s, now - t0)
+            if self.remote is not None:
+                self.lookup_s.append(now - t0)
+            if not found.pending:
+                if first is not None:
+                    self.lookup_wait_s += now - first
+                return found.num_hits
+            first = first or t0
+            self.pump()
+            time.sleep(0.0005)
+
     def run_request(self, req: TraceRequest) -> None:
         keys = [block_key(h) for h in req.hash_ids]
         n_gpu = self.engine_cache.prefix_hits(keys)
@@ -242,27 +283,32 @@ class Replay:
         rest = keys[n_gpu:]
         loaded = 0
         if rest:
-            hits = self.manager.lookup(rest).num_hits
+            hits = self._lookup(rest)
             # loads are waited for one at a time: no promotion is ever in flight to join
             plan = self.manager.prepare_shared_load(rest[:hits]) if hits else None
             if plan is not None and plan.keys:
                 ids = self._allocate(plan.keys)
-                hops = load_hops(plan.keys, plan.cpu_slots, plan.from_disk, ids, 1)
+                hops = load_hops(plan.keys, plan.cpu_slots, plan.from_disk, ids, 1,
+                                 from_remote=plan.from_remote)
                 res = self.worker.engine.wait([self.worker.engine.submit_chain(hops)])[0]
                 for medium, nbytes, seconds in measured_hops(res):
                     self.manager.record_load(medium, nbytes, seconds)
                 self.engine_cache.pin(ids, -1)
                 disk_keys = [k for k, d in zip(plan.keys, plan.from_disk) if d]
-                failed = failed_load_keys(res, disk_keys)
+                remote_keys = [k for k, r in zip(plan.keys, plan.from_remote) if r]
+                failed = failed_load_keys(res, disk_keys, remote_keys=remote_keys)
                 self.manager.complete_load(plan.keys, failed)
                 self.result.failed_jobs += not res.ok
                 untrusted = gpu_untrusted(res)  # a hop raised: recompute every block
                 good = 0
-                for key, block, from_disk in zip(plan.keys, ids, plan.from_disk):
+                remote = plan.from_remote or (False,) * len(plan.keys)
+                for key, block, from_disk, from_remote in zip(plan.keys, ids, plan.from_disk,
+                                                              remote):
                     if untrusted or key in failed:
                         break
                     self.result.wrong_blocks += not self._gpu_matches(key, block)
-                    self._count("DISK" if from_disk else "CPU", req, n_gpu + good, 1)
+                    tier = "REMOTE" if from_remote else "DISK" if from_disk else "CPU"
+                    self._count(tier, req, n_gpu + good, 1)
                     good += 1
                 loaded = good
                 self.result.failed_loads += len(plan.keys) - good
@@ -333,6 +379,8 @@ class Replay:
             self.metrics.close()
         if self.snapshot is not None:
             self.snapshot.close()
+        if self.remote is not None:
+            self.remote.close()
         self.worker.close()
 
 

@@ -41,7 +41,9 @@ def _table(report: dict) -> Table:
     t = Table(title=f"kvtier bench: {report['requests']} requests in {report['seconds']:.1f}s")
     for col in ("tier", "blocks", "tokens", "block hit rate", "token hit rate"):
         t.add_column(col, justify="right" if col != "tier" else "left")
-    for tier in ("GPU", "CPU", "DISK", "MISS"):
+    for tier in ("GPU", "CPU", "DISK", "REMOTE", "MISS"):
+        if tier == "REMOTE" and "remote" not in report:
+            continue
         t.add_row(tier, str(report["blocks"][tier]), str(report["tokens"][tier]),
                   f"{report['block_hit_rate'][tier]:.1%}", f"{report['token_hit_rate'][tier]:.1%}")
     return t
@@ -137,6 +139,20 @@ def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool
     click.echo(format_table(results, ceiling))
 
 
+def run_shared_bench(config_path, trace, trace_name: str, block_bytes: int, gpu_blocks: int):
+    from kvtier.bench.shared import run_shared
+
+    config = load_config(config_path) if config_path else None
+    if config is None or config.remote is None:
+        raise click.UsageError("--shared needs --config with a tiers.remote section "
+                               "(a Redis/Valkey server to share)")
+    report = run_shared(config, trace, block_bytes, gpu_blocks)
+    report["trace"] = trace_name
+    click.echo(json.dumps(report, default=str))
+    if report["wrong_blocks"]:
+        sys.exit(1)
+
+
 @click.command()
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Mooncake-format JSONL trace (default: a small bundled sample).")
@@ -166,18 +182,24 @@ def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool
                    "engine); hit counts then depend on thread timing and vary run to run. "
                    "Default: each request's transfers finish before the next request, so the "
                    "same trace and config give the same counts every run.")
+@click.option("--shared", "do_shared", is_flag=True,
+              help="Shared tier (needs tiers.remote in --config): two instances replay the "
+                   "trace's halves against one Redis/Valkey tier, vs one instance with twice "
+                   "the CPU capacity; plus the tier's GB/s vs a raw redis-py client's.")
 @user_errors
 def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, policies, config_path,
-          as_json, limit, block_kib, gpu_blocks, overlap):
+          as_json, limit, block_kib, gpu_blocks, overlap, do_shared):
     """Replay a request trace through kvtier's manager, transfer workers and tiers.
 
-    Prints per-tier hit rates (GPU/CPU/disk/miss, in blocks and tokens), bytes and GB/s per
+    Prints per-tier hit rates (GPU/CPU/disk/remote/miss, in blocks and tokens), bytes and GB/s per
     transfer direction, evictions, the disk compression ratio, and the number of wrong blocks
     served (every load is checked byte for byte; it must be 0).
 
     With --compare: one table of block and token hit rate, blocks written, wasted writes
     (evicted before a single hit), share of the LRU->Belady gap closed and writes relative to
     LRU, per policy and capacity.
+
+    With --shared: the cross-instance report of the shared tier (one JSON object).
     """
     if shape and trace_path:
         raise click.UsageError("give --trace or --shape, not both")
@@ -200,6 +222,10 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
     gpu_blocks = gpu_blocks or max(64, 2 * longest)
     _check_simulated_gpu(gpu_blocks, block_kib)
     from kvtier.bench.replay import Replay  # torch: only here, where bytes move
+
+    if do_shared:
+        run_shared_bench(config_path, trace, trace_name, block_kib * 1024, gpu_blocks)
+        return
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         config = load_config(config_path) if config_path else default_bench_config(Path(tmp) / "disk")

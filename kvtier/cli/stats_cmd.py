@@ -116,6 +116,10 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
     out: dict = {"tiers": {}, "instance": None}
     if config is not None:
         out["tiers"]["CPU"] = {"capacity_bytes": config.cpu.capacity, "eviction": config.cpu.eviction}
+    if config is not None and config.remote is not None:  # the server's maxmemory is the budget
+        r = config.remote
+        out["tiers"]["REMOTE"] = {"capacity_bytes": r.capacity, "capacity_is": "advisory",
+                                  "server": r.url or ",".join(r.nodes)}
     if disk_dir is not None:
         if not Path(disk_dir).is_dir():
             raise ConfigError(f"no such directory: {disk_dir}", file=str(disk_dir), key="--dir",
@@ -230,6 +234,14 @@ def print_stats(data: dict, console: Console) -> None:
         parts.append("admission rejections " + ", ".join(f"{k} {v}" for k, v in m["admission_rejected"].items()))
     if "checksum_failures" in d:
         parts.append(f"checksum failures {d['checksum_failures']}")
+    if "remote_degraded" in m:
+        state = "DEGRADED" if m["remote_degraded"] else "ok"
+        parts.append(f"shared tier {state} ({m.get('remote_degradations', 0)} degradations, "
+                     f"{m.get('remote_writes_skipped', 0)} write-backs skipped)")
+    r = inst.get("remote") or {}
+    if r:
+        parts.append(f"shared tier values rejected {r.get('rejected', 0)}, "
+                     f"errors {r.get('errors', 0)}")
     if ev:
         parts.append(f"events: {ev.get('batches', 0)} batches, {ev.get('dropped_events', 0)} dropped")
     console.print("; ".join(parts))

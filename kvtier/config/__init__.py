@@ -16,6 +16,7 @@ from kvtier.config.schema import (
     MetricsConfig,
     StatsConfig,
 )
+from kvtier.config.remote import RemoteTierConfig
 from kvtier.config.sizes import format_size, parse_size
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "EventsConfig",
     "KvtierConfig",
     "MetricsConfig",
+    "RemoteTierConfig",
     "StatsConfig",
     "format_size",
     "load_config",

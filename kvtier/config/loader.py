@@ -25,6 +25,7 @@ from yaml.nodes import ScalarNode
 
 from kvtier.config.errors import ConfigError
 from kvtier.config.machine import make_private_dir, physical_memory
+from kvtier.config.remote import build_remote
 from kvtier.config.reader import (
     _ADMISSION,
     _POLICY,
@@ -102,6 +103,8 @@ class _Builder(_Reader):
                                       _ADMISSION),
         )
         disk = self.build_disk() if "tiers.disk" in self.items else None
+        remote = (build_remote(self, ADMISSION_POLICIES, COMPRESSIONS)
+                  if "tiers.remote" in self.items else None)
         admission = AdmissionConfig(
             store_threshold=self.get_int("admission.store_threshold", 1),
             offload_ratio=self.get_float("admission.offload_ratio", 1.0, "a number in (0, 1]",
@@ -122,7 +125,8 @@ class _Builder(_Reader):
             key: ("<env>", None, item.env) if item.env else (self.source, item.line, key)
             for key, item in self.items.items()
         }
-        return KvtierConfig(block_tokens=block_tokens, cpu=cpu, disk=disk, admission=admission,
+        return KvtierConfig(block_tokens=block_tokens, cpu=cpu, disk=disk, remote=remote,
+                            admission=admission,
                             stats=stats, events=events, metrics=metrics, cost=cost,
                             source=self.source,
                             origins=origins)

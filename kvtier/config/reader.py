@@ -21,6 +21,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from kvtier.config.env import ENV_OVERRIDES
 from kvtier.config.errors import ConfigError
+from kvtier.config.remote import REMOTE_KEYS
 from kvtier.config.schema import ENDPOINT_ALLOWED, MAX_SIZE, endpoint_problem
 from kvtier.config.sizes import format_size, parse_size
 
@@ -33,10 +34,11 @@ _ADMISSION = "admission policy"
 # Allowed keys of every section; a dotted name here is a section, anything else a value.
 _LAYOUT: dict[str, tuple[str, ...]] = {
     "": ("block_tokens", "tiers", "admission", "stats", "events", "metrics", "cost"),
-    "tiers": ("cpu", "disk"),
+    "tiers": ("cpu", "disk", "remote"),
     "tiers.cpu": ("capacity", "eviction", "pin", "admission"),
     "tiers.disk": ("path", "capacity", "eviction", "compression", "zstd_level", "fsync",
                    "segment_bytes", "store_threshold", "admission"),
+    "tiers.remote": REMOTE_KEYS,
     "admission": ("store_threshold", "offload_ratio", "max_offload_tokens"),
     "stats": ("snapshot_path", "interval_s"),
     "events": ("endpoint", "replay_endpoint", "topic", "buffer_batches", "allow_remote"),
@@ -45,7 +47,7 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
 }
 
 # Sections that exist only when configured: a KVTIER_* variable for one of their keys enables it.
-_OPTIONAL_SECTIONS = ("tiers.disk", "events", "metrics", "cost")
+_OPTIONAL_SECTIONS = ("tiers.disk", "tiers.remote", "events", "metrics", "cost")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvtier.config.errors import ConfigError
+from kvtier.config.remote import RemoteTierConfig
 from kvtier.config.sizes import format_size
 
 EVICTION_POLICIES = ("lru", "arc")
@@ -180,6 +181,7 @@ class KvtierConfig:
     block_tokens: int = 16
     cpu: CpuTierConfig = field(default_factory=lambda: CpuTierConfig(DEFAULT_CPU_CAPACITY))
     disk: DiskTierConfig | None = None
+    remote: RemoteTierConfig | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     events: EventsConfig | None = None

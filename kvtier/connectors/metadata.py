@@ -43,6 +43,7 @@ class LoadJob:
     after: tuple[int, ...] = ()
     unloaded_gpu_ids: tuple[int, ...] = ()
     sync: bool = False
+    from_remote: tuple[bool, ...] = ()  # read key i from the shared tier first (empty: none)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 from kvtier.connectors.compat.hints import request_hints
 from kvtier.connectors.compat.req_data import written_block_ids
 from kvtier.connectors.disk_keys import restored_keys
+from kvtier.connectors.remote import open_remote_directory
 from kvtier.connectors.events import VllmEventConverter
 from kvtier.connectors.group_keys import GroupKeyMap
 from kvtier.connectors.forward_timer import RecomputeEstimate
@@ -57,7 +58,8 @@ class SchedulerSide:
         bb = settings.block_bytes
         disk_keys, partial_keys = restored_keys(
             settings.disk_paths(), [settings.geometry(r) for r in range(settings.world_size)])
-        manager = build_manager(settings.config, bb, disk_keys, partial_keys)
+        self.remote = open_remote_directory(settings)
+        manager = build_manager(settings.config, bb, disk_keys, partial_keys, remote=self.remote)
         if not isinstance(manager, OffloadRatioAdmission):
             # a no-op by default; lets per-request kv_transfer_params limit offloading
             manager = OffloadRatioAdmission(manager, 1.0, None)
@@ -123,8 +125,10 @@ class SchedulerSide:
             return 0, False
         found = self.manager.lookup(self.keymap.keys(request, start, stop),
                                     sighting=not t.sighted)
-        hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
         t.sighted = True
+        if found.pending:  # the shared tier is being asked: vLLM asks again next step
+            return None, False
+        hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
         if hits == 0:
             if self._tl.enabled:
@@ -190,6 +194,7 @@ class SchedulerSide:
             cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
             gpu_ids=tuple(gpu_ids), joined=tuple(joined),
             after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
+            from_remote=tuple(plan.from_remote),
         ))
         t.load_job = job_id
         t.load_first_index = start
@@ -197,9 +202,14 @@ class SchedulerSide:
             self._tl.mark("sched", "plan_load", req=t.req_id, job=job_id, blocks=len(plan.keys),
                           sync=sync, disk=sum(plan.from_disk))
         disk = sum(1 for f, j in zip(plan.from_disk, joined) if f or j)
-        t.hit_tokens = {"CPU": (len(plan.keys) - disk) * bt // per, "DISK": disk * bt // per}
+        remote = sum(plan.from_remote)
+        t.hit_tokens = {"CPU": (len(plan.keys) - disk - remote) * bt // per,
+                        "DISK": disk * bt // per}
         self._stats.add("hit_tokens_cpu", t.hit_tokens["CPU"])
         self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
+        if remote:
+            t.hit_tokens["REMOTE"] = remote * bt
+            self._stats.add("hit_tokens_remote", remote * bt)
         self._stats.add("unloadable_tokens", len(unloaded) * bs)
         t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
         if self._describe:
@@ -401,6 +411,9 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.observability.close()
+        if self.remote is not None:
+            self.remote.close()
+            self.remote.store.close()
 
     def take_stats(self) -> KVTierStats | None:
         if self._stats.is_empty():

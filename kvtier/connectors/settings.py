@@ -64,6 +64,7 @@ class ConnectorSettings:
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
+    replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -287,6 +288,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         sync_load_budget_bytes=sync_load_budget(extra),
         vllm_kv_events=kv_events_enabled(vllm_config),
         groups=hybrid,
+        replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
     )
     config.check_block_bytes(settings.block_bytes)
     return settings

@@ -128,7 +128,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None or num_external_tokens == 0:
             return {}
         hits = self._sched.hit_sources(request)
-        out = {CacheHitSource.HOST: hits.get("CPU", 0), CacheHitSource.DISK: hits.get("DISK", 0)}
+        out = {CacheHitSource.HOST: hits.get("CPU", 0), CacheHitSource.DISK: hits.get("DISK", 0),
+               CacheHitSource.EXTERNAL_UNSPECIFIED: hits.get("REMOTE", 0)}
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:

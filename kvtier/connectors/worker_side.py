@@ -114,7 +114,11 @@ class WorkerSide:
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
-        self.runtime = WorkerRuntime.create(config, view, geometry)
+        replicated = self.settings.replicated_kv and self.settings.world_size > 1
+        self.runtime = WorkerRuntime.create(
+            config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
+            remote_geometry=self.settings.geometry(0) if replicated else None,
+            replicated=replicated)
         if self.runtime.store is not None:
             register_open_store(config.disk.path, self.runtime.store)
         self._stats_before = self.runtime.engine.stats()
@@ -313,15 +317,16 @@ class WorkerSide:
         if excluded:
             excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
         self._running[job.job_id] = _Running("load", job.req_id, job, frozenset(excluded))
-        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, k, excluded)
-        if self.asleep:  # the GPU pages are suspended: recompute (reported as load errors)
-            first = (Medium.DISK, Medium.CPU) if any(job.from_disk) else (Medium.CPU, Medium.GPU)
-            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
-                                      0, 0.0, first))  # a disk read never ran: keys failed
-            return
+        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, k, excluded,
+                         from_remote=job.from_remote)
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
+            return
+        if self.asleep:  # the GPU pages are suspended: recompute (reported as load errors)
+            first = hops[0][0].medium, hops[0][1].medium
+            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
+                                      0, 0.0, first))  # a promotion never ran: keys failed
             return
         rt = self._rt()
         self._submit(lambda: rt.engine.submit_chain(hops, job_id=job.job_id), job.job_id,
@@ -361,8 +366,11 @@ class WorkerSide:
     def _on_load(self, r: JobResult, running: _Running) -> None:
         job = running.load
         assert job is not None
-        disk_keys = {key for key, d in zip(job.keys, job.from_disk) if d}
-        failed = failed_load_keys(r, disk_keys, running.excluded)
+        disk_keys = ({key for key, d in zip(job.keys, job.from_disk) if d}
+                     if any(job.from_disk) else set())
+        remote_keys = ({key for key, d in zip(job.keys, job.from_remote) if d}
+                       if any(job.from_remote) else set())
+        failed = failed_load_keys(r, disk_keys, running.excluded, remote_keys)
         bad_gpu: set[int] = set(job.unloaded_gpu_ids)
         if gpu_untrusted(r):
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)

@@ -9,7 +9,8 @@ runs the transfers: ``record_load``) and knows the engine's recompute time per t
 (configured), and ``lookup`` reports only the leading hits whose loading pays off.
 
 Per block, loading from CPU costs ``B / bw_cpu``; from disk ``B / bw_disk + B / bw_cpu`` (the
-promotion goes DISK -> CPU -> GPU); recomputing costs ``block_tokens * t_token``. Hits are a
+promotion goes DISK -> CPU -> GPU), from the shared tier likewise with its own measured
+bandwidth; recomputing costs ``block_tokens * t_token``. Hits are a
 prefix, so the choice is where to cut it: the cut that maximises the time saved (a slow disk
 block is still worth loading when enough fast CPU blocks follow it). An unmeasured tier gets an
 optimistic prior so that it is tried, and therefore measured; a tier found too slow is still
@@ -82,7 +83,8 @@ class LoadCostModel:
             raise ValueError(f"probe_every must be >= 0 (0: never probe), got {probe_every}")
         self.block_bytes = block_bytes
         self.recompute_block_s = block_tokens * recompute_s_per_token
-        self.bandwidth = {m: LoadBandwidth(prior_bytes_per_s) for m in (Medium.CPU, Medium.DISK)}
+        self.bandwidth = {m: LoadBandwidth(prior_bytes_per_s)
+                          for m in (Medium.CPU, Medium.DISK, Medium.REMOTE)}
         self.probe_every = probe_every
         self.cuts = 0  # lookups cut short because loading lost to recompute
         self.probes = 0  # of those, loaded in full anyway to re-measure
@@ -101,8 +103,8 @@ class LoadCostModel:
     def load_block_s(self, medium: Medium) -> float:
         """Estimated seconds to bring one block from ``medium`` into the engine."""
         t = self.block_bytes / self.bandwidth[Medium.CPU].bytes_per_s
-        if medium is Medium.DISK:
-            t += self.block_bytes / self.bandwidth[Medium.DISK].bytes_per_s
+        if medium is Medium.DISK or medium is Medium.REMOTE:  # promoted through CPU
+            t += self.block_bytes / self.bandwidth[medium].bytes_per_s
         return t
 
     def worth_loading(self, tiers: Sequence[Medium]) -> int:
@@ -110,13 +112,12 @@ class LoadCostModel:
         that saves the most time against recomputing them (ties: load fewer)."""
         if not tiers:
             return 0
-        save_cpu = self.recompute_block_s - self.load_block_s(Medium.CPU)
-        save_disk = self.recompute_block_s - self.load_block_s(Medium.DISK)
-        if save_cpu > 0 and (save_disk > 0 or Medium.DISK not in tiers):
+        save = {m: self.recompute_block_s - self.load_block_s(m) for m in set(tiers)}
+        if all(v > 0 for v in save.values()):
             return len(tiers)
         best, best_n, acc = 0.0, 0, 0.0
         for n, medium in enumerate(tiers, 1):
-            acc += save_disk if medium is Medium.DISK else save_cpu
+            acc += save[medium]
             if acc > best:
                 best, best_n = acc, n
         if best_n < len(tiers):

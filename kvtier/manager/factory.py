@@ -21,6 +21,17 @@ def tier_admission(name: str, store_threshold: int, capacity_blocks: int) -> Adm
     return make_admission(name, threshold=max(2, store_threshold), capacity_blocks=capacity_blocks)
 
 
+def _remote_args(config: KvtierConfig, block_bytes: int, directory) -> dict:
+    r = config.remote
+    if r is None or directory is None:
+        return {}
+    capacity = None if r.capacity is None else max(1, r.capacity // block_bytes)
+    return {"remote": directory, "remote_max_writes": r.max_writes_in_flight,
+            "remote_capacity_blocks": capacity,
+            "remote_admission": tier_admission(r.admission, r.store_threshold,
+                                               capacity or 1 << 20)}
+
+
 def build_cost_model(config: KvtierConfig, block_bytes: int) -> LoadCostModel | None:
     cost = config.cost
     if cost is None:
@@ -33,10 +44,12 @@ def build_cost_model(config: KvtierConfig, block_bytes: int) -> LoadCostModel | 
 def build_manager(
     config: KvtierConfig, block_bytes: int, initial_disk_keys: Iterable[BlockKey] = (),
     stale_disk_keys: Iterable[BlockKey] = (),
+    remote=None,
 ) -> OffloadingManager:
     """``TieredOffloadingManager`` sized for ``block_bytes`` blocks, wrapped by the admission
     the config asks for. ``stale_disk_keys``: records found on some ranks only, deleted on
-    every rank. Callers use only the ``OffloadingManager`` contract."""
+    every rank. ``remote``: the shared tier's ``RemoteDirectory`` when ``tiers.remote`` is
+    configured. Callers use only the ``OffloadingManager`` contract."""
     config.check_block_bytes(block_bytes)
     cpu_blocks = config.cpu_slots(block_bytes)
     disk = config.disk
@@ -55,6 +68,7 @@ def build_manager(
         initial_disk_keys=initial_disk_keys,
         stale_disk_keys=stale_disk_keys,
         cost=build_cost_model(config, block_bytes),
+        **_remote_args(config, block_bytes, remote),
     )
     adm = config.admission
     if adm.store_threshold > 1:

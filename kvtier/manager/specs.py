@@ -18,6 +18,7 @@ class Medium(str, Enum):
     GPU = "GPU"
     CPU = "CPU"
     DISK = "DISK"
+    REMOTE = "REMOTE"  # the shared tier (Redis / Valkey), addressed by key
     DROP = "DROP"  # destination of deletions: the bytes are discarded
 
     def __str__(self) -> str:  # pragma: no cover - cosmetic
@@ -30,7 +31,7 @@ class LoadStoreSpec:
 
     GPU: ``ids`` are engine block ids (``engine_blocks_per_block`` per kvtier block, in order).
     CPU: ``ids`` are CPU pool slot ids, one per block.
-    DISK / DROP: ``keys`` name the blocks.
+    DISK / REMOTE / DROP: ``keys`` name the blocks.
     """
 
     medium: Medium
@@ -48,6 +49,10 @@ class LoadStoreSpec:
     @staticmethod
     def disk(keys: Sequence[BlockKey]) -> "LoadStoreSpec":
         return LoadStoreSpec(Medium.DISK, keys=tuple(keys))
+
+    @staticmethod
+    def remote(keys: Sequence[BlockKey]) -> "LoadStoreSpec":
+        return LoadStoreSpec(Medium.REMOTE, keys=tuple(keys))
 
     @staticmethod
     def drop(keys: Sequence[BlockKey]) -> "LoadStoreSpec":
@@ -73,6 +78,7 @@ class LookupResult:
     """Leading run of ``keys`` that is ready in some tier, and where each hit lives."""
 
     tiers: tuple[Medium, ...]  # one per hit, in key order; len == num_hits
+    pending: bool = False  # the shared tier's answer is on its way: ask again, don't settle
 
     @property
     def num_hits(self) -> int:
@@ -96,6 +102,7 @@ class LoadPlan:
     cpu_slots: tuple[int, ...]
     from_disk: tuple[bool, ...]
     joined: tuple[bool, ...] = ()
+    from_remote: tuple[bool, ...] = ()  # REMOTE -> CPU hop first (empty: no shared-tier hits)
 
     def is_joined(self, i: int) -> bool:
         return bool(self.joined) and self.joined[i]
@@ -108,6 +115,19 @@ class LoadPlan:
             LoadStoreSpec.disk([self.keys[i] for i in idx]),
             LoadStoreSpec.cpu([self.cpu_slots[i] for i in idx]),
         )
+
+    def remote_hop(self) -> tuple[LoadStoreSpec, LoadStoreSpec] | None:
+        idx = [i for i, r in enumerate(self.from_remote) if r]
+        if not idx:
+            return None
+        return (
+            LoadStoreSpec.remote([self.keys[i] for i in idx]),
+            LoadStoreSpec.cpu([self.cpu_slots[i] for i in idx]),
+        )
+
+    def promotion_hops(self) -> list[tuple[LoadStoreSpec, LoadStoreSpec]]:
+        """The hops that fill CPU slots before the CPU -> GPU copy (disk, shared tier)."""
+        return [hop for hop in (self.disk_hop(), self.remote_hop()) if hop is not None]
 
 
 @dataclass(frozen=True)

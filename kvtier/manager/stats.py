@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 
 def _per_tier() -> dict[str, int]:
-    return {"CPU": 0, "DISK": 0}
+    return {"CPU": 0, "DISK": 0}  # "REMOTE" joins when the shared tier is configured
 
 
 @dataclass
@@ -34,6 +34,10 @@ class ManagerStats:
     protocol_errors: int = 0  # complete_* for something never prepared (caller bug), ignored
     disk_degraded: bool = False  # demotions keep failing (disk full / EIO): disk admits only probes
     disk_degradations: int = 0  # episodes of disk_degraded so far
+    remote_degraded: bool = False  # the shared tier is down or hung: local tiers serve alone
+    remote_degradations: int = 0
+    remote_writes_skipped: int = 0  # write-backs not queued: tier degraded or queue full
+    remote_pending_lookups: int = 0  # lookups answered "not yet" (server asked, reply due)
 
     def snapshot(self) -> dict:
         return asdict(self)

@@ -9,6 +9,9 @@
   evicted. A store that finds no unpinned slot is cut short (counted) instead of blocking.
 * A disk hit is promoted: ``prepare_load`` reserves a CPU slot for it; the worker runs
   DISK -> CPU then CPU -> GPU; ``complete_load`` publishes the CPU copy.
+* The shared tier (Redis/Valkey; ``RemoteTier`` in ``remote_tier.py``): lookups ask a presence
+  directory without waiting (``LookupResult.pending``), a hit is promoted REMOTE -> CPU like a
+  disk hit, stored CPU blocks are written back behind the tier's admission.
 * Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
   come out of ``take_background_transfers`` and are reported back through
   ``complete_background``.
@@ -25,6 +28,7 @@ from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
+from kvtier.manager.remote_tier import RemoteTier
 from kvtier.manager.specs import (
     BackgroundTransfer,
     BlockKey,
@@ -39,7 +43,7 @@ from kvtier.manager.tier_index import BlockState, Entry, TierIndex
 from kvtier.manager.writeback import WriteBack
 
 
-class TieredOffloadingManager(WriteBack, OffloadingManager):
+class TieredOffloadingManager(WriteBack, RemoteTier, OffloadingManager):
     def __init__(
         self,
         *,
@@ -55,6 +59,10 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         disk_health: DiskHealth | None = None,
         cost: LoadCostModel | None = None,
         max_demotions_in_flight: int | None = None,
+        remote=None,  # a RemoteDirectory: the shared tier (kvtier.tiers.remote)
+        remote_admission: AdmissionPolicy | None = None,
+        remote_max_writes: int = 256,
+        remote_capacity_blocks: int | None = None,
     ) -> None:
         self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
         self.disk = (
@@ -89,6 +97,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self._pending_drops: dict[BlockKey, int] = {}  # key -> open DROP jobs
         self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
         self._probes: set[int] = set()  # demotions let through as a degraded disk's probe
+        self._init_remote(remote, remote_admission, remote_max_writes, remote_capacity_blocks)
         if self.disk is not None:
             self._restore_disk(initial_disk_keys, stale_disk_keys)
 
@@ -111,6 +120,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
                 tiers.append(Medium.DISK)
             else:
                 break
+        if self._extend_with_remote(keys, tiers):  # the server's answer is on its way
+            return LookupResult(tuple(tiers), pending=True)
         if self.cost is not None and tiers:
             keep = self.cost.worth_loading(tiers)
             for medium in tiers[keep:]:  # resident, but recomputing them is faster
@@ -162,6 +173,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         cpu_hits: list[BlockKey] = list(prefix)
         disk_hits: list[BlockKey] = []
         touched: list[tuple] = []  # (policy, key) after the prefix, applied last-to-first
+        from_remote: list[bool] = [False] * m
+        remote_hits: list[BlockKey] = []
         on_hit = self.cpu_admission.on_hit
         for key in prefix:
             on_hit(key)
@@ -173,19 +186,28 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
                 self.cpu_admission.on_hit(key)
                 cpu_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
-                joined.append(False)
+                joined.append(False), from_remote.append(False)
                 continue
             entry = self.cpu.get(key)
-            if join and entry is not None and entry.promoted and entry.state is BlockState.WRITING:
+            if (join and entry is not None and entry.promoted and entry.state is BlockState.WRITING
+                    and key not in self._remote_promotions):
                 entry.readers += 1  # pins the slot past the promotion's own completion
                 touched.append((self.disk.policy, key))
                 disk_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
-                joined.append(True)
+                joined.append(True), from_remote.append(False)
                 continue
             d = self.disk.ready(key) if self.disk is not None else None
-            if d is None or key in self.cpu:  # miss, or a promotion of it already in flight
+            if key in self.cpu:  # a promotion of it already in flight
                 break
+            if d is None:  # held by the shared tier, or a miss
+                entry = self._promote_from_remote(key)
+                if entry is None:
+                    break
+                remote_hits.append(key)
+                out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
+                joined.append(False), from_remote.append(True)
+                continue
             if not self._make_room(1):
                 self.stats.load_truncated_no_space += 1
                 break
@@ -196,7 +218,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             entry.promoted = entry.on_disk = True
             disk_hits.append(key)
             out_keys.append(key), slots.append(entry.slot), from_disk.append(True)
-            joined.append(False)
+            joined.append(False), from_remote.append(False)
         # Last-to-first, so the prefix's first block ends up the most recent: it is needed
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
         for policy, key in reversed(touched):
@@ -208,8 +230,11 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         self.stats.hit_blocks["DISK"] += len(disk_hits)
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
         self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_hits)))
+        if remote_hits:
+            self._emit_remote_hits(remote_hits)
         return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk),
-                        tuple(joined) if join else ())
+                        tuple(joined) if join else (),
+                        tuple(from_remote) if remote_hits else ())
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
@@ -229,7 +254,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
                 self.stats.protocol_errors += 1
                 continue
             if entry.promoted and entry.state is BlockState.WRITING:
-                self._release_disk_reader(key, bad=key in failed)
+                if not self._settle_remote_promotion(key, bad=key in failed):
+                    self._release_disk_reader(key, bad=key in failed)
                 if key in failed and entry.readers > 0:
                     # joined loads still pin the slot; they fail too, the last one frees it
                     entry.promoted = False
@@ -327,6 +353,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
             self.cpu.mark_ready(stored)
             self.stats.stored_blocks["CPU"] += len(stored)
             self.events.emit(BlockStored(Medium.CPU, tuple(stored)))
+            self._queue_remote_writes(stored)
         else:
             self.cpu.remove_many(stored)
             self.stats.failed_stores["CPU"] += len(stored)
@@ -399,6 +426,8 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
         out = {"CPU": {"used_blocks": len(self.cpu), "capacity_blocks": self.cpu.capacity}}
         if self.disk is not None:
             out["DISK"] = {"used_blocks": len(self.disk), "capacity_blocks": self.disk.capacity}
+        if self.remote is not None:
+            out["REMOTE"] = self._remote_usage()
         return out
 
     def pins(self) -> int:

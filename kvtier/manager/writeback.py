@@ -115,6 +115,9 @@ class WriteBack:
         if t is None:
             self.stats.protocol_errors += 1
             return
+        if t.dst.medium is Medium.REMOTE:
+            self._remote_write_done(t, success)
+            return
         if t.dst.medium is Medium.DROP:
             for key in t.keys:
                 left = self._pending_drops.get(key, 0) - 1

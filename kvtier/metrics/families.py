@@ -65,6 +65,17 @@ SPECS: tuple[MetricSpec, ...] = (
        "Resident blocks not loaded: recomputing them was estimated faster."),
     _g("disk_degraded", "manager.disk_degraded", "1 while the disk tier refuses new blocks after write failures."),
     _c("disk_degradations", "manager.disk_degradations", "Times the disk tier entered degraded mode."),
+    _g("remote_degraded", "manager.remote_degraded",
+       "1 while the shared tier (Redis/Valkey) is down or hung; local tiers serve alone."),
+    _c("remote_degradations", "manager.remote_degradations", "Times the shared tier became degraded."),
+    _c("remote_writes_skipped", "manager.remote_writes_skipped",
+       "Write-backs to the shared tier not queued (degraded, or too many in flight)."),
+    _c("remote_pending_lookups", "manager.remote_pending_lookups",
+       "Lookups answered 'not yet' while the shared tier was asked."),
+    _c("remote_rejected", "remote.rejected",
+       "Shared-tier values that failed verification (corrupt or foreign): read as misses."),
+    _c("remote_misses", "remote.misses", "Shared-tier reads of absent keys (evicted or never stored)."),
+    _c("remote_errors", "remote.errors", "Shared-tier commands that failed (connection or server)."),
     _c("transfer_bytes", "transfers.{direction}.bytes", "Bytes moved per direction."),
     _c("transfer_seconds", "transfers.{direction}.seconds", "Busy seconds per direction.", False),
     _c("transfer_jobs", "transfers.{direction}.jobs", "Transfer hops run per direction."),
@@ -102,7 +113,10 @@ def samples(spec: MetricSpec, stats: dict) -> Iterator[tuple[str | None, float]]
 
     def walk(node: Any, steps: list[str], label: str | None):
         if not steps:
-            value = _number(node)
+            # a flag (disk_degraded, remote_degraded) is a gauge of 1 while set; elsewhere a
+            # bool is junk, not a count
+            flag = spec.kind == "gauge" and isinstance(node, bool)
+            value = float(node) if flag else _number(node)
             if value is not None:
                 yield label, value
             return

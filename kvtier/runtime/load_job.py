@@ -22,16 +22,18 @@ from kvtier.transfer.jobs import Hop, JobResult
 
 
 def load_hops(keys: Sequence[BlockKey], cpu_slots: Sequence[int], from_disk: Sequence[bool],
-              gpu_ids: Sequence[int], per_block: int,
-              excluded: Collection[BlockKey] = ()) -> list[Hop]:
-    """The chained hops of one load: promotions first, then the copies to the engine.
-    ``gpu_ids``: ``per_block`` engine block ids per key, in key order. Without promotions or
-    exclusions (nearly every CPU hit) no per-key work is done: a 32k hit has 2k keys."""
+              gpu_ids: Sequence[int], per_block: int, excluded: Collection[BlockKey] = (),
+              from_remote: Sequence[bool] = ()) -> list[Hop]:
+    """The chained hops of one load: promotions first (disk, then the shared tier), then the
+    copies to the engine. ``gpu_ids``: ``per_block`` engine block ids per key, in key order.
+    Without promotions or exclusions (nearly every CPU hit) no per-key work is done: a 32k
+    hit has 2k keys."""
     hops: list[Hop] = []
-    if any(from_disk):
-        disk = [(key, slot) for key, slot, d in zip(keys, cpu_slots, from_disk) if d]
-        hops.append((LoadStoreSpec.disk([key for key, _ in disk]),
-                     LoadStoreSpec.cpu([slot for _, slot in disk])))
+    for flags, spec in ((from_disk, LoadStoreSpec.disk), (from_remote, LoadStoreSpec.remote)):
+        if any(flags):
+            moved = [(key, slot) for key, slot, f in zip(keys, cpu_slots, flags) if f]
+            hops.append((spec([key for key, _ in moved]),
+                         LoadStoreSpec.cpu([slot for _, slot in moved])))
     if not excluded:
         if keys:
             hops.append((LoadStoreSpec.cpu(cpu_slots), LoadStoreSpec.gpu(gpu_ids)))
@@ -45,12 +47,17 @@ def load_hops(keys: Sequence[BlockKey], cpu_slots: Sequence[int], from_disk: Seq
 
 
 def failed_load_keys(result: JobResult, disk_keys: Collection[BlockKey],
-                     excluded: Collection[BlockKey] = ()) -> set[BlockKey]:
+                     excluded: Collection[BlockKey] = (),
+                     remote_keys: Collection[BlockKey] = ()) -> set[BlockKey]:
     """Keys of a finished load that could not be read from their tier (see the module
-    docstring); ``disk_keys``: the keys the job promoted from disk."""
+    docstring); ``disk_keys`` / ``remote_keys``: the keys the job promoted from disk / from
+    the shared tier. The remote hop runs after the disk hop: a disk hop that raised left the
+    remote keys unread too."""
     failed = set(result.failed_keys) | set(excluded)
     if result.error is not None and result.direction == (Medium.DISK, Medium.CPU):
-        failed |= set(disk_keys)  # nothing reached the CPU slots
+        failed |= set(disk_keys) | set(remote_keys)  # nothing reached the CPU slots
+    elif result.error is not None and result.direction == (Medium.REMOTE, Medium.CPU):
+        failed |= set(remote_keys)
     return failed
 
 

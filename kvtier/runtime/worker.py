@@ -19,9 +19,13 @@ from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
+from kvtier.tiers.remote.blocks import RemoteBlocks
+from kvtier.tiers.remote.connect import connect_remote
+from kvtier.tiers.remote.store import RemoteStore
 from kvtier.transfer import JobResult, TransferEngine, TransferHandler
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.disk_io import CpuToDiskHandler, DiskDropHandler, DiskToCpuHandler
+from kvtier.transfer.remote_io import CpuToRemoteHandler, RemoteToCpuHandler
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +49,15 @@ class WorkerRuntime:
     pool: CpuBlockPool
     store: DiskStore | None
     engine: TransferEngine
+    remote: RemoteStore | None = None
 
     @classmethod
-    def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry) -> "WorkerRuntime":
+    def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry, *,
+               rank: int = 0, world_size: int = 1, remote_geometry: BlockGeometry | None = None,
+               replicated: bool = False) -> "WorkerRuntime":
+        """``replicated``: every rank holds the same bytes (MLA), so the shared tier keeps one
+        value per block: rank 0 writes it (under ``remote_geometry``, rank 0's), every rank
+        reads it."""
         config.check_block_bytes(geometry.block_bytes)
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin)
         store = None
@@ -65,7 +75,14 @@ class WorkerRuntime:
             else:
                 handlers += [CpuToDiskHandler(pool, store), DiskToCpuHandler(pool, store),
                              DiskDropHandler(store)]
-        return cls(geometry, pool, store, TransferEngine(handlers))
+        remote = None
+        if config.remote is not None:  # connects lazily: a down server costs nothing here
+            remote = connect_remote(config.remote, remote_geometry or geometry, rank=rank,
+                                    world_size=world_size, replicated=replicated)
+            blocks = RemoteBlocks(remote)
+            handlers += [CpuToRemoteHandler(pool, blocks, write=rank == 0 or not replicated),
+                         RemoteToCpuHandler(pool, blocks)]
+        return cls(geometry, pool, store, TransferEngine(handlers), remote)
 
     def disk_keys(self) -> list[bytes]:
         """Blocks already on disk, oldest first (the manager's start-up state)."""
@@ -78,3 +95,5 @@ class WorkerRuntime:
         self.engine.close()
         if self.store is not None:
             self.store.close()
+        if self.remote is not None:
+            self.remote.close()

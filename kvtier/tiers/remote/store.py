@@ -1,0 +1,215 @@
+"""The shared tier's I/O: batched GET / SET / EXISTS against Redis or Valkey, never blocking.
+
+The store owns one asyncio loop in a daemon thread and the redis-py client that lives on it;
+callers on any thread or loop get futures (``submit``) or await them (``call``). Each command
+is bounded twice: by the client's socket timeouts and retries, and by an overall deadline here
+(a Cluster client refreshing its slot map can otherwise outlast the socket timeouts).
+
+Failures are contained. A batch in which every command failed on the connection (server down,
+hung, unreachable) marks the tier degraded (``RemoteHealth``): later batches fail at once
+without touching a socket, and one PING per ``probe_interval_s`` looks for recovery. A batch in
+which only some commands failed (one dead Cluster primary) costs only those keys: they read as
+misses. A key the server evicted reads as a miss, never an error. A write the server refuses
+(``maxmemory`` with a no-eviction policy: ``OOM``) is a failed write of that block only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Sequence, TypeVar
+
+from kvtier.config.remote import RemoteTierConfig
+from kvtier.tiers.remote.client import make_client
+from kvtier.tiers.remote.health import RemoteHealth
+from kvtier.tiers.remote.keys import RemoteKeys
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+IN_FLIGHT = 16  # commands on the wire at once (values are large: more only queues in sockets)
+
+
+class RemoteUnavailable(Exception):
+    """The shared tier is degraded (or the whole batch failed): treat as misses / not stored."""
+
+
+@dataclass
+class RemoteStats:
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0  # absent: never stored, or evicted by the server
+    rejected: int = 0  # present but failed verification (corrupt, foreign, truncated)
+    puts: int = 0
+    failed_puts: int = 0
+    get_bytes: int = 0
+    put_bytes: int = 0
+    errors: int = 0  # commands that failed on the connection or the server
+    degraded: bool = False
+    degradations: int = 0
+    last_error: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    from redis.exceptions import ConnectionError, RedisClusterException, TimeoutError
+
+    return isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError,
+                            RedisClusterException))
+
+
+class RemoteStore:
+    def __init__(self, cfg: RemoteTierConfig, keys: RemoteKeys, *,
+                 name: str = "kvtier-remote") -> None:
+        self.cfg = cfg
+        self.keys = keys
+        self.health = RemoteHealth(cfg.probe_interval_s)
+        self._stats = RemoteStats()
+        # a command's whole budget: connect, then every try with its backoff, plus slack
+        self.deadline_s = cfg.connect_timeout_s + (cfg.retries + 1) * (cfg.timeout_s + 0.05) + 0.2
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self._client: Any = None
+        self._sem: asyncio.Semaphore | None = None
+        self._closed = False
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
+        """Run ``coro`` on the store's loop; thread-safe, returns at once."""
+        if self._closed:
+            coro.close()
+            raise RemoteUnavailable("the remote store is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def call(self, coro: Awaitable[T]) -> T:
+        """Await ``coro`` from another event loop (a transfer handler's)."""
+        return await asyncio.wrap_future(self.submit(coro))
+
+    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+        """Blocking helper for tools and tests (never on a scheduler or engine path)."""
+        return self.submit(coro).result(timeout if timeout is not None else 10 * self.deadline_s)
+
+    async def _ensure(self) -> Any:
+        """The client, ready for concurrent commands. A Cluster client learns the slot map
+        first, once, under a lock: redis-py's asyncio Cluster client loses commands issued
+        concurrently while it is still connecting (seen with redis-py 8.1)."""
+        if self._client is None:
+            self._client = make_client(self.cfg)
+            self._sem = asyncio.Semaphore(IN_FLIGHT)
+            self._init_lock = asyncio.Lock()
+            self._ready = not self.cfg.cluster
+        if not self._ready:
+            async with self._init_lock:
+                if not self._ready:
+                    await asyncio.wait_for(self._client.initialize(), self.deadline_s)
+                    self._ready = True
+        return self._client
+
+    async def _one(self, method: str, *args: Any) -> Any:
+        client = await self._ensure()
+        async with self._sem:
+            return await asyncio.wait_for(getattr(client, method)(*args), self.deadline_s)
+
+    async def _batch(self, method: str, calls: Sequence[tuple]) -> list[Any]:
+        """Run one command per entry of ``calls``; results, or the exception of each."""
+        if not calls:
+            return []
+        if self.health.degraded and not await self._probe_if_due():
+            self._sync_health()
+            raise RemoteUnavailable(f"degraded: {self.health.last_error}")
+        out = await asyncio.gather(*(self._one(method, *c) for c in calls),
+                                   return_exceptions=True)
+        failed = [r for r in out if isinstance(r, BaseException)]
+        for exc in failed:
+            self._stats.errors += 1
+            self._stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            if isinstance(exc, asyncio.CancelledError):
+                raise exc
+        conn = [e for e in failed if _is_connection_error(e)]
+        if conn and len(conn) == len(out):
+            self.health.failed(self._stats.last_error)
+            log.warning("kvtier: remote tier degraded (%s); local tiers keep serving",
+                        self._stats.last_error)
+        self._sync_health()
+        return out
+
+    async def _probe_if_due(self) -> bool:
+        if not self.health.probe_due():
+            return False
+        return await self.probe()
+
+    async def probe(self) -> bool:
+        """One PING; a reply ends a degraded episode."""
+        try:
+            await self._one("ping")
+        except Exception as exc:  # noqa: BLE001 - any failure keeps it degraded
+            self.health.failed(f"probe: {type(exc).__name__}: {exc}")
+            self._sync_health()
+            return False
+        if self.health.degraded:
+            log.warning("kvtier: remote tier reachable again")
+        self.health.recovered()
+        self._sync_health()
+        return True
+
+    def _sync_health(self) -> None:
+        self._stats.degraded = self.health.degraded
+        self._stats.degradations = self.health.degradations
+
+    # ---- operations (run on the store's loop) -----------------------------------------------
+    async def get_values(self, server_keys: Sequence[bytes]) -> list[bytes | None]:
+        """The raw values (None: absent, evicted, or its command failed). Unverified: the
+        caller checks each with ``value.decode_value_into``."""
+        out = await self._batch("get", [(k,) for k in server_keys])
+        values = [r if isinstance(r, (bytes, bytearray)) else None for r in out]
+        self._stats.gets += len(values)
+        self._stats.get_bytes += sum(len(v) for v in values if v is not None)
+        self._stats.misses += sum(1 for r in out if r is None)
+        return values
+
+    async def set_values(self, server_keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
+        """Write each value; which writes the server accepted."""
+        out = await self._batch("set", list(zip(server_keys, values)))
+        ok = [r is True for r in out]
+        self._stats.puts += sum(ok)
+        self._stats.failed_puts += len(ok) - sum(ok)
+        self._stats.put_bytes += sum(len(v) for v, good in zip(values, ok) if good)
+        return ok
+
+    async def exists(self, server_keys: Sequence[bytes]) -> list[bool | None]:
+        """Presence of each key (None: its command failed)."""
+        out = await self._batch("exists", [(k,) for k in server_keys])
+        return [None if isinstance(r, BaseException) else bool(r) for r in out]
+
+    # ---- accounting -------------------------------------------------------------------------
+    def count_verified(self, hits: int, rejected: int) -> None:
+        self._stats.hits += hits
+        self._stats.rejected += rejected
+
+    def stats(self) -> RemoteStats:
+        self._sync_health()
+        return RemoteStats(**asdict(self._stats))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shut() -> None:
+            if self._client is not None:
+                try:
+                    await asyncio.wait_for(self._client.aclose(), self.deadline_s)
+                except Exception:  # noqa: BLE001 - closing a dead server's sockets
+                    pass
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut(), self._loop).result(2 * self.deadline_s + 1)
+        except Exception:  # noqa: BLE001
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)

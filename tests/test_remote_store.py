@@ -1,0 +1,191 @@
+"""The shared tier's store against real Valkey/Redis servers on 127.0.0.1 (see tests/remote):
+verified reads, corruption, eviction under maxmemory, a hung server, a dead server, a Cluster
+losing a primary. The rule everywhere: a block comes back with its exact bytes or as a miss."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvtier.config import load_config
+from kvtier.tiers.remote import RemoteKeys, RemoteStore, RemoteUnavailable, derive_namespace
+from kvtier.tiers.remote.blocks import RemoteBlocks
+from remote.fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
+
+BLOCK = 256 << 10
+
+
+def remote_cfg(**remote):
+    remote.setdefault("timeout_s", 0.2)
+    remote.setdefault("connect_timeout_s", 0.2)
+    remote.setdefault("probe_interval_s", 0.3)
+    return load_config(data={"tiers": {"remote": remote}}, env={}).remote
+
+
+def open_blocks(cfg, fingerprint="geo-a", namespace=None) -> RemoteBlocks:
+    ns = namespace or derive_namespace(fingerprint)
+    return RemoteBlocks(RemoteStore(cfg, RemoteKeys(ns, fingerprint)))
+
+
+def payloads(n: int, seed: int = 0) -> list[bytes]:
+    return [os.urandom(BLOCK) for _ in range(n)]
+
+
+def read(blocks: RemoteBlocks, keys) -> tuple[list[bytes], list[int]]:
+    outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+    missed = blocks.get_into(keys, outs)
+    return [bytes(o) for o in outs], missed
+
+
+def test_round_trip_is_exact_and_absent_keys_miss(valkey):
+    server = valkey()
+    for compression in ("none", "zstd"):
+        b = open_blocks(remote_cfg(url=server.url, compression=compression))
+        keys = [f"k{i}-{compression}".encode() for i in range(4)]
+        data = payloads(4)
+        data[0] = bytes(BLOCK)  # compresses: stored zstd, read back exact
+        assert b.put(keys, [memoryview(d) for d in data]) == [True] * 4
+        got, missed = read(b, keys + [b"never-stored"])
+        assert missed == [4]
+        assert got[:4] == data
+        assert b.store.stats().hits == 4 and b.store.stats().rejected == 0
+        b.store.close()
+    assert server.client().strlen(open_blocks(remote_cfg(url=server.url),
+                                              ).server_keys([b"k0-zstd"])[0]) < BLOCK // 2
+
+
+def test_foreign_geometry_under_a_shared_namespace_is_a_miss(valkey):
+    server = valkey()
+    cfg = remote_cfg(url=server.url, namespace="team")
+    a, b = open_blocks(cfg, "geo-a", "team"), open_blocks(cfg, "geo-b", "team")
+    data = payloads(1)
+    assert a.put([b"same"], [memoryview(data[0])]) == [True]
+    assert a.server_keys([b"same"]) == b.server_keys([b"same"])  # the operator chose to share
+    got, missed = read(b, [b"same"])
+    assert missed == [0] and got[0] != data[0]
+    assert b.store.stats().rejected == 1
+    assert read(a, [b"same"]) == ([data[0]], [])
+    # the default namespaces of two geometries never even share a key
+    assert open_blocks(cfg, "geo-a").server_keys([b"x"]) != open_blocks(cfg, "geo-b").server_keys([b"x"])
+
+
+@pytest.mark.parametrize("damage", ["payload_bit", "header_byte", "truncate", "garbage", "empty"])
+def test_value_corrupted_in_place_is_a_miss_never_wrong_bytes(valkey, damage):
+    server = valkey()
+    b = open_blocks(remote_cfg(url=server.url))
+    data = payloads(1)
+    b.put([b"victim"], [memoryview(data[0])])
+    key = b.server_keys([b"victim"])[0]
+    raw = server.client()
+    value = raw.get(key)
+    if damage == "payload_bit":
+        raw.setrange(key, len(value) - 100, bytes([value[-100] ^ 0x01]))
+    elif damage == "header_byte":
+        raw.setrange(key, 20, bytes([value[20] ^ 0xFF]))
+    elif damage == "truncate":
+        raw.set(key, value[: len(value) // 2])
+    elif damage == "garbage":
+        raw.set(key, os.urandom(len(value)))
+    else:
+        raw.set(key, b"")
+    got, missed = read(b, [b"victim"])
+    assert missed == [0]
+    assert got[0] == bytes(BLOCK)  # the output buffer was left as it was: nothing served
+    assert b.store.stats().rejected == 1
+
+
+def test_maxmemory_eviction_reads_as_misses_with_exact_survivors(valkey):
+    server = valkey("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
+    b = open_blocks(remote_cfg(url=server.url))
+    keys = [f"e{i}".encode() for i in range(40)]  # 10 MiB into a 3 MiB server
+    data = payloads(40)
+    for i in range(0, 40, 4):
+        assert all(b.put(keys[i:i + 4], [memoryview(d) for d in data[i:i + 4]]))
+    got, missed = read(b, keys)
+    assert 0 < len(missed) < 40
+    assert all(got[i] == data[i] for i in range(40) if i not in missed)
+    assert not b.store.health.degraded  # eviction is a miss, not a failure
+
+
+def test_full_server_refusing_writes_fails_those_writes_only(valkey):
+    server = valkey("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    b = open_blocks(remote_cfg(url=server.url))
+    oks = []
+    for i in range(16):
+        oks += b.put([f"f{i}".encode()], [memoryview(os.urandom(BLOCK))])
+    assert True in oks and False in oks  # OOM refusals once full
+    assert not b.store.health.degraded
+    assert b.store.stats().failed_puts == oks.count(False)
+
+
+def test_hung_server_costs_a_bounded_wait_then_nothing_until_a_probe_succeeds(valkey):
+    server = valkey()
+    cfg = remote_cfg(url=server.url)
+    b = open_blocks(cfg)
+    data = payloads(2)
+    keys = [b"h0", b"h1"]
+    b.put(keys, [memoryview(d) for d in data])
+    server.pause()  # SIGSTOP: the socket stays open, nothing answers
+    try:
+        t0 = time.monotonic()
+        _, missed = read(b, keys)
+        first = time.monotonic() - t0
+        assert missed == [0, 1]
+        assert first < b.store.deadline_s + 0.5
+        assert b.store.health.degraded
+        t0 = time.monotonic()
+        with pytest.raises(RemoteUnavailable):
+            b.store.run(b.store.get_values(b.server_keys(keys)))
+        assert time.monotonic() - t0 < 0.05  # degraded: no socket touched
+    finally:
+        server.resume()
+    time.sleep(cfg.probe_interval_s + 0.05)
+    assert read(b, keys) == (data, [])  # the due probe found it back
+    assert not b.store.health.degraded and b.store.stats().degradations == 1
+
+
+def test_dead_server_degrades_and_a_restart_recovers(valkey):
+    server = valkey()
+    cfg = remote_cfg(url=server.url)
+    b = open_blocks(cfg)
+    data = payloads(1)
+    b.put([b"d"], [memoryview(data[0])])
+    server.kill()
+    t0 = time.monotonic()
+    assert b.put([b"d2"], [memoryview(data[0])]) == [False]
+    assert time.monotonic() - t0 < b.store.deadline_s + 0.5
+    assert b.store.health.degraded
+    server.start()  # same port, empty (nothing persisted): a miss, not an error
+    time.sleep(cfg.probe_interval_s + 0.05)
+    assert read(b, [b"d"])[1] == [0]
+    assert not b.store.health.degraded
+    assert b.put([b"d"], [memoryview(data[0])]) == [True]
+    assert read(b, [b"d"]) == (data, [])
+
+
+def _owner(nodes, key: bytes):
+    slot = nodes[0].client().execute_command("CLUSTER", "KEYSLOT", key)
+    step = 16384 // len(nodes)
+    return nodes[min(slot // step, len(nodes) - 1)]
+
+
+def test_cluster_round_trip_and_a_killed_primary_costs_only_its_keys(cluster):
+    cfg = remote_cfg(nodes=[n.node for n in cluster])
+    b = open_blocks(cfg)
+    keys = [f"c{i}".encode() for i in range(24)]
+    data = payloads(24)
+    assert b.put(keys, [memoryview(d) for d in data]) == [True] * 24
+    assert read(b, keys) == (data, [])
+    owners = [_owner(cluster, k) for k in b.server_keys(keys)]
+    assert len({o.port for o in owners}) == 3  # the keys really spread over the primaries
+    dead = cluster[1]
+    dead.kill()
+    t0 = time.monotonic()
+    got, missed = read(b, keys)
+    assert time.monotonic() - t0 < 3 * b.store.deadline_s + 1
+    lost = {i for i, o in enumerate(owners) if o is dead}
+    assert set(missed) == lost
+    assert all(got[i] == data[i] for i in range(24) if i not in lost)
+    assert not b.store.health.degraded  # the live primaries keep serving
