@@ -155,7 +155,7 @@ class Replay:
         self.remote = (RemoteDirectory(self.worker.remote) if self.worker.remote is not None
                        else None)
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
-                                     g.block_bytes, self.worker.disk_keys(), self.remote)
+                                     g.block_bytes, self.worker.disk_keys(), remote=self.remote)
         self.lookup_wait_s = 0.0  # time spent waiting for the shared tier's presence answers
         self.max_lookup_s = 0.0  # the longest single (non-blocking) lookup call
         self.lookup_s: list[float] = []  # every lookup call's duration (shared tier only)

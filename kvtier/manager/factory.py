@@ -44,6 +44,7 @@ def build_cost_model(config: KvtierConfig, block_bytes: int) -> LoadCostModel | 
 def build_manager(
     config: KvtierConfig, block_bytes: int, initial_disk_keys: Iterable[BlockKey] = (),
     stale_disk_keys: Iterable[BlockKey] = (),
+    *,
     remote=None,
 ) -> OffloadingManager:
     """``TieredOffloadingManager`` sized for ``block_bytes`` blocks, wrapped by the admission
