@@ -222,5 +222,8 @@ def test_server_evicting_under_maxmemory_costs_hits_only(tmp_path, valkey, trace
     assert 0 < second["blocks"]["REMOTE"] < written
     assert second["blocks"]["MISS"] > 0
     r = second["remote"]
-    assert second["failed_loads"] == r["misses"] + r["rejected"] and r["rejected"] == 0
+    # every failed load comes from a key the server evicted after answering "present": the
+    # blocks of a prefix after such a key are recomputed too (they cannot be used without it)
+    assert r["rejected"] == 0 and (second["failed_loads"] > 0) == (r["misses"] > 0)
+    assert second["failed_loads"] >= r["misses"]
     assert not r["degraded"] and r["errors"] == 0
