@@ -143,12 +143,15 @@ def gen_mixed(n_requests: int, seed: int):
 
 
 def gen_multiturn(n_requests: int, seed: int, ids: _Ids | None = None, continue_p: float = 0.5,
-                  think_median: float = 400.0, think_sigma: float = 1.6, system_prompts: int = 24):
+                  think_median: float = 400.0, think_sigma: float = 1.6, system_prompts: int = 24,
+                  burn_in: int = 4000):
     """New conversations arrive at one per time unit; a conversation opens with a short shared
     system prompt (Zipf over ``system_prompts``) and 4..40 blocks of its own, and after each turn
     continues with probability ``continue_p`` after a log-normal think time (median
     ``think_median`` units, so a continuation returns hundreds to tens of thousands of requests
-    later). A turn resends the history and adds 1..8 blocks; its partial last block is fresh."""
+    later). A turn resends the history and adds 1..8 blocks; its partial last block is fresh.
+    The first ``burn_in`` requests are not emitted: a real trace is a window of a service in
+    steady state, not its first minutes (when no conversation has come back yet)."""
     import heapq
     import math
 
@@ -158,7 +161,7 @@ def gen_multiturn(n_requests: int, seed: int, ids: _Ids | None = None, continue_
     pick = _zipf_sampler(rng, system_prompts, 1.1)
     due: list = []  # (time, session, full blocks so far)
     t_new, session = 0.0, 0
-    for _ in range(n_requests):
+    for n in range(burn_in + n_requests):
         if due and due[0][0] <= t_new:
             ts, sid, full = heapq.heappop(due)
         else:
@@ -167,8 +170,9 @@ def gen_multiturn(n_requests: int, seed: int, ids: _Ids | None = None, continue_
             t_new += rng.expovariate(1.0)
             full = system[pick()] + ids.fresh(rng.randint(4, 40))
         again = rng.random() < continue_p
-        yield TraceRequest(float(ts), TRACE_BLOCK_TOKENS * len(full) + rng.randint(1, 511), 64,
-                           tuple(full + ids.fresh(1)), session=sid, continues=again)
+        if n >= burn_in:
+            yield TraceRequest(float(ts), TRACE_BLOCK_TOKENS * len(full) + rng.randint(1, 511), 64,
+                               tuple(full + ids.fresh(1)), session=sid, continues=again)
         if again:
             think = think_median * math.exp(rng.gauss(0.0, think_sigma))
             heapq.heappush(due, (ts + think, sid, full + ids.fresh(rng.randint(1, 8))))

@@ -37,6 +37,7 @@ from typing import Hashable, Sequence
 
 from kvtier.manager.admission.base import AdmissionPolicy, register_admission
 from kvtier.manager.admission.shadow import ShadowCaches
+from kvtier.manager.hints import KEEP, ONE_OFF, HintBook
 from kvtier.manager.keyed_list import KeyedList
 from kvtier.manager.specs import BlockKey
 
@@ -106,6 +107,7 @@ class ReuseGate(AdmissionPolicy):
         self.refused = 0
         self.shadow = ShadowCaches(capacity_blocks or self.capacity) if shadow else None
         self.gating = not shadow  # on while the shadow caches measure that refusing pays
+        self.hints: HintBook | None = None  # retention hints, when a hint source feeds them
 
     # -- observations -------------------------------------------------------------------
     def record_lookup(self, keys: Sequence[BlockKey]) -> None:
@@ -151,7 +153,12 @@ class ReuseGate(AdmissionPolicy):
         if cls is None:  # seen before (or not tracked any more): worth writing
             self._clock += 1
             return True
-        if self.reuse.get(cls, 1.0) < self.bar * self.pressure:
+        hint = self.hints.rank(key) if self.hints is not None else 0
+        if hint == ONE_OFF:  # a one-off's never-seen blocks will not be asked for again
+            self.refused += 1
+            return False
+        # A conversation the router says continues faces half the bar.
+        if self.reuse.get(cls, 1.0) < self.bar * self.pressure * (0.5 if hint == KEEP else 1.0):
             # Tracked as refused either way (what falls out: no outcome), so the classes learn
             # the same thing whether or not gating is on.
             self._refused.push_bounded(key, self._clock * 8 + cls)
@@ -165,8 +172,13 @@ class ReuseGate(AdmissionPolicy):
 
     def would_admit(self, key: BlockKey) -> bool:
         cls = self._first.get(key)
-        return (cls is None or not self.gating
-                or self.reuse.get(cls, 1.0) >= self.bar * self.pressure)
+        if cls is None:
+            return True
+        hint = self.hints.rank(key) if self.hints is not None else 0
+        if hint == ONE_OFF:
+            return False
+        return not self.gating or (self.reuse.get(cls, 1.0)
+                                   >= self.bar * self.pressure * (0.5 if hint == KEEP else 1.0))
 
     # -- internals ----------------------------------------------------------------------
     def _outcome(self, cls: Class, value: float) -> None:

@@ -28,6 +28,8 @@ from kvtier.manager.keyed_list import KeyedList
 MINI_BLOCKS = 4096  # slots of each miniature cache (a tier up to this size is simulated whole)
 TOLERANCE = 0.005  # gating stops once it trails by this share of lookups (0.5 point)
 ON_MARGIN = 0.002  # gating starts once it leads by this share of lookups (0.2 point)
+SIGMAS = 1.0  # ... and by this many standard deviations of the per-lookup differences
+WARMUP = 2  # no gating before this many miniature capacities of sampled lookups were compared
 WINDOW = 256  # decay: the comparison spans about WINDOW miniature capacities of sampled lookups
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -37,7 +39,8 @@ _SCALE = 1 << 16
 class ShadowCaches:
     """The admit-all and gated miniature caches and their decayed hit counts."""
 
-    def __init__(self, capacity_blocks: int, mini_blocks: int = MINI_BLOCKS) -> None:
+    def __init__(self, capacity_blocks: int, mini_blocks: int = MINI_BLOCKS,
+                 window: float = WINDOW) -> None:
         capacity = max(1, capacity_blocks)
         share = min(1.0, mini_blocks / capacity)
         self._threshold = max(1, round(share * _SCALE))  # sample: hash bits below this
@@ -45,10 +48,11 @@ class ShadowCaches:
         self.mini_blocks = mini
         self._all = KeyedList(mini)
         self._gated = KeyedList(mini)
-        self._keep = 1.0 - 1.0 / (WINDOW * mini)
+        self._keep = 1.0 - 1.0 / (window * mini)
         self.hits_all = 0.0  # decayed hits of each cache, decayed sampled lookups
         self.hits_gated = 0.0
         self.looked_up = 0.0
+        self.spread = 0.0  # decayed sum of squared per-lookup differences (noise of the lead)
 
     def sampled(self, key: Hashable) -> bool:
         return ((hash(key) * _MIX) & _MASK64) >> 48 < self._threshold
@@ -68,6 +72,7 @@ class ShadowCaches:
         self.hits_all = self.hits_all * decay + hits_all
         self.hits_gated = self.hits_gated * decay + hits_gated
         self.looked_up = self.looked_up * decay + len(sample)
+        self.spread = self.spread * decay + (hits_gated - hits_all) ** 2
 
     @staticmethod
     def _replay(cache: KeyedList, sample: list, store_before: int) -> int:
@@ -86,8 +91,11 @@ class ShadowCaches:
         gated cache leads by ``ON_MARGIN`` of the lookups, stop once it trails by
         ``TOLERANCE``. Flapping costs more than either mode: a switch pays at once (refused
         blocks come back, or first-timers flush proven blocks) and is repaid only after a
-        turnover of the tier."""
+        turnover of the tier. Nothing is decided before ``WARMUP`` miniature capacities of
+        lookups were compared."""
         diff = self.hits_gated - self.hits_all
         if gating:
             return diff >= -TOLERANCE * self.looked_up
-        return diff >= ON_MARGIN * self.looked_up
+        # A lead right after the first fill is a handful of hits: wait for evidence.
+        return (diff >= ON_MARGIN * self.looked_up and diff >= SIGMAS * self.spread ** 0.5
+                and self.looked_up >= WARMUP * self.mini_blocks)
