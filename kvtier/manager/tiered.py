@@ -25,6 +25,7 @@ from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
+from kvtier.manager.retention import RetentionHints
 from kvtier.manager.specs import (
     BackgroundTransfer,
     BlockKey,
@@ -39,7 +40,7 @@ from kvtier.manager.tier_index import BlockState, Entry, TierIndex
 from kvtier.manager.writeback import WriteBack
 
 
-class TieredOffloadingManager(WriteBack, OffloadingManager):
+class TieredOffloadingManager(RetentionHints, WriteBack, OffloadingManager):
     def __init__(
         self,
         *,
@@ -263,6 +264,7 @@ class TieredOffloadingManager(WriteBack, OffloadingManager):
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
         wanted: list[BlockKey] = []
         seen: set[BlockKey] = set()
+        self._note_hints(keys, ctx)
         for key in keys:
             if key in seen:
                 continue
