@@ -11,8 +11,9 @@ side on the same lookups,
 - ``gated``: stores missed blocks up to the first one the gate would refuse (what the gate
   would do),
 
-and gating is on only while ``gated`` has at least as many (decayed) hits as ``admit_all``,
-within ``TOLERANCE`` of the blocks looked up. Both see a spatial sample of the keys (a fixed
+and gating is on while ``gated`` leads in (decayed) hits, with hysteresis: it starts once the
+lead is ``ON_MARGIN`` of the blocks looked up and one standard deviation of the noise, and stops
+once ``gated`` trails by ``TOLERANCE``. Both see a spatial sample of the keys (a fixed
 hash subset, as in miniature simulation / SHARDS) scaled to ``MINI_BLOCKS`` slots, so the cost
 per block is O(1) and the memory is bounded whatever the tier's size; small tiers are simulated
 in full. A sampled block counts as a hit only while every earlier sampled block of its lookup
@@ -53,9 +54,6 @@ class ShadowCaches:
         self.hits_gated = 0.0
         self.looked_up = 0.0
         self.spread = 0.0  # decayed sum of squared per-lookup differences (noise of the lead)
-
-    def sampled(self, key: Hashable) -> bool:
-        return ((hash(key) * _MIX) & _MASK64) >> 48 < self._threshold
 
     def observe(self, keys: Sequence[Hashable], refuse_from: int) -> None:
         """One lookup: ``keys[refuse_from:]`` are not stored by the gated cache when missed.
