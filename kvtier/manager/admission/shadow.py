@@ -13,7 +13,9 @@ side on the same lookups,
 
 and gating is on while ``gated`` leads in (decayed) hits, with hysteresis: it starts once the
 lead is ``ON_MARGIN`` of the blocks looked up and one standard deviation of the noise, and stops
-once ``gated`` trails by ``TOLERANCE``. Both see a spatial sample of the keys (a fixed
+once ``gated`` trails by ``TOLERANCE`` (over ``WINDOW``) or by ``FAST_TOLERANCE`` over the last
+``FAST_WINDOW`` miniature capacities (a gate that paid while the tier first filled and stopped
+paying is caught early). Both see a spatial sample of the keys (a fixed
 hash subset, as in miniature simulation / SHARDS) scaled to ``MINI_BLOCKS`` slots, so the cost
 per block is O(1) and the memory is bounded whatever the tier's size; small tiers are simulated
 in full. A sampled block counts as a hit only while every earlier sampled block of its lookup
@@ -31,6 +33,8 @@ TOLERANCE = 0.005  # gating stops once it trails by this share of lookups (0.5 p
 ON_MARGIN = 0.002  # gating starts once it leads by this share of lookups (0.2 point)
 SIGMAS = 1.0  # ... and by this many standard deviations of the per-lookup differences
 WARMUP = 2  # no gating before this many miniature capacities of sampled lookups were compared
+FAST_WINDOW = 16  # a second, short comparison that only ever stops gating ...
+FAST_TOLERANCE = 0.02  # ... once gating trails by this share of its lookups (2 points)
 WINDOW = 256  # decay: the comparison spans about WINDOW miniature capacities of sampled lookups
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -53,6 +57,9 @@ class ShadowCaches:
         self.hits_all = 0.0  # decayed hits of each cache, decayed sampled lookups
         self.hits_gated = 0.0
         self.looked_up = 0.0
+        self._keep_fast = 1.0 - 1.0 / (FAST_WINDOW * mini)
+        self.fast_diff = 0.0
+        self.fast_looked_up = 0.0
         self.spread = 0.0  # decayed sum of squared per-lookup differences (noise of the lead)
 
     def observe(self, keys: Sequence[Hashable], refuse_from: int) -> None:
@@ -71,6 +78,9 @@ class ShadowCaches:
         self.hits_gated = self.hits_gated * decay + hits_gated
         self.looked_up = self.looked_up * decay + len(sample)
         self.spread = self.spread * decay + (hits_gated - hits_all) ** 2
+        fast = self._keep_fast ** len(sample)
+        self.fast_diff = self.fast_diff * fast + hits_gated - hits_all
+        self.fast_looked_up = self.fast_looked_up * fast + len(sample)
 
     @staticmethod
     def _replay(cache: KeyedList, sample: list, store_before: int) -> int:
@@ -93,7 +103,8 @@ class ShadowCaches:
         lookups were compared."""
         diff = self.hits_gated - self.hits_all
         if gating:
-            return diff >= -TOLERANCE * self.looked_up
+            return (diff >= -TOLERANCE * self.looked_up
+                    and self.fast_diff >= -FAST_TOLERANCE * self.fast_looked_up)
         # A lead right after the first fill is a handful of hits: wait for evidence.
         return (diff >= ON_MARGIN * self.looked_up and diff >= SIGMAS * self.spread ** 0.5
                 and self.looked_up >= WARMUP * self.mini_blocks)
