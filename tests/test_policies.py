@@ -258,14 +258,14 @@ def _fresh_admitted(gate: ReuseGate, start: int, n: int = 20) -> int:
 
 
 def test_reuse_gate_open_without_eviction_pressure():
-    gate = ReuseGate(1024)
+    gate = ReuseGate(1024, shadow=False)
     for i in range(3000):
         gate.record_lookup([k(i)])
         assert gate.admit(k(i))
 
 
 def test_reuse_gate_refuses_never_read_first_timers_but_keeps_proven_blocks():
-    gate = ReuseGate(1024)
+    gate = ReuseGate(1024, shadow=False)
     _churn(gate, 0, 3000, hit=False)  # every written first-timer died unread
     assert gate.refused > 500  # of 3000 (when it closes depends on the hash seed)
     assert _fresh_admitted(gate, 9000) <= 3  # a sighting-filter false positive may pass
@@ -275,7 +275,7 @@ def test_reuse_gate_refuses_never_read_first_timers_but_keeps_proven_blocks():
 
 
 def test_reuse_gate_keeps_admitting_first_timers_that_get_read():
-    gate = ReuseGate(1024)
+    gate = ReuseGate(1024, shadow=False)
     _churn(gate, 0, 3000, hit=True)
     assert gate.refused == 0 and gate.pressure > 0.9
 
@@ -283,7 +283,7 @@ def test_reuse_gate_keeps_admitting_first_timers_that_get_read():
 def test_reuse_gate_learns_per_class():
     """Two-block prompts whose first block is read again and whose last block never is: the
     gate stops writing the last blocks only."""
-    gate = ReuseGate(1024)
+    gate = ReuseGate(1024, shadow=False)
     head_refused = tail_refused = 0
     for i in range(0, 6000, 2):
         head, tail = k(i), k(i + 1)
@@ -301,7 +301,7 @@ def test_reuse_gate_learns_per_class():
 
 
 def test_reuse_gate_reopens_when_refused_blocks_come_back():
-    gate = ReuseGate(1024)
+    gate = ReuseGate(1024, shadow=False)
     _churn(gate, 0, 3000, hit=False)
     assert _fresh_admitted(gate, 5000) <= 3
     for i in range(10_000, 10_600):  # refused first-timers that are asked for again soon

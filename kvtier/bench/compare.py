@@ -20,9 +20,10 @@ import time
 from typing import Sequence
 
 from kvtier.bench import policy_sim
-from kvtier.bench.policy_sim import SimResult, gap_closed, parse_spec
+from kvtier.bench.policy_sim import HINTS, SimResult, gap_closed, parse_spec
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.manager.admission import admission_names, make_admission
+from kvtier.manager.hints import KEEP, ONE_OFF, RetentionHint
 from kvtier.manager.policies import policy_names
 from kvtier.manager.specs import Medium, RequestContext
 from kvtier.manager.tiered import TieredOffloadingManager
@@ -46,14 +47,17 @@ def replay(trace: Sequence[TraceRequest], capacity: int, spec: str = "lru") -> S
     manager never looks inside a key, and int keys hash the same in every process, so runs
     are reproducible)."""
     m = build(capacity, spec)
+    hinted = spec.endswith(HINTS)  # the trace's ``continues`` as a router's retention hints
     res = SimResult(spec, capacity)
     hits_since_store: dict[int, int] = {}  # resident key -> hits since it was written
     t0 = time.perf_counter()
-    for req in trace:
+    for n_req, req in enumerate(trace):
         keys = req.hash_ids
         n = len(keys)
         res.blocks += n
         res.tokens += req.input_length
+        if hinted and req.continues is not None:
+            m.set_retention(str(n_req), RetentionHint(KEEP if req.continues else ONE_OFF))
         hits = m.lookup(keys).num_hits
         load = m.prepare_load(keys[:hits]) if hits else None
         loaded = len(load.keys) if load is not None else 0
@@ -62,7 +66,7 @@ def replay(trace: Sequence[TraceRequest], capacity: int, spec: str = "lru") -> S
             res.hit_tokens += req.block_tokens(i)
         res.hit_blocks += loaded
         if loaded < n:
-            ctx = RequestContext(first_block_index=loaded, num_prompt_blocks=n,
+            ctx = RequestContext(request_id=str(n_req), first_block_index=loaded, num_prompt_blocks=n,
                                  block_tokens=TRACE_BLOCK_TOKENS,
                                  parent_key=keys[loaded - 1] if loaded else None)
             plan = m.prepare_store(keys[loaded:], ctx)

@@ -33,6 +33,9 @@ from kvtier.manager.policies import EvictionPolicy, make_policy
 
 # Plug-ins register themselves on import (until the package's __init__ imports it).
 from kvtier.manager.admission import reuse_gate as _reuse_gate  # noqa: F401,E402
+from kvtier.manager.admission.reuse_gate import ReuseGate  # noqa: E402
+from kvtier.manager.hints import KEEP, ONE_OFF, HintBook, RetentionHint  # noqa: E402
+from kvtier.manager.policies.hinted import HintedEviction  # noqa: E402
 
 
 @dataclass
@@ -62,8 +65,12 @@ class SimResult:
         return d
 
 
+HINTS = "+hints"
+
+
 def parse_spec(spec: str) -> tuple[str, str]:
-    """``"eviction[+admission]"`` -> names; admission defaults to ``all``."""
+    """``"eviction[+admission][+hints]"`` -> names; admission defaults to ``all``."""
+    spec = spec.removesuffix(HINTS)
     eviction, _, admission = spec.partition("+")
     return eviction.strip(), (admission.strip() or "all")
 
@@ -106,6 +113,12 @@ def simulate(
         policy = make_policy(ev_name, capacity)
     if admission is None:
         admission = make_admission(adm_name, threshold=2, capacity_blocks=capacity)
+    book = None
+    if spec.endswith(HINTS):  # a router that knows which conversations continue
+        book = HintBook(max(1, capacity // 2), clock=lambda: 0.0)
+        policy = HintedEviction(policy, book)
+        if isinstance(admission, ReuseGate):
+            admission.hints = book
     cache = _Cache(capacity, policy, admission)
     resident = cache.hits_since_store
     res = SimResult(spec, capacity)
@@ -115,6 +128,8 @@ def simulate(
         n = len(keys)
         res.blocks += n
         res.tokens += req.input_length
+        if book is not None and req.continues is not None:
+            book.note(keys, RetentionHint(KEEP if req.continues else ONE_OFF))
         admission.record_lookup(keys)
         k = 0
         while k < n and keys[k] in resident:

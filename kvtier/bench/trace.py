@@ -37,6 +37,10 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    # What a router may know (generated traces only; never needed to replay): the conversation
+    # this request belongs to, and whether it will send another turn.
+    session: int | None = None
+    continues: bool | None = None
 
     def block_tokens(self, i: int, block_tokens: int = TRACE_BLOCK_TOKENS) -> int:
         """Tokens of the prompt covered by block ``i`` (the last one may be partial)."""

@@ -10,6 +10,11 @@ A policy tuned to one trace proves little; these shapes stress different things:
 - ``docs``: one-off long documents (a scan that should not flush the cache) mixed with a few
   documents that are questioned repeatedly.
 - ``mixed``: the three interleaved.
+- ``multiturn``: conversations that arrive one after another; about half send another turn,
+  after a think time spread over several orders of magnitude (seconds to an hour), so the
+  reuse distance is long and most blocks are written once and never read. The shape of real
+  chat-serving traces where the cache is "nearly big enough" at tens of thousands of blocks;
+  requests carry ``session`` and ``continues`` (what a router knows).
 
 Ids are prefix hashes like Mooncake's: a block id is allocated when new content extends a
 prefix, and the same prefix always yields the same ids.
@@ -25,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
-SHAPES = ("zipf", "chat", "docs", "mixed")
+SHAPES = ("zipf", "chat", "docs", "mixed", "multiturn")
 
 
 class _Ids:
@@ -137,10 +142,47 @@ def gen_mixed(n_requests: int, seed: int):
         yield TraceRequest(ts, r.input_length, r.output_length, r.hash_ids)
 
 
+def gen_multiturn(n_requests: int, seed: int, ids: _Ids | None = None, continue_p: float = 0.5,
+                  think_median: float = 400.0, think_sigma: float = 1.6, system_prompts: int = 24,
+                  burn_in: int = 4000):
+    """New conversations arrive at one per time unit; a conversation opens with a short shared
+    system prompt (Zipf over ``system_prompts``) and 4..40 blocks of its own, and after each turn
+    continues with probability ``continue_p`` after a log-normal think time (median
+    ``think_median`` units, so a continuation returns hundreds to tens of thousands of requests
+    later). A turn resends the history and adds 1..8 blocks; its partial last block is fresh.
+    The first ``burn_in`` requests are not emitted: a real trace is a window of a service in
+    steady state, not its first minutes (when no conversation has come back yet)."""
+    import heapq
+    import math
+
+    rng = random.Random(seed)
+    ids = ids or _Ids()
+    system = [ids.fresh(rng.randint(2, 8)) for _ in range(system_prompts)]
+    pick = _zipf_sampler(rng, system_prompts, 1.1)
+    due: list = []  # (time, session, full blocks so far)
+    t_new, session = 0.0, 0
+    for n in range(burn_in + n_requests):
+        if due and due[0][0] <= t_new:
+            ts, sid, full = heapq.heappop(due)
+        else:
+            ts, sid = t_new, session
+            session += 1
+            t_new += rng.expovariate(1.0)
+            full = system[pick()] + ids.fresh(rng.randint(4, 40))
+        again = rng.random() < continue_p
+        if n >= burn_in:
+            yield TraceRequest(float(ts), TRACE_BLOCK_TOKENS * len(full) + rng.randint(1, 511), 64,
+                               tuple(full + ids.fresh(1)), session=sid, continues=again)
+        if again:
+            think = think_median * math.exp(rng.gauss(0.0, think_sigma))
+            heapq.heappush(due, (ts + think, sid, full + ids.fresh(rng.randint(1, 8))))
+
+
 def generate(shape: str, n_requests: int = 4000, seed: int = 0) -> list[TraceRequest]:
     if n_requests < 1:
         raise ValueError(f"n_requests must be >= 1, got {n_requests}")
-    makers = {"zipf": gen_zipf, "chat": gen_chat, "docs": gen_docs, "mixed": gen_mixed}
+    makers = {"zipf": gen_zipf, "chat": gen_chat, "docs": gen_docs, "mixed": gen_mixed,
+              "multiturn": gen_multiturn}
     try:
         maker = makers[shape]
     except KeyError:

@@ -168,7 +168,9 @@ def run_shared_bench(config_path, trace, trace_name: str, block_bytes: int, gpu_
               help="--compare: tier capacities, in trace blocks (default: 5, 20 and 50% of "
                    "the trace's distinct blocks).")
 @click.option("--policies", default=",".join(DEFAULT_POLICIES), show_default=True,
-              help="--compare: eviction[+admission] specs (lru is always run).")
+              help="--compare: eviction[+admission][+hints] specs (lru is always run); +hints "
+                   "passes the trace's 'continues' flags (--shape multiturn) as a router's "
+                   "retention hints.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
               help="kvtier YAML (default: 16MiB CPU tier + 96MiB zstd disk tier in a temp dir).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")

@@ -47,6 +47,7 @@ from kvtier.connectors.stats import KVTierStats
 from kvtier.connectors.timeline import timeline
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission
 from kvtier.manager.factory import build_manager
+from kvtier.manager.retention import apply_retention_hint
 from kvtier.manager.specs import BlockKey, Medium, RequestContext
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class SchedulerSide:
             t = RequestTrack(request, RequestParams.parse(request.kv_transfer_params),
                              hints=request_hints(request))
             self.tracks[request.request_id] = t
+            apply_retention_hint(self.manager, t.req_id, request.kv_transfer_params)
         return t
 
     def _drop_if_done(self, t: RequestTrack) -> None:

@@ -32,6 +32,7 @@ from kvtier.manager.stats import ManagerStats
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtier.manager.cost import LoadCostModel
+    from kvtier.manager.hints import RetentionHint
     from kvtier.manager.tier_index import TierIndex
 
 
@@ -100,6 +101,12 @@ class OffloadingManager(ABC):
 
     def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
         """The engine's measured prefill time per token. Default: ignored."""
+
+    # ------------------------------------------------------------------ hints
+    def set_retention(self, request_id: str, hint: "RetentionHint | None") -> None:
+        """A request's retention hint (``kv_transfer_params['kvtier_retention']``): its blocks
+        outrank unhinted ones in eviction and admission. Default: ignored (hints are never
+        needed for correctness)."""
 
     # ------------------------------------------------------------------ state
     @abstractmethod

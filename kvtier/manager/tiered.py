@@ -29,6 +29,7 @@ from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
 from kvtier.manager.remote_tier import RemoteTier
+from kvtier.manager.retention import RetentionHints
 from kvtier.manager.specs import (
     BackgroundTransfer,
     BlockKey,
@@ -43,7 +44,7 @@ from kvtier.manager.tier_index import BlockState, Entry, TierIndex
 from kvtier.manager.writeback import WriteBack
 
 
-class TieredOffloadingManager(WriteBack, RemoteTier, OffloadingManager):
+class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, OffloadingManager):
     def __init__(
         self,
         *,
@@ -307,6 +308,7 @@ class TieredOffloadingManager(WriteBack, RemoteTier, OffloadingManager):
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
         wanted: list[BlockKey] = []
         seen: set[BlockKey] = set()
+        self._note_hints(keys, ctx)
         for key in keys:
             if key in seen:
                 continue

@@ -18,6 +18,12 @@ measured to be read before they would be evicted, and only when evictions are hu
   first-timer. Without pressure the tier only evicts its own dead weight and the gate stays
   open, so a large tier never loses hits to admit-all; under pressure the bar is
   ``GATE_BAR * pressure``.
+- payoff: all of the above only decides *which* first-timers a gate would refuse. Whether to
+  gate at all is measured by :class:`ShadowCaches`: two sampled key-only caches replay every
+  lookup, one storing every miss, one refusing as the gate would; while the gated one has
+  fewer hits (by more than 0.05 point) the gate admits everything. A tier that is nearly big
+  enough for its traffic therefore behaves like admit-all (a refused block that comes back
+  costs its hit and every block behind it), and a small one keeps the write savings.
 
 Every call is O(1) per key, with no pause proportional to the history (the maps are
 :class:`KeyedList`, values packed into ints). Memory: a two-generation bitset doorkeeper (16-32
@@ -30,10 +36,12 @@ from __future__ import annotations
 from typing import Hashable, Sequence
 
 from kvtier.manager.admission.base import AdmissionPolicy, register_admission
+from kvtier.manager.admission.shadow import ShadowCaches
+from kvtier.manager.hints import KEEP, ONE_OFF, HintBook
 from kvtier.manager.keyed_list import KeyedList
 from kvtier.manager.specs import BlockKey
 
-GATE_BAR = 0.3  # first-timers must be read at least this often (at full pressure) to be written
+GATE_BAR = 0.5  # first-timers must be read at least this often (at full pressure) to be written
 RATE = 0.01  # weight of one outcome in the running means
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -42,6 +50,7 @@ _MASK64 = (1 << 64) - 1
 # lookup (2), the lookup's last block (1). Packed so the maps hold plain ints.
 Class = int
 EXTENDS, DEEPER, LAST = 4, 2, 1
+UNGATED = 8  # flag on an admitted first-timer that a gate would have refused
 
 
 class SightingFilter:
@@ -82,7 +91,8 @@ class SightingFilter:
 class ReuseGate(AdmissionPolicy):
     name = "reuse_gate"
 
-    def __init__(self, capacity_blocks: int, bar: float = GATE_BAR) -> None:
+    def __init__(self, capacity_blocks: int, bar: float = GATE_BAR, shadow: bool = True) -> None:
+        """``shadow=False``: always gate (no payoff measurement); for studying the classes."""
         if not 0.0 <= bar <= 1.0:
             raise ValueError(f"bar must be within [0, 1], got {bar}")
         self.capacity = max(1024, capacity_blocks)  # 0 (unknown) still gets a usable history
@@ -95,12 +105,18 @@ class ReuseGate(AdmissionPolicy):
         self.reuse: dict[Class, float] = {}  # per class: share of first-timers read in time
         self.pressure = 0.0
         self.refused = 0
+        self.shadow = ShadowCaches(capacity_blocks or self.capacity) if shadow else None
+        self.gating = not shadow  # on while the shadow caches measure that refusing pays
+        self.hints: HintBook | None = None  # retention hints, when a hint source feeds them
 
     # -- observations -------------------------------------------------------------------
     def record_lookup(self, keys: Sequence[BlockKey]) -> None:
         known_prefix = False  # an earlier block of this lookup was seen before
         deeper = False  # an earlier block of this lookup is new too
         last = len(keys) - 1
+        refuse_from = len(keys)  # where a gate that refuses would stop storing
+        bar = self.bar * self.pressure
+        reuse = self.reuse
         for i, key in enumerate(keys):
             refused = self._refused.pop(key)
             if refused is not None:
@@ -112,17 +128,22 @@ class ReuseGate(AdmissionPolicy):
                 cls = (EXTENDS if known_prefix else 0) | (DEEPER if deeper else 0) | (i == last)
                 self._first.push_bounded(key, cls)
                 deeper = True
+                if refuse_from > i and reuse.get(cls, 1.0) < bar:
+                    refuse_from = i
         self._expire_refused()
+        if self.shadow is not None:
+            self.shadow.observe(keys, refuse_from)
+            self.gating = self.shadow.gating_pays(self.gating)
 
     def on_hit(self, key: BlockKey) -> None:
         cls = self._pending.pop(key)
-        if cls is not None:
+        if cls is not None and not cls & UNGATED:
             self._outcome(cls, 1.0)
 
     def on_evict(self, key: BlockKey) -> None:
         cls = self._pending.pop(key)
         wasted = cls is not None
-        if wasted:
+        if wasted and not cls & UNGATED:
             self._outcome(cls, 0.0)
         self.pressure += RATE * ((0.0 if wasted else 1.0) - self.pressure)
 
@@ -132,17 +153,32 @@ class ReuseGate(AdmissionPolicy):
         if cls is None:  # seen before (or not tracked any more): worth writing
             self._clock += 1
             return True
-        if self.reuse.get(cls, 1.0) < self.bar * self.pressure:
-            self._refused.push_bounded(key, self._clock * 8 + cls)  # what falls out: no outcome
+        hint = self.hints.rank(key) if self.hints is not None else 0
+        if hint == ONE_OFF:  # a one-off's never-seen blocks will not be asked for again
             self.refused += 1
             return False
+        # A conversation the router says continues faces half the bar.
+        if self.reuse.get(cls, 1.0) < self.bar * self.pressure * (0.5 if hint == KEEP else 1.0):
+            # Tracked as refused either way (what falls out: no outcome), so the classes learn
+            # the same thing whether or not gating is on.
+            self._refused.push_bounded(key, self._clock * 8 + cls)
+            if self.gating:
+                self.refused += 1
+                return False
+            cls |= UNGATED  # admitted only because gating does not pay: outcome comes from above
         self._clock += 1
         self._pending.push_bounded(key, cls)
         return True
 
     def would_admit(self, key: BlockKey) -> bool:
         cls = self._first.get(key)
-        return cls is None or self.reuse.get(cls, 1.0) >= self.bar * self.pressure
+        if cls is None:
+            return True
+        hint = self.hints.rank(key) if self.hints is not None else 0
+        if hint == ONE_OFF:
+            return False
+        return not self.gating or (self.reuse.get(cls, 1.0)
+                                   >= self.bar * self.pressure * (0.5 if hint == KEEP else 1.0))
 
     # -- internals ----------------------------------------------------------------------
     def _outcome(self, cls: Class, value: float) -> None:

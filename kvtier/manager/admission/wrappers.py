@@ -9,7 +9,7 @@ events, completions, background work, the cost model and stats.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.admission.base import SightingThreshold
@@ -68,6 +68,9 @@ class ManagerWrapper(OffloadingManager):
 
     def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
         self.inner.measured_recompute(s_per_token, block_tokens, block_bytes)
+
+    def set_retention(self, request_id: str, hint: Any) -> None:
+        self.inner.set_retention(request_id, hint)
 
     def take_events(self) -> Iterable[Event]:
         return self.inner.take_events()
