@@ -260,3 +260,20 @@ def test_kvtier_event_stream_metrics_and_snapshot_run_in_the_scheduler(model_dir
     assert sum(len(e.block_hashes) for e in accessed) == stats.hit_blocks["CPU"]
     rig.connector.shutdown()
     rig.close()
+
+
+def test_retention_hint_in_kv_transfer_params_reaches_the_tiered_manager(model_dir):
+    """``kvtier_retention`` goes through the admission wrappers to the tiered manager (the
+    manager contract's ``set_retention``), whose stored blocks are then marked kept."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    req = make(vh.random_tokens(40, seed=31), max_tokens=1,
+               kv_transfer_params={"kvtier_retention": {"continues": True}})
+    rig.loop.add(req)
+    rig.loop.run_until_idle()
+    inner = rig.side.manager
+    while hasattr(inner, "inner"):
+        inner = inner.inner
+    assert inner.hints is not None and req.request_id in inner._request_hints
+    assert bad_checks(rig) == []
+    rig.close()
