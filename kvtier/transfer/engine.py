@@ -25,14 +25,15 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Iterable, Sequence
 
-from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.manager.specs import LoadStoreSpec
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
+from kvtier.transfer.immediate import ImmediateHops
+from kvtier.transfer.lanes import Job, Lane, check_handler
 from kvtier.transfer.jobs import (
     DirectionStats,
-    Hop,
     JobResult,
     Route,
     TransferOutcome,
@@ -43,59 +44,11 @@ from kvtier.transfer.jobs import (
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Job:
-    job_id: int
-    hops: tuple[Hop, ...]
-    next_hop: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    failed_keys: list[BlockKey] = field(default_factory=list)
-    error: str | None = None
-    last_route: Route | None = None
-    hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run
-    pending: object = None  # an immediate hop's handle (while in TransferEngine._immediate)
-    started: float = 0.0
-
-
-@dataclass
-class _Lane:
-    """One route's queue, worker and running hops (loop-thread state, except ``stats``)."""
-
-    route: Route
-    handler: TransferHandler
-    queue: asyncio.Queue
-    slots: asyncio.Semaphore
-    stats: DirectionStats = field(default_factory=DirectionStats)
-    active: int = 0
-    busy_since: float = 0.0
-    worker: asyncio.Task | None = None
-    running: dict = field(default_factory=dict)  # hop task -> its job
-
-    @property
-    def name(self) -> str:
-        return route_name(self.route)
-
-
-def _check_handler(h: TransferHandler) -> Route:
-    try:
-        src, dst = h.direction
-        route = (Medium(src), Medium(dst))
-    except (AttributeError, TypeError, ValueError):
-        raise ValueError(
-            f"{type(h).__name__}.direction must be a (Medium, Medium) pair, "
-            f"got {getattr(h, 'direction', None)!r}"
-        ) from None
-    if not isinstance(h.concurrency, int) or h.concurrency < 1:
-        raise ValueError(f"{type(h).__name__}.concurrency must be an int >= 1, got {h.concurrency!r}")
-    return route
-
-
-class TransferEngine:
+class TransferEngine(ImmediateHops):
     def __init__(self, handlers: Iterable[TransferHandler], *, name: str = "kvtier-transfer") -> None:
         self._handlers: dict[Route, TransferHandler] = {}
         for h in handlers:
-            route = _check_handler(h)
+            route = check_handler(h)
             if route in self._handlers:
                 raise ValueError(f"two handlers for {route_name(route)}")
             self._handlers[route] = h
@@ -111,9 +64,9 @@ class TransferEngine:
         self._next_id = 0
         self._closed = False
         self._stopped = False
-        self._lanes: dict[Route, _Lane] = {}
-        self._immediate: dict[int, _Job] = {}  # immediate hops running on a device queue
-        self._parked: list[_Job] = []  # jobs whose next hop is immediate, waiting for a caller
+        self._lanes: dict[Route, Lane] = {}
+        self._immediate: dict[int, Job] = {}  # immediate hops running on a device queue
+        self._parked: list[Job] = []  # jobs whose next hop is immediate, waiting for a caller
         self._imm_lock = threading.RLock()  # callers' side of immediate hops
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
@@ -136,19 +89,19 @@ class TransferEngine:
 
     async def _start_lanes(self) -> None:
         for route, h in self._handlers.items():
-            lane = _Lane(route, h, asyncio.Queue(), asyncio.Semaphore(h.concurrency))
+            lane = Lane(route, h, asyncio.Queue(), asyncio.Semaphore(h.concurrency))
             if not isinstance(h, ImmediateHandler):
                 lane.worker = asyncio.ensure_future(self._worker(lane))
             self._lanes[route] = lane
 
-    def _is_immediate(self, job: _Job) -> bool:
+    def _is_immediate(self, job: Job) -> bool:
         return isinstance(self._handlers[route_of(job.hops[job.next_hop])], ImmediateHandler)
 
-    def _lane(self, job: _Job) -> _Lane:
+    def _lane(self, job: Job) -> Lane:
         """The lane of the job's next (or running) hop."""
         return self._lanes[route_of(job.hops[job.next_hop])]
 
-    def _dispatch(self, job: _Job) -> None:
+    def _dispatch(self, job: Job) -> None:
         """Loop thread: queue the job's next hop, or park it for the caller if immediate."""
         if self._is_immediate(job):
             with self._cond:
@@ -157,7 +110,7 @@ class TransferEngine:
             return
         self._lane(job).queue.put_nowait(job)
 
-    async def _worker(self, lane: _Lane) -> None:
+    async def _worker(self, lane: Lane) -> None:
         """Start the route's hops in queue order, at most ``concurrency`` at a time."""
         while True:
             # Take a free slot before taking a job, so a job is never held outside the queue
@@ -172,7 +125,7 @@ class TransferEngine:
             lane.running[task] = job
             task.add_done_callback(lambda t, lane=lane: lane.running.pop(t, None))
 
-    async def _run_hop(self, lane: _Lane, job: _Job) -> None:
+    async def _run_hop(self, lane: Lane, job: Job) -> None:
         src, dst = job.hops[job.next_hop]
         outcome = TransferOutcome()
         error: str | None = None
@@ -203,7 +156,7 @@ class TransferEngine:
         else:
             self._finish(job)
 
-    def _hop_done(self, lane: _Lane, job: _Job, outcome: TransferOutcome, error: str | None,
+    def _hop_done(self, lane: Lane, job: Job, outcome: TransferOutcome, error: str | None,
                   seconds: float, ended_at: float | None = None) -> None:
         """Account one hop (one lock hold: a stats snapshot never sees its time without its
         bytes). ``ended_at``: a loop hop's end (busy time spans overlapping hops); else an
@@ -226,7 +179,7 @@ class TransferEngine:
         job.last_route = lane.route
         job.error = error
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         failed = tuple(dict.fromkeys(job.failed_keys))
         result = JobResult(
             job_id=job.job_id,
@@ -303,95 +256,13 @@ class TransferEngine:
                     raise ValueError(f"job id {jid} is already in use")
             self._live.add(jid)
             self._pending += 1
-            job = _Job(jid, hops)
+            job = Job(jid, hops)
             if not self._is_immediate(job):
                 self._loop.call_soon_threadsafe(self._dispatch, job)
                 return jid
         with self._imm_lock:
             self._start_immediate(job)
         return jid
-
-    # ---- immediate hops (caller threads, under _imm_lock) ---------------------------------------
-
-    def _start_immediate(self, job: _Job) -> None:
-        """Enqueue the job's next hop on its device queue now; a refusal fails the job."""
-        lane = self._lane(job)
-        src, dst = job.hops[job.next_hop]
-        job.started = time.perf_counter()
-        try:
-            job.pending = lane.handler.start(src, dst)
-        except Exception as exc:  # noqa: BLE001 - a refused hop is a failed job, like on the loop
-            error = f"{lane.name}: {type(exc).__name__}: {exc}"
-            log.warning("%s: job %d failed: %s", self.name, job.job_id, error)
-            self._hop_done(lane, job, TransferOutcome(), error, 0.0)
-            self._finish(job)
-            return
-        self._immediate[job.job_id] = job
-
-    def _complete_immediate(self, job: _Job, outcome: TransferOutcome) -> None:
-        lane = self._lane(job)
-        del self._immediate[job.job_id]
-        job.pending = None
-        seconds = outcome.seconds
-        if seconds is None:
-            seconds = time.perf_counter() - job.started
-        self._hop_done(lane, job, outcome, None, seconds)
-        if job.next_hop + 1 < len(job.hops):
-            job.next_hop += 1
-            if self._is_immediate(job):
-                self._start_immediate(job)
-            else:
-                self._loop.call_soon_threadsafe(self._dispatch, job)
-        else:
-            self._finish(job)
-
-    def _advance(self, block_on: Iterable[int] = ()) -> None:
-        """Start parked immediate hops, collect the finished ones (``block_on``: wait for those
-        job ids' immediate hops, if running)."""
-        with self._imm_lock:
-            with self._lock:
-                parked, self._parked = self._parked, []
-            for job in parked:
-                self._start_immediate(job)
-            for jid in block_on:
-                job = self._immediate.get(jid)
-                if job is not None:
-                    self._complete_immediate(job, self._lane(job).handler.finish(job.pending))
-            for job in list(self._immediate.values()):
-                outcome = self._lane(job).handler.poll(job.pending)
-                if outcome is not None:
-                    self._complete_immediate(job, outcome)
-
-    def fence(self, job_ids: Iterable[int]) -> None:
-        """Order device work the caller enqueues from now on after these jobs: a stream wait
-        for a job on an immediate hop (the host goes on at once), else a host wait until the
-        job finished. Results stay collectable by ``get_finished``."""
-        ids = [int(i) for i in job_ids]
-        while True:
-            self._advance()
-            with self._cond:
-                waiting = [i for i in ids if i in self._live and i not in self._finished
-                           and i not in self._immediate]
-                if not waiting:
-                    break
-                self._cond.wait(0.002)
-        with self._imm_lock:
-            for i in ids:
-                job = self._immediate.get(i)
-                if job is not None:
-                    self._lane(job).handler.fence(job.pending)
-
-    def fence_layer(self, job_ids: Iterable[int], layer: int) -> None:
-        """``fence`` for the pages of one layer: on a handler that copies layer by layer, the
-        caller's stream waits only for that layer of these jobs (vLLM's per-layer hook)."""
-        ids = [int(i) for i in job_ids]
-        with self._imm_lock:
-            started = {i: self._immediate[i] for i in ids if i in self._immediate}
-        rest = [i for i in ids if i not in started]
-        for job in started.values():
-            self._lane(job).handler.fence_layer(job.pending, layer)
-        if rest:
-            self.fence(rest)
 
     def get_finished(self) -> list[JobResult]:
         """Results completed since the last call, in completion order. Never waits for a job."""

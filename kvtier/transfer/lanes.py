@@ -1,0 +1,58 @@
+"""What the transfer engine keeps per job and per route (see :mod:`kvtier.transfer.engine`)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from kvtier.manager.specs import BlockKey, Medium
+from kvtier.transfer.handlers import TransferHandler
+from kvtier.transfer.jobs import DirectionStats, Hop, Route, route_name
+
+
+@dataclass
+class Job:
+    job_id: int
+    hops: tuple[Hop, ...]
+    next_hop: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failed_keys: list[BlockKey] = field(default_factory=list)
+    error: str | None = None
+    last_route: Route | None = None
+    hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run
+    pending: object = None  # an immediate hop's handle (while in the engine's immediate hops)
+    started: float = 0.0
+
+
+@dataclass
+class Lane:
+    """One route's queue, worker and running hops (loop-thread state, except ``stats``)."""
+
+    route: Route
+    handler: TransferHandler
+    queue: asyncio.Queue
+    slots: asyncio.Semaphore
+    stats: DirectionStats = field(default_factory=DirectionStats)
+    active: int = 0
+    busy_since: float = 0.0
+    worker: asyncio.Task | None = None
+    running: dict = field(default_factory=dict)  # hop task -> its job
+
+    @property
+    def name(self) -> str:
+        return route_name(self.route)
+
+
+def check_handler(h: TransferHandler) -> Route:
+    try:
+        src, dst = h.direction
+        route = (Medium(src), Medium(dst))
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(
+            f"{type(h).__name__}.direction must be a (Medium, Medium) pair, "
+            f"got {getattr(h, 'direction', None)!r}"
+        ) from None
+    if not isinstance(h.concurrency, int) or h.concurrency < 1:
+        raise ValueError(f"{type(h).__name__}.concurrency must be an int >= 1, got {h.concurrency!r}")
+    return route
