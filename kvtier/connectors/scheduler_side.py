@@ -43,6 +43,7 @@ from kvtier.connectors.metadata import (
 )
 from kvtier.connectors.requests import KeyMap, RequestParams, RequestTrack
 from kvtier.connectors.settings import ConnectorSettings
+from kvtier.connectors.settle import JobSettling
 from kvtier.connectors.stats import KVTierStats
 from kvtier.connectors.timeline import timeline
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission
@@ -53,7 +54,7 @@ from kvtier.manager.specs import BlockKey, Medium, RequestContext
 log = logging.getLogger(__name__)
 
 
-class SchedulerSide:
+class SchedulerSide(JobSettling):
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         bb = settings.block_bytes
@@ -329,62 +330,6 @@ class SchedulerSide:
         for job_id, job in self.ledger.record(meta):
             self._settle(job_id, job)
         self._take_background()  # settling may plan demotions: they count as pending work
-
-    def _unsettled(self, job_id: int) -> bool:
-        return job_id in self.ledger or job_id in self._parked
-
-    def _settle(self, job_id: int, job: Job) -> None:
-        if job.kind == "load":
-            if any(self._unsettled(d) for d in job.after):
-                self._parked[job_id] = job
-                return
-            self._settle_load(job_id, job)
-            progress = True
-            while progress:  # a load may both promote some keys and join others: chains
-                progress = False
-                for parked_id in sorted(self._parked):
-                    parked = self._parked[parked_id]
-                    if not any(self._unsettled(d) for d in parked.after):
-                        del self._parked[parked_id]
-                        self._settle_load(parked_id, parked)
-                        progress = True
-        elif job.kind == "store":
-            self.manager.complete_store(job.keys, success=job.errors == 0)
-            if job.errors:
-                self._stats.add("failed_store_jobs", 1)
-            for b in job.gpu_ids:
-                jobs = self._sources.get(b)
-                if jobs is not None:
-                    jobs.discard(job_id)
-                    if not jobs:
-                        del self._sources[b]
-            t = self.tracks.get(job.req_id)
-            if t is not None:
-                t.store_jobs.discard(job_id)
-                self._drop_if_done(t)
-        else:
-            self.manager.complete_background(job.transfer_id, success=job.errors == 0)
-
-    def _settle_load(self, job_id: int, job: Job) -> None:
-        failed = set(job.failed)
-        self.manager.complete_load(job.keys, failed=[k for k in job.keys if k in failed])
-        if failed:
-            self._stats.add("failed_load_blocks", len(failed))
-        for key, from_disk in zip(job.keys, job.from_disk):
-            if from_disk and self._promoting.get(key) == job_id:
-                del self._promoting[key]
-        if any(job.from_disk):
-            self._step_forget.append(job_id)
-        t = self.tracks.get(job.req_id)
-        if t is not None and t.load_job == job_id:
-            t.load_job = None
-            if failed:  # vLLM recomputes from the first failed block on: store those again
-                first = min(i for i, k in enumerate(job.keys) if k in failed)
-                t.next_store = min(t.next_store, t.load_first_index + first)
-            self._drop_if_done(t)
-        if self._tl.enabled:
-            self._tl.mark("sched", "load_settled", req=job.req_id, job=job_id,
-                          failed=len(failed))
 
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the blocks until workers report the request's stores done."""

@@ -1,0 +1,69 @@
+"""CPU-tier eviction of the tiered manager: which blocks go, and what losing them costs.
+
+A mixin of :class:`~kvtier.manager.tiered.TieredOffloadingManager` (its state: ``cpu``,
+``disk``, ``disk_health``, admission, ``_pending_drops``, ``_write_back_behind``,
+``eviction_budget``, ``stats``, ``events``). Kept apart because the rule is the subtle part:
+clean blocks first, dirty ones only when write-back is behind, never a pinned one.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvtier.manager.events import BlockRemoved
+from kvtier.manager.specs import BlockKey, Medium
+from kvtier.manager.tier_index import Entry
+
+
+class CpuEviction:
+    def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
+        """Evicting it loses nothing the disk would keep: a copy is on disk, or the disk
+        refused or failed it, or it is being dropped there."""
+        return entry.on_disk or entry.flush_failed or self._disk_declines(key)
+
+    def _disk_declines(self, key: BlockKey) -> bool:
+        """A dirty CPU block the disk would not keep anyway (refused, or being dropped)."""
+        return key in self._pending_drops or not self.disk_admission.would_admit(key)
+
+    def _evict_cpu(self, n: int) -> list[BlockKey]:
+        """Evict up to ``n`` unpinned CPU blocks; a block being read (a load, a demotion) or
+        written is never evicted.
+
+        Blocks whose eviction loses nothing (``_cpu_evictable``: write-back keeps the coldest
+        ones so) go first, in the policy's order. They are looked for among the coldest
+        ``eviction_budget`` unpinned blocks only; if too few are there, write-back is behind
+        (the disk is slower than the stores, or one store needs more than the flush window
+        holds) and the coldest dirty blocks are dropped unwritten (``evicted_unwritten``),
+        without another search until a demotion finishes (``_write_back_behind``):
+        this is a cache, and the coldest block is the one worth least, so losing its disk copy
+        beats refusing the new blocks. The old rule never dropped a dirty block the disk
+        would take: with demotions in flight every eviction walked the whole tier looking
+        for a clean one (200-250 ms per store at 50k blocks), then refused the store anyway.
+        """
+        if self.disk is None or self.disk_health.degraded:  # any unpinned block may go
+            victims = self.cpu.victims(n)
+        else:
+            if self._write_back_behind:  # searched in vain, and no demotion finished since
+                victims = self.cpu.victims(n)
+            else:
+                victims = self.cpu.victims_preferring(n, self._disk_declines,
+                                                      n + self.eviction_budget)
+            get = self.cpu.get
+            unwritten = sum(1 for key in victims if not self._cpu_evictable(key, get(key)))
+            self.stats.evicted_unwritten += unwritten
+            self._write_back_behind = unwritten > 0
+        self._drop_cpu(victims)
+        return victims
+
+    def _drop_cpu(self, keys: Sequence[BlockKey]) -> None:
+        """Evict ``keys`` from the CPU tier: one event for the batch, not one per block."""
+        gone = self.cpu.remove_many(keys)
+        for key in gone:
+            self.cpu_admission.on_evict(key)
+        self.stats.evicted_blocks["CPU"] += len(gone)
+        self.events.emit(BlockRemoved(Medium.CPU, tuple(gone)))
+
+    def _make_room(self, n: int) -> bool:
+        if self.cpu.free_count < n:
+            self._evict_cpu(n - self.cpu.free_count)
+        return self.cpu.free_count >= n
