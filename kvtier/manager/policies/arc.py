@@ -7,17 +7,22 @@ ARC resistant to one-time scans (they only churn T1) while still following recen
 
 In kvtier the manager, not the policy, decides when to evict: ``victims`` only *proposes* keys
 following ARC's REPLACE rule, and a key enters a ghost list when ``remove`` is called. Every
-operation is O(1) amortised (four :class:`KeyedList`, so nothing pauses in proportion to the
-cache size; ghost trimming pops each ghost at most once).
+operation is O(1) amortised and nothing pauses in proportion to the cache size: the four lists
+share one node pool linked through fixed ``array`` columns, with ``key -> node`` in
+:class:`KeyShards` (small dicts) as in :class:`KeyedList`; ghost trimming pops each ghost at
+most once.
 """
 
 from __future__ import annotations
 
+from array import array
 from typing import Iterable, Iterator
 
-from kvtier.manager.keyed_list import KeyedList
+from kvtier.manager.keyed_list import KeyShards
 from kvtier.manager.policies.base import Evictable, EvictionPolicy, register_policy
 from kvtier.manager.specs import BlockKey
+
+_T1, _T2, _B1, _B2 = 0, 1, 2, 3  # list ids, also the sentinel offsets past the node pool
 
 
 class ARCPolicy(EvictionPolicy):
@@ -28,96 +33,293 @@ class ARCPolicy(EvictionPolicy):
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         c = self.capacity = capacity_blocks
         self.p = 0.0  # target size of T1
-        # Bounds: the manager keeps |T1|+|T2| <= c; _trim_ghosts keeps |B1| <= c, |B2| <= 2c.
-        self._t1, self._t2 = KeyedList(c), KeyedList(c)
-        self._b1, self._b2 = KeyedList(c), KeyedList(2 * c)
+        # One node pool for the four lists. Bounds: the manager keeps |T1|+|T2| <= c and the
+        # ghost trimming keeps |T1|+|T2|+|B1|+|B2| <= 2c once each key is handled (2c + 1
+        # in between, +1 spare). A key has one node for its whole stay in ARC's directory:
+        # moving it between lists (hit, eviction into a ghost list, ghost hit) is a relink
+        # and a byte write, not a dict delete + insert.
+        n = 2 * c + 2
+        index = KeyShards(n)  # key -> node
+        self._shards, self._kn = index.shards, index.n
+        self._nodes: list[dict] = [{} for _ in range((n >> 6) + 1)]  # node -> key, 64 a dict
+        self._list = bytearray(n + 4)  # node -> list id
+        s = self._s = n  # sentinel of list id i is node n + i (_next[s] its LRU end)
+        self._next = array("i", range(1, n + 5))  # free nodes are chained through _next
+        self._next[n - 1] = -1
+        self._prev = array("i", bytes(4 * (n + 4)))
+        for i in range(4):
+            self._next[s + i] = self._prev[s + i] = s + i
+        self._free = 0
+        self._n1 = self._n2 = self._nb1 = self._nb2 = 0  # sizes of T1, T2, B1, B2
 
     # -- contract --------------------------------------------------------------------------
+    # The batch methods are the request path (one call per request, not per block), with
+    # every list operation written out inline: a Python call per step would cost as much as
+    # the step. ``insert``/``remove`` run the same code for one key.
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        if key in self._t1 or key in self._t2:
-            self.access(key)
-            return
+        self.insert_many((key,))
+
+    def insert_many(self, keys, parents=None) -> None:
         c = self.capacity
-        b1, b2 = self._b1, self._b2
-        if b1.pop(key) is not None:  # T1 was too small: grow its target
-            self.p = min(float(c), self.p + max(b2.size / (b1.size + 1), 1.0))
-            self._t2.push(key)
-        elif b2.pop(key) is not None:  # T2 was too small: shrink T1's target
-            self.p = max(0.0, self.p - max(b1.size / (b2.size + 1), 1.0))
-            self._t2.push(key)
-        else:
-            self._t1.push(key)
-        self._trim_ghosts()
+        c2 = 2 * c
+        shards, kn, nodes, lst = self._shards, self._kn, self._nodes, self._list
+        nxt, prev = self._next, self._prev
+        s = self._s
+        s1, s2, sb1, sb2 = s, s + 1, s + 2, s + 3
+        n1, n2, nb1, nb2, free, p = self._n1, self._n2, self._nb1, self._nb2, self._free, self.p
+        for key in keys:
+            shard = shards[hash(key) % kn]
+            node = shard.get(key)
+            if node is None:  # new: the MRU end of T1
+                node = free
+                if node < 0:
+                    self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
+                        n1, n2, nb1, nb2, free, p)
+                    raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
+                free = nxt[node]
+                shard[key] = node
+                nodes[node >> 6][node] = key
+                lst[node] = _T1
+                last = prev[s1]
+                nxt[last] = node
+                prev[node] = last
+                nxt[node] = s1
+                prev[s1] = node
+                n1 += 1
+            else:
+                where = lst[node]
+                if where == _T2:  # resident, frequent: to T2's MRU end
+                    if nxt[node] != s2:
+                        a, b = prev[node], nxt[node]
+                        nxt[a] = b
+                        prev[b] = a
+                        last = prev[s2]
+                        nxt[last] = node
+                        prev[node] = last
+                        nxt[node] = s2
+                        prev[s2] = node
+                    continue
+                if where == _T1:  # resident, second use: T1 -> T2
+                    n1 -= 1
+                elif where == _B1:  # T1 was too small: grow its target
+                    nb1 -= 1
+                    p = min(float(c), p + max(nb2 / (nb1 + 1), 1.0))
+                else:  # B2: T2 was too small: shrink T1's target
+                    nb2 -= 1
+                    p = max(0.0, p - max(nb1 / (nb2 + 1), 1.0))
+                a, b = prev[node], nxt[node]
+                nxt[a] = b
+                prev[b] = a
+                last = prev[s2]
+                nxt[last] = node
+                prev[node] = last
+                nxt[node] = s2
+                prev[s2] = node
+                lst[node] = _T2
+                n2 += 1
+                if where == _T1:
+                    continue  # a hit: no ghost bound moved
+            # Ghost bounds |T1|+|B1| <= c, |T1|+|T2|+|B1|+|B2| <= 2c: drop the oldest ghosts.
+            while nb1 and n1 + nb1 > c:
+                node = nxt[sb1]
+                b = nxt[node]
+                nxt[sb1] = b
+                prev[b] = sb1
+                ghost = nodes[node >> 6].pop(node)
+                del shards[hash(ghost) % kn][ghost]
+                nxt[node] = free
+                free = node
+                nb1 -= 1
+            while nb2 and n1 + n2 + nb1 + nb2 > c2:
+                node = nxt[sb2]
+                b = nxt[node]
+                nxt[sb2] = b
+                prev[b] = sb2
+                ghost = nodes[node >> 6].pop(node)
+                del shards[hash(ghost) % kn][ghost]
+                nxt[node] = free
+                free = node
+                nb2 -= 1
+            while nb1 and n1 + n2 + nb1 + nb2 > c2:
+                node = nxt[sb1]
+                b = nxt[node]
+                nxt[sb1] = b
+                prev[b] = sb1
+                ghost = nodes[node >> 6].pop(node)
+                del shards[hash(ghost) % kn][ghost]
+                nxt[node] = free
+                free = node
+                nb1 -= 1
+        self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = n1, n2, nb1, nb2, free, p
 
     def access(self, key: BlockKey) -> None:
-        if self._t1.pop(key) is not None:
-            self._t2.push(key)
-        else:
-            self._t2.move_to_end(key)
+        node = self._shards[hash(key) % self._kn].get(key)
+        if node is None:
+            return
+        lst = self._list
+        where = lst[node]
+        if where > _T2:
+            return  # a ghost is not resident
+        nxt, prev = self._next, self._prev
+        s2 = self._s + 1
+        a, b = prev[node], nxt[node]
+        if b == s2:
+            return  # already T2's MRU
+        nxt[a] = b
+        prev[b] = a
+        last = prev[s2]
+        nxt[last] = node
+        prev[node] = last
+        nxt[node] = s2
+        prev[s2] = node
+        if where == _T1:
+            lst[node] = _T2
+            self._n1 -= 1
+            self._n2 += 1
 
     def remove(self, key: BlockKey) -> None:
-        if self._t1.pop(key) is not None:
-            self._b1.push(key)
-        elif self._t2.pop(key) is not None:
-            self._b2.push(key)
-        else:
-            return
-        self._trim_ghosts()
+        self.remove_many((key,))
+
+    def remove_many(self, keys) -> None:
+        c = self.capacity
+        c2 = 2 * c
+        shards, kn, nodes, lst = self._shards, self._kn, self._nodes, self._list
+        nxt, prev = self._next, self._prev
+        sb1 = self._s + 2
+        sb2 = sb1 + 1
+        n1, n2, nb1, nb2, free = self._n1, self._n2, self._nb1, self._nb2, self._free
+        for key in keys:
+            node = shards[hash(key) % kn].get(key)
+            if node is None:
+                continue
+            where = lst[node]
+            if where == _T1:  # into B1
+                n1 -= 1
+                nb1 += 1
+                lst[node] = _B1
+                to = sb1
+            elif where == _T2:  # into B2
+                n2 -= 1
+                nb2 += 1
+                lst[node] = _B2
+                to = sb2
+            else:
+                continue  # a ghost is not resident
+            a, b = prev[node], nxt[node]
+            nxt[a] = b
+            prev[b] = a
+            last = prev[to]
+            nxt[last] = node
+            prev[node] = last
+            nxt[node] = to
+            prev[to] = node
+            # Ghost bounds, as in insert_many.
+            while nb1 and n1 + nb1 > c:
+                node = nxt[sb1]
+                b = nxt[node]
+                nxt[sb1] = b
+                prev[b] = sb1
+                ghost = nodes[node >> 6].pop(node)
+                del shards[hash(ghost) % kn][ghost]
+                nxt[node] = free
+                free = node
+                nb1 -= 1
+            while nb2 and n1 + n2 + nb1 + nb2 > c2:
+                node = nxt[sb2]
+                b = nxt[node]
+                nxt[sb2] = b
+                prev[b] = sb2
+                ghost = nodes[node >> 6].pop(node)
+                del shards[hash(ghost) % kn][ghost]
+                nxt[node] = free
+                free = node
+                nb2 -= 1
+            while nb1 and n1 + n2 + nb1 + nb2 > c2:
+                node = nxt[sb1]
+                b = nxt[node]
+                nxt[sb1] = b
+                prev[b] = sb1
+                ghost = nodes[node >> 6].pop(node)
+                del shards[hash(ghost) % kn][ghost]
+                nxt[node] = free
+                free = node
+                nb1 -= 1
+        self._n1, self._n2, self._nb1, self._nb2, self._free = n1, n2, nb1, nb2, free
 
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         out: list[BlockKey] = []
         if n <= 0:
             return out
-        from_t1 = _evictable_iter(self._t1, evictable)
-        from_t2 = _evictable_iter(self._t2, evictable)
-        t1_left = len(self._t1)  # T1's size as if the victims so far were already gone
+        # REPLACE: take T1's LRU while T1 exceeds its target, else T2's LRU; when the
+        # preferred list has nothing evictable left, fall back to the other one. Each list is
+        # walked from its LRU end once (pinned keys are rare: a short walk).
+        nodes, nxt = self._nodes, self._next
+        s1 = self._s
+        s2 = s1 + 1
+        node1, node2 = nxt[s1], nxt[s2]
+        t1_left = self._n1  # T1's size as if the victims so far were already gone
+        p = self.p
+        append = out.append
         while len(out) < n:
-            # REPLACE: take T1's LRU while T1 exceeds its target, else T2's LRU; when the
-            # preferred list has nothing evictable left, fall back to the other one.
-            order = (from_t1, from_t2) if t1_left > self.p else (from_t2, from_t1)
-            key = None
-            for source in order:
-                key = next(source, None)
-                if key is not None:
-                    break
-            if key is None:
-                break
-            if source is from_t1:
-                t1_left -= 1
-            out.append(key)
+            if t1_left > p:
+                while node1 != s1:  # T1 first
+                    key = nodes[node1 >> 6][node1]
+                    node1 = nxt[node1]
+                    if evictable(key):
+                        t1_left -= 1
+                        append(key)
+                        break
+                else:
+                    while node2 != s2:
+                        key = nodes[node2 >> 6][node2]
+                        node2 = nxt[node2]
+                        if evictable(key):
+                            append(key)
+                            break
+                    else:
+                        break
+            else:
+                while node2 != s2:  # T2 first
+                    key = nodes[node2 >> 6][node2]
+                    node2 = nxt[node2]
+                    if evictable(key):
+                        append(key)
+                        break
+                else:
+                    while node1 != s1:
+                        key = nodes[node1 >> 6][node1]
+                        node1 = nxt[node1]
+                        if evictable(key):
+                            t1_left -= 1
+                            append(key)
+                            break
+                    else:
+                        break
         return out
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return self._n1 + self._n2
 
     def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2
+        node = self._shards[hash(key) % self._kn].get(key)
+        return node is not None and self._list[node] <= _T2
 
     def keys(self) -> Iterable[BlockKey]:
-        yield from self._t1
-        yield from self._t2
+        yield from self._walk(_T1)
+        yield from self._walk(_T2)
 
     # -- internals -------------------------------------------------------------------------
     def ghost_size(self) -> int:
-        return len(self._b1) + len(self._b2)
+        return self._nb1 + self._nb2
 
-    def _trim_ghosts(self) -> None:
-        """Keep ARC's invariants |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c."""
-        c = self.capacity
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
-        while b1.size and t1.size + b1.size > c:
-            b1.pop_first()
-        while b2.size and t1.size + t2.size + b1.size + b2.size > 2 * c:
-            b2.pop_first()
-        while b1.size and t1.size + t2.size + b1.size + b2.size > 2 * c:
-            b1.pop_first()
-
-
-def _evictable_iter(order: KeyedList, evictable: Evictable) -> Iterator[BlockKey]:
-    """LRU-first keys of ``order`` that pass ``evictable`` (pinned keys are rare: short walk)."""
-    for key in order:
-        if evictable(key):
-            yield key
+    def _walk(self, which: int) -> Iterator[BlockKey]:
+        """Keys of one list (T1, T2, B1, B2), LRU first."""
+        nodes, nxt = self._nodes, self._next
+        s = self._s + which
+        node = nxt[s]
+        while node != s:
+            yield nodes[node >> 6][node]
+            node = nxt[node]
 
 
 register_policy("arc", ARCPolicy)
