@@ -32,11 +32,8 @@ import torch
 
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.gpu_view import GpuKvView
-from kvtier.transfer.cuda.page_movers import _VEC_TYPES, default_max_ctas
+from kvtier.transfer.cuda.page_movers import _THREADS, _UNROLL, compile_kernel, default_max_ctas
 from kvtier.transfer.cuda.plan import LayerAddressing, host_runs, validate_job
-
-_THREADS = 128
-_UNROLL = 4
 
 _KERNEL_SRC = r"""
 typedef VEC_T vec_t;
@@ -87,26 +84,6 @@ kvtier_pages_direct(const long long* __restrict__ layer_base,
     }
 }
 """
-
-_kernels: dict[tuple[int, int], Any] = {}
-_kernels_lock = threading.Lock()
-
-
-def _kernel(width: int, device_index: int) -> Any:
-    import cupy
-
-    with _kernels_lock:
-        kern = _kernels.get((width, device_index))
-        if kern is None:
-            src = (_KERNEL_SRC.replace("VEC_T", _VEC_TYPES[width])
-                   .replace("THREADS", str(_THREADS)).replace("UNROLL", str(_UNROLL)))
-            with cupy.cuda.Device(device_index):
-                kern = cupy.RawKernel(src, "kvtier_pages_direct")
-                if hasattr(kern, "compile"):
-                    kern.compile()
-            _kernels[(width, device_index)] = kern
-        return kern
-
 
 def slot_pointers(pool: CpuBlockPool, slots: Sequence[int]) -> np.ndarray:
     """Host address of every slot of a job (int64, in job order), from its contiguous runs."""
@@ -169,7 +146,8 @@ class DirectLayerLoader:
         self.addressing = LayerAddressing.of(view)
         self.width = self.addressing.vector_width()
         self.max_ctas = max(1, int(max_ctas or default_max_ctas(view.device)))
-        self._kernel = _kernel(self.width, self.device_index)
+        self._kernel = compile_kernel(_KERNEL_SRC, "kvtier_pages_direct", self.width,
+                                      self.device_index)
         layer_bytes = (self.addressing.kv_parts * pool.geometry.engine_blocks_per_block
                        * self.addressing.page_bytes)
         # a staging buffer must hold one block's layer at least; else read the slots directly

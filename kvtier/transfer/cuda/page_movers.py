@@ -83,7 +83,7 @@ kvtier_pages(const long long* __restrict__ layer_base, const long long* __restri
 }
 """
 
-_kernel_cache: dict[tuple[int, int], Any] = {}
+_kernel_cache: dict[tuple[str, int, int], Any] = {}
 _kernel_lock = threading.Lock()
 
 
@@ -95,20 +95,22 @@ def cupy_available() -> bool:
     return True
 
 
-def _cupy_kernel(width: int, device_index: int) -> Any:
+def compile_kernel(source: str, name: str, width: int, device_index: int) -> Any:
+    """``name`` from ``source`` with its VEC_T / THREADS / UNROLL filled in, compiled once per
+    (kernel, access width, device) and shared by every mover (the staged and layered paths)."""
     import cupy
 
-    key = (width, device_index)
+    key = (name, width, device_index)
     with _kernel_lock:
         kern = _kernel_cache.get(key)
         if kern is None:
             src = (
-                _KERNEL_SRC.replace("VEC_T", _VEC_TYPES[width])
+                source.replace("VEC_T", _VEC_TYPES[width])
                 .replace("THREADS", str(_THREADS))
                 .replace("UNROLL", str(_UNROLL))
             )
             with cupy.cuda.Device(device_index):
-                kern = cupy.RawKernel(src, "kvtier_pages")
+                kern = cupy.RawKernel(src, name)
                 if hasattr(kern, "compile"):  # compile now, not inside the first transfer
                     kern.compile()
             _kernel_cache[key] = kern
@@ -146,7 +148,7 @@ class CupyPageMover(PageMover):
         self.width = self.addressing.vector_width()
         self.device_index = view.device.index if view.device.index is not None else 0
         self.max_ctas = max(1, int(max_ctas or default_max_ctas(view.device)))
-        self._kernel = _cupy_kernel(self.width, self.device_index)
+        self._kernel = compile_kernel(_KERNEL_SRC, "kvtier_pages", self.width, self.device_index)
         self._cp_streams: dict[int, Any] = {}
         a = self.addressing
         self._layers = torch.from_numpy(
