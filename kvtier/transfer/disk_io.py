@@ -45,6 +45,15 @@ def _check_pairs(name: str, pool: CpuBlockPool, slots: Sequence[int], keys: Sequ
         raise ValueError(f"{name}: disk keys must be bytes")
 
 
+def _check_promotion(name: str, pool: CpuBlockPool, slots: Sequence[int],
+                     keys: Sequence[BlockKey]) -> None:
+    """A read into CPU slots (disk or shared tier): one key per slot, no slot named twice (it
+    would end up holding whichever read finished last)."""
+    _check_pairs(name, pool, slots, keys)
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"{name}: duplicate destination CPU slots")
+
+
 def _slot_buffer(pool: CpuBlockPool, slot: int) -> memoryview:
     """The slot's bytes, writable and zero-copy (waits for the slot's chunk if still allocating)."""
     return memoryview(pool.slot(slot).numpy())
@@ -91,9 +100,7 @@ class DiskToCpuHandler(TransferHandler):
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
         self.check_media(src, dst)
         keys, slots = src.keys, dst.ids
-        _check_pairs(self.name, self.pool, slots, keys)
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"{self.name}: duplicate destination CPU slots")
+        _check_promotion(self.name, self.pool, slots, keys)
         n = len(keys)
         if n == 0:
             return TransferOutcome()

@@ -15,7 +15,7 @@ from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.remote.blocks import RemoteBlocks
 from kvtier.tiers.remote.store import RemoteUnavailable
-from kvtier.transfer.disk_io import _check_pairs, _slot_buffer
+from kvtier.transfer.disk_io import _check_pairs, _check_promotion, _slot_buffer
 from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import TransferOutcome
 
@@ -70,9 +70,7 @@ class RemoteToCpuHandler(TransferHandler):
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
         self.check_media(src, dst)
         keys, slots = src.keys, dst.ids
-        _check_pairs(self.name, self.pool, slots, keys)
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"{self.name}: duplicate destination CPU slots")
+        _check_promotion(self.name, self.pool, slots, keys)
         if not keys:
             return TransferOutcome()
         store = self.blocks.store
