@@ -117,8 +117,7 @@ class KeyMap:
         return list(block_ids[start * k:(start + count) * k])
 
     def gpu_ids(self, block_ids: Any, index: int) -> list[int]:
-        k = self.engine_per_block
-        return list(block_ids[index * k:(index + 1) * k])
+        return self.engine_ids(block_ids, index, 1)
 
     def tokens(self, request: Any, index: int) -> list[int]:
         bt = self.block_tokens
