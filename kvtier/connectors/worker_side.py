@@ -4,7 +4,11 @@ Per step (vLLM's model runner calls these in this order):
 
 1. ``handle_preemptions(meta)``: before the forward, fence the store jobs the scheduler
    flagged (their source blocks are rewritten this step): on CUDA the forward's stream waits
-   for those copies on the GPU; elsewhere the host waits.
+   for those copies on the GPU; elsewhere the host waits. Then this step's synchronous loads
+   are submitted: it is the first hook of a step, and vLLM prepares the step's inputs (~6 ms
+   for a long prompt on an H100) between it and ``start_load_kv``; a copy needs nothing from
+   that preparation but its pages, which are the request's already (the copy into them is
+   ordered after the GPU work enqueued so far, as at ``start_load``).
 2. ``bind(meta)``: the manager's background moves (demotions, deletions) are submitted here,
    every step, forward or not.
 3. ``start_load``: submit this step's loads (vLLM calls it before the forward when a load is
@@ -38,6 +42,7 @@ from typing import Any, Mapping
 import torch
 
 from kvtier.connectors.forward_timer import ForwardTimer
+from kvtier.connectors.layer_fences import LayerFences
 from kvtier.connectors.timeline import timeline
 from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
 from kvtier.connectors.metadata import (
@@ -87,10 +92,8 @@ class WorkerSide:
         self._forward: ForwardTimer | None = None
         self._stats_before: dict = {}
         self._tl = timeline()
-        self._layer_of: dict[str, int] = {}  # layer name -> index in the KV view
-        self._hooks_seen = False  # vLLM called wait_for_layer_load for every layer once
-        self._hooked: set[int] = set()  # layers whose hook ran in this step's forward
-        self._layer_fenced: dict[int, tuple[int, ...]] = {}  # sync load -> its GPU blocks
+        self._fences = LayerFences(settings.layer_names)
+        self._early: tuple[Any, frozenset[int]] = (None, frozenset())  # (meta, sync loads)
         self.asleep = False  # sleep mode: no GPU copies between unregister and restore
         self._sleep_addresses: tuple[int, ...] = ()
 
@@ -110,7 +113,6 @@ class WorkerSide:
                 f"KV cache spec says {self.settings.page_bytes} B; unsupported cache layout"
             )
         self._forward = ForwardTimer(view.device)
-        self._layer_of = {n: i for i, n in enumerate(self.settings.layer_names)}
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
@@ -144,19 +146,34 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ step hooks
     def handle_preemptions(self, meta: Any) -> None:
-        if not isinstance(meta, KVTierConnectorMetadata) or not meta.flush:
+        if not isinstance(meta, KVTierConnectorMetadata):
             return
-        self._poll()
-        ids = [j for j in meta.flush if j in self._running and self._running[j].kind == "store"]
-        if ids:
-            self._rt().engine.fence(ids)
+        if meta.flush:
+            self._poll()
+            ids = [j for j in meta.flush
+                   if j in self._running and self._running[j].kind == "store"]
+            if ids:
+                self._rt().engine.fence(ids)
+        self._start_sync_loads(meta)
+
+    def _start_sync_loads(self, meta: KVTierConnectorMetadata) -> None:
+        """Submit this step's synchronous loads now (see the module docstring, step 1); how
+        the forward waits for them is decided at ``start_load``, which knows the forward."""
+        sync = [job for job in meta.loads if job.sync and not job.after]
+        if not sync or self.runtime is None:
+            return
+        for job in sync:
+            self._submit_load(job)
+        self._early = (meta, frozenset(job.job_id for job in sync))
+        if self._tl.enabled:
+            self._tl.mark("worker", "early_load", sync=[j.job_id for j in sync])
 
     def bind(self, meta: Any) -> None:
         if not isinstance(meta, KVTierConnectorMetadata):
             raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
         self._meta = meta
         self._loads_taken = self._saves_taken = False
-        self._hooked = set()
+        self._fences.begin_step()
         if self._forward is not None and not any(j.sync for j in meta.loads):
             self._forward.begin(meta.step_tokens)  # a fenced load would inflate the time
         if meta.forget:
@@ -181,45 +198,34 @@ class WorkerSide:
         if not meta.loads:
             return
         self._poll()
+        early_meta, early = self._early
+        self._early = (None, frozenset())
+        if early_meta is not meta:
+            early = frozenset()
         sync = [job for job in meta.loads if job.sync]
         self._deferred.extend(job for job in meta.loads if not job.sync)
         for job in sync:  # never deferred: their forward runs in this step
-            self._submit_load(job)
-        if sync and per_layer and self._hooks_seen:
-            self._layer_fenced = {job.job_id: job.gpu_ids for job in sync}
-        elif sync:
+            if job.job_id not in early:
+                self._submit_load(job)
+        per_layer = bool(sync) and per_layer and self._fences.arm(
+            {job.job_id: job.gpu_ids for job in sync})
+        if sync and not per_layer:
             self._rt().engine.fence([job.job_id for job in sync])
         if self._tl.enabled:
             self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
-                          jobs=[j.job_id for j in meta.loads], per_layer=bool(self._layer_fenced))
+                          jobs=[j.job_id for j in meta.loads], per_layer=per_layer,
+                          early=len(early))
         self._submit_ready_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._layer_of.get(layer_name)
-        if layer is None:
-            return
-        self._hooked.add(layer)
-        if self._layer_fenced:
-            self._rt().engine.fence_layer(list(self._layer_fenced), layer)
+        self._fences.on_layer(layer_name, lambda ids, l: self._rt().engine.fence_layer(ids, l))
 
     def _end_layer_fences(self) -> None:
         """After the forward: learn whether vLLM runs the hooks; catch a layer it skipped."""
-        hooked, self._hooked = self._hooked, set()
-        complete = len(hooked) == len(self._layer_of) > 0
-        fenced, self._layer_fenced = self._layer_fenced, {}
-        if complete:
-            if not self._hooks_seen and self._tl.enabled:
-                self._tl.mark("worker", "layer_hooks_seen", layers=len(hooked))
-            self._hooks_seen = True
-        elif fenced:
-            # a layer's attention ran without waiting for its pages: its KV is not trusted
-            self._hooks_seen = False
-            log.error("kvtier: the forward skipped wait_for_layer_load for %d of %d layers; "
-                      "%d loads are recomputed and loads are fenced whole from now on",
-                      len(self._layer_of) - len(hooked), len(self._layer_of), len(fenced))
-            for gpu_ids in fenced.values():
-                self._load_errors.update(gpu_ids)
-            self._rt().engine.fence(list(fenced))
+        seen = self._fences.hooks_seen
+        self._load_errors.update(self._fences.end_step(self._rt().engine.fence))
+        if self._fences.hooks_seen and not seen and self._tl.enabled:
+            self._tl.mark("worker", "layer_hooks_seen")
 
     def wait_for_save(self) -> None:
         self.start_load()  # in case vLLM skipped start_load_kv this step

@@ -94,13 +94,66 @@ def test_a_skipped_layer_hook_fails_the_load_and_turns_per_layer_fences_off(mode
     rig.loop.add(make(vh.random_tokens(40, seed=5), max_tokens=1))
     rig.loop.run_until_idle()
     ws = rig.worker_side()
-    assert ws._hooks_seen
+    assert ws._fences.hooks_seen
     rig.loop.layer_hooks = LAYERS[:1]  # now the forward skips layer 1's hook
     a, b, records, loads = _hit(rig, make, vh.random_tokens(70, seed=6))
     invalid = set().union(*(r.kv_output.invalid_block_ids or set() for r in records
                             if r.kv_output is not None))
     assert set(loads[0].gpu_ids) <= invalid  # reported: vLLM recomputes them
-    assert not ws._hooks_seen
+    assert not ws._fences.hooks_seen
+    assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+    assert bad_checks(rig) == []
+    rig.close()
+
+
+class SubmitSpy:
+    """Which hook of the step submitted each load (``submit_chain`` calls go through)."""
+
+    def __init__(self, rig) -> None:
+        ws = rig.worker_side()
+        self.phase, self.submits = "other", []
+        submit_chain = ws.runtime.engine.submit_chain
+
+        def spy_submit(hops, job_id):
+            self.submits.append((job_id, self.phase))
+            return submit_chain(hops, job_id=job_id)
+
+        ws.runtime.engine.submit_chain = spy_submit
+        for name in ("handle_preemptions", "start_load"):
+            setattr(ws, name, self._phased(name, getattr(ws, name)))
+
+    def _phased(self, name, fn):
+        def call(*args, **kwargs):
+            self.phase = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phase = "other"
+        return call
+
+
+@pytest.mark.parametrize("hooks", [True, False])
+def test_sync_load_starts_in_the_first_hook_of_the_step_once(model_dir, hooks):
+    """vLLM prepares the step's inputs between ``handle_preemptions`` and ``start_load_kv``:
+    a synchronous load's copy starts in the former, is not submitted twice, and is still
+    fenced (per layer or whole) before the forward reads it."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    if hooks:
+        rig.loop.layer_hooks = list(LAYERS)
+        rig.loop.add(make(vh.random_tokens(40, seed=8), max_tokens=1))
+        rig.loop.run_until_idle()  # the hooks are seen: per-layer fences are on
+    fences = FenceSpy(rig.worker_side().runtime.engine)
+    submits = SubmitSpy(rig)
+    a, b, _, loads = _hit(rig, make, vh.random_tokens(70, seed=7))
+    assert [j.sync for j in loads] == [True]
+    job = loads[0].job_id
+    assert [p for j, p in submits.submits if j == job] == ["handle_preemptions"]
+    if hooks:
+        assert [layer for ids, layer in fences.layers if job in ids] == [0, 1]
+    else:
+        assert any(job in ids for ids in fences.whole)
+    assert rig.loop.prefill[b.request_id] == (0, 64)
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     assert bad_checks(rig) == []
     rig.close()
