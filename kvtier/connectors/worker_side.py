@@ -162,11 +162,11 @@ class WorkerSide:
         sync = [job for job in meta.loads if job.sync and not job.after]
         if not sync or self.runtime is None:
             return
+        if self._tl.enabled:  # marked before: the copy starts with the first submit
+            self._tl.mark("worker", "early_load", sync=[j.job_id for j in sync])
         for job in sync:
             self._submit_load(job)
         self._early = (meta, frozenset(job.job_id for job in sync))
-        if self._tl.enabled:
-            self._tl.mark("worker", "early_load", sync=[j.job_id for j in sync])
 
     def bind(self, meta: Any) -> None:
         if not isinstance(meta, KVTierConnectorMetadata):
