@@ -5,7 +5,9 @@ side by side on the same machine:
 
 * ``none``: no connector (recompute); ``kvtier``: kvtier's CPU tier; ``native``: vLLM's
   ``OffloadingConnector`` with the same CPU bytes; ``kvtier_disk``: kvtier with a small CPU
-  tier and a disk tier (prompts pushed out of CPU first); ``kvtier_staged``: kvtier with
+  tier and a disk tier (prompts pushed out of CPU first); ``kvtier_ab``: each kvtier hit
+  timed with the copy started at vLLM's first hook of the step and at ``start_load_kv``,
+  alternating in one engine (the paired A/B of the early start); ``kvtier_staged``: kvtier with
   whole-load copies through the staging ring (``KVTIER_CUDA_LOADS=staged``), the A/B of
   layer-by-layer loads; ``check``: GPU page bytes and
   tokens/logprobs of kvtier hits against vLLM's own prefix-cache hits.
@@ -36,7 +38,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
-           "kvtier_disk": "kvtier_disk", "kvtier_cpu_staged": "kvtier_staged"}
+           "kvtier_disk": "kvtier_disk", "kvtier_cpu_staged": "kvtier_staged",
+           "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late"}
+HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
+           "kvtier_disk": "kvtier disk hit", "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
+           "kvtier_cpu_ab": "A/B: load at first hook", "kvtier_cpu_ab_late": "A/B: load at start_load"}
 
 
 def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:
@@ -101,18 +107,20 @@ def timeline_of_one_hit(path: str, length: int) -> list[dict]:
 def report(results: dict, gpu: str) -> str:
     lines = [f"# kvtier in real vLLM: {gpu}", ""]
     for shape, res in results["shapes"].items():
+        shown = [c for c in COLUMNS if any(c in cols for cols in res["ttft"].values())]
         lines += [f"## {shape} shape", "", "TTFT (ms, median [min-max] of n); ratio = recompute / hit", "",
-                  "| prompt tokens | recompute | kvtier CPU hit | native CPU hit | kvtier disk hit |"
-                  " kvtier CPU hit, staged copy | kvtier vs recompute | kvtier vs native |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| prompt tokens | " + " | ".join(HEADERS[c] for c in shown)
+                  + " | kvtier vs recompute | kvtier vs native |",
+                  "|---|" + "---|" * (len(shown) + 2)]
         for length, cols in sorted(res["ttft"].items(), key=lambda kv: int(kv[0])):
             cells = []
-            for c in COLUMNS:
+            for c in shown:
                 s = cols.get(c)
                 cells.append(f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}] n={s['n']}"
                              if s else "-")
             rec, kv, nat = (cols.get(c, {}).get("median") for c in ("recompute", "kvtier_cpu",
                                                                      "native_cpu"))
+            kv = kv or cols.get("kvtier_cpu_ab", {}).get("median")
             lines.append(f"| {length} | " + " | ".join(cells) + " | "
                          + (f"{rec / kv:.2f}x" if rec and kv else "-") + " | "
                          + (f"{nat / kv:.2f}x" if nat and kv else "-") + " |")
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
                 args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests)]
                 if a.cpu_smoke:
                     args += ["--trace-chunks", "1"]
-            if conn == "kvtier":
+            if conn in ("kvtier", "kvtier_ab"):
                 args += ["--timeline", tl_path]
             os.makedirs(os.path.join(a.out_dir, "logs"), exist_ok=True)
             out = run_child(args, env, a.timeout,
@@ -199,14 +207,16 @@ def main(argv=None) -> int:
             if conn == "check":
                 res["check"] = out
                 continue
-            col = next(k for k, v in COLUMNS.items() if v == conn)
-            for length, samples in out["ttft"].items():
+            for key, samples in out["ttft"].items():
+                length, _, variant = key.partition(":")
+                name = f"{conn}:{variant}" if variant else conn
+                col = next(k for k, v in COLUMNS.items() if v == name)
                 res["ttft"].setdefault(length, {})[col] = summarize(samples)
             if out.get("trace"):
                 res["trace"][conn] = out["trace"]
             if out.get("kvtier_stats"):
                 res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
-            if conn == "kvtier":
+            if conn in ("kvtier", "kvtier_ab"):
                 res["timeline"] = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
                                                      len(lengths.split(",")) > 1 else 0]))
         results["shapes"][shape] = res

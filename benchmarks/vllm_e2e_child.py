@@ -7,6 +7,9 @@ process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Co
 * ``kvtier`` - kvtier, CPU tier only: CPU hits;
 * ``kvtier_disk`` - kvtier with a small CPU tier and a disk tier: every prompt is written,
   pushed out of CPU by filler prompts, then timed (cost-aware loading may recompute instead);
+* ``kvtier_ab`` - kvtier, CPU tier only, each repetition timed twice in the same engine:
+  synchronous loads submitted at vLLM's first hook of the step (``handle_preemptions``, the
+  default) and at ``start_load_kv`` (the paired A/B of the early start);
 * ``native`` - vLLM's ``OffloadingConnector`` with the same CPU bytes;
 * ``check``  - kvtier, in-process engine: GPU page bytes after a load against the bytes vLLM
   computed, and tokens/logprobs against vLLM's own prefix-cache hit.
@@ -183,18 +186,37 @@ def ttft_sweep(llm, a) -> dict:
             ms, cached = timed(llm, p)
             out.setdefault(str(L), []).append((ms, cached))
         return out
+    worker = early_switch(a)
     for length in a.lengths:
         for r in range(a.reps):
             p = tokens(length, 1000 * length + r, a.vocab)
             if a.connector != "none":
                 gen(llm, p)  # computes and offloads it
                 settle(llm, a)
-            reset(llm)
-            mark(a, "client_submit", length=length, rep=r)
-            ms, cached = timed(llm, p)
-            mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
-            out.setdefault(str(length), []).append((ms, cached))
+            for early in ((False, True) if r % 2 == 0 else (True, False)) if worker else (None,):
+                if worker:
+                    worker.early_loads = early
+                reset(llm)
+                mark(a, "client_submit", length=length, rep=r)
+                ms, cached = timed(llm, p)
+                mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
+                key = str(length) if early in (True, None) else f"{length}:late"
+                out.setdefault(key, []).append((ms, cached))
+    if worker:
+        worker.early_loads = True
     return out
+
+
+def early_switch(a):
+    """``kvtier_ab``: the in-process worker's switch for early loads (else None)."""
+    if a.connector != "kvtier_ab":
+        return None
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "_worker", None)
+    if worker is None or not hasattr(worker, "early_loads"):
+        raise RuntimeError("kvtier_ab needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    return worker
 
 
 def progress(msg: str) -> None:
@@ -281,7 +303,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--connector", required=True,
-                   choices=["none", "kvtier", "kvtier_staged", "kvtier_disk", "native", "check"])
+                   choices=["none", "kvtier", "kvtier_ab", "kvtier_staged", "kvtier_disk", "native",
+                            "check"])
     p.add_argument("--lengths", default="1024,2048,8192,32768")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)

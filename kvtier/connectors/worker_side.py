@@ -94,6 +94,7 @@ class WorkerSide:
         self._tl = timeline()
         self._fences = LayerFences(settings.layer_names)
         self._early: tuple[Any, frozenset[int]] = (None, frozenset())  # (meta, sync loads)
+        self.early_loads = True  # False: submit at start_load (benchmarks/vllm_e2e.py's A/B)
         self.asleep = False  # sleep mode: no GPU copies between unregister and restore
         self._sleep_addresses: tuple[int, ...] = ()
 
@@ -160,7 +161,7 @@ class WorkerSide:
         """Submit this step's synchronous loads now (see the module docstring, step 1); how
         the forward waits for them is decided at ``start_load``, which knows the forward."""
         sync = [job for job in meta.loads if job.sync and not job.after]
-        if not sync or self.runtime is None:
+        if not sync or self.runtime is None or not self.early_loads:
             return
         if self._tl.enabled:  # marked before: the copy starts with the first submit
             self._tl.mark("worker", "early_load", sync=[j.job_id for j in sync])
