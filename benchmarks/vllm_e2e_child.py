@@ -321,6 +321,10 @@ def main(argv=None) -> None:
     p.add_argument("--trace-speedup", type=float, default=4.0)
     p.add_argument("--trace-max-out", type=int, default=32)
     p.add_argument("--timeline", default=None)
+    p.add_argument("--vllm-marks", action="store_true",
+                   help="with --timeline: also mark vLLM's own step phases (vllm_marks.py)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for this process (GIL hand-over), seconds")
     p.add_argument("--workdir", default="/tmp/kvtier-e2e")
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
@@ -333,6 +337,12 @@ def main(argv=None) -> None:
     a.snapshot = os.path.join(a.workdir, f"stats-{a.connector}.json")
     if a.timeline:
         os.environ["KVTIER_TIMELINE"] = a.timeline
+        if a.vllm_marks:
+            import vllm_marks
+
+            progress("vLLM phases marked: " + ", ".join(vllm_marks.install()))
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
     if a.connector == "kvtier_staged":  # the A/B: whole-load copies through the staging ring
         os.environ["KVTIER_CUDA_LOADS"] = "staged"
     os.makedirs(a.workdir, exist_ok=True)

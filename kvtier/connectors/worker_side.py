@@ -168,6 +168,8 @@ class WorkerSide:
         for job in sync:
             self._submit_load(job)
         self._early = (meta, frozenset(job.job_id for job in sync))
+        if self._tl.enabled:
+            self._tl.mark("worker", "early_load_submitted")
 
     def bind(self, meta: Any) -> None:
         if not isinstance(meta, KVTierConnectorMetadata):
