@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
+from kvtier.connectors import colocated
 from kvtier.connectors.compat.hints import request_hints
 from kvtier.connectors.compat.req_data import written_block_ids
 from kvtier.connectors.disk_keys import restored_keys
@@ -199,6 +200,12 @@ class SchedulerSide(JobSettling):
             after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
             from_remote=tuple(plan.from_remote),
         ))
+        if sync and not after:  # a worker in this thread starts it now (colocated.py)
+            worker = colocated.worker_for(self.settings.engine_id)
+            if worker is not None:
+                flush = tuple(sorted({j for b in gpu_ids for j in self._sources.get(b, ())})
+                              if self._sources else ())
+                worker.submit_ahead(self._step_loads[-1], flush)
         t.load_job = job_id
         t.load_first_index = start
         if self._tl.enabled:

@@ -65,6 +65,7 @@ class ConnectorSettings:
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
+    engine_id: str = ""  # vLLM's engine id: a worker in the scheduler's process (colocated.py)
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -289,6 +290,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         vllm_kv_events=kv_events_enabled(vllm_config),
         groups=hybrid,
         replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
+        engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or ""),
     )
     config.check_block_bytes(settings.block_bytes)
     return settings

@@ -2,27 +2,21 @@
 
 Per step (vLLM's model runner calls these in this order):
 
+0. (``submit_ahead``, from the scheduler in this same thread, :mod:`colocated`): a
+   synchronous load is submitted when planned, before vLLM prepares the step.
 1. ``handle_preemptions(meta)``: before the forward, fence the store jobs the scheduler
    flagged (their source blocks are rewritten this step): on CUDA the forward's stream waits
-   for those copies on the GPU; elsewhere the host waits. Then this step's synchronous loads
-   are submitted: it is the first hook of a step, and vLLM prepares the step's inputs (~6 ms
-   for a long prompt on an H100) between it and ``start_load_kv``; a copy needs nothing from
-   that preparation but its pages, which are the request's already (the copy into them is
-   ordered after the GPU work enqueued so far, as at ``start_load``).
+   for those copies on the GPU; elsewhere the host waits. Then the step's synchronous loads
+   not submitted yet are: it is the step's first hook (the copy is ordered after the device
+   work enqueued so far, as at ``start_load``; it needs only its pages, the request's now).
 2. ``bind(meta)``: the manager's background moves (demotions, deletions) are submitted here,
    every step, forward or not.
-3. ``start_load``: submit this step's loads (vLLM calls it before the forward when a load is
-   synchronous, after it otherwise). A synchronous load is fenced: the forward that reads its
-   blocks is ordered after the copy on the GPU, in this same step. Per layer when it can be
-   (``wait_for_layer_load``: layer ``l``'s attention waits for layer ``l``'s pages only, so
-   the forward's first layers overlap the copy of the later ones): the copy path must copy
-   layer by layer, the forward must not be a full CUDA graph (no hook runs inside one), and
-   vLLM must have been seen calling the hook for every layer; else the whole load is fenced
-   before the forward. A forward that skipped the hook of a fenced layer is caught at
-   ``wait_for_save``: its blocks are reported as load errors (vLLM recomputes them) and
-   per-layer fencing is off from then on. A load that joined another
-   load's disk promotion waits (here, not in the engine) until that load finished on this
-   worker, then copies what the promotion read; keys it failed to read are failed here too.
+3. ``start_load``: submit this step's other loads (before the forward for a synchronous
+   load, after it otherwise) and fence the synchronous ones: the forward reading their blocks
+   is ordered after the copy on the GPU, per layer when vLLM runs the per-layer hooks
+   (:mod:`layer_fences`), else whole. A load that joined another load's disk promotion waits
+   (here, not in the engine) until that load finished on this worker, then copies what the
+   promotion read; keys it failed to read are failed here too.
 4. ``wait_for_save``: this step's forward is enqueued, so the stores of the blocks it
    completes are submitted now; each store's copy waits on the GPU for the forward (no host
    sync: the CPU keeps scheduling while the GPU computes).
@@ -36,11 +30,13 @@ Per step (vLLM's model runner calls these in this order):
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
+from kvtier.connectors import colocated
 from kvtier.connectors.forward_timer import ForwardTimer
 from kvtier.connectors.layer_fences import LayerFences
 from kvtier.connectors.timeline import timeline
@@ -93,8 +89,9 @@ class WorkerSide:
         self._stats_before: dict = {}
         self._tl = timeline()
         self._fences = LayerFences(settings.layer_names)
-        self._early: tuple[Any, frozenset[int]] = (None, frozenset())  # (meta, sync loads)
+        self._ahead: set[int] = set()  # sync loads submitted before start_load
         self.early_loads = True  # False: submit at start_load (benchmarks/vllm_e2e.py's A/B)
+        self.hook_thread: int | None = None  # the thread vLLM runs this worker's hooks on
         self.asleep = False  # sleep mode: no GPU copies between unregister and restore
         self._sleep_addresses: tuple[int, ...] = ()
 
@@ -124,12 +121,15 @@ class WorkerSide:
             replicated=replicated)
         if self.runtime.store is not None:
             register_open_store(config.disk.path, self.runtime.store)
+        if self.settings.world_size == 1:
+            colocated.register(self.settings.engine_id, self)
         self._stats_before = self.runtime.engine.stats()
         log.info("kvtier: worker rank %d: %d layers, %s, %d CPU slots%s", self.tp_rank,
                  view.num_layers, geometry.describe(), self.runtime.pool.num_slots,
                  f", disk {config.disk.path}" if config.disk is not None else "")
 
     def shutdown(self) -> None:
+        colocated.unregister(self.settings.engine_id, self)
         rt, self.runtime = self.runtime, None
         if rt is None:
             return
@@ -147,31 +147,39 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ step hooks
     def handle_preemptions(self, meta: Any) -> None:
+        self.hook_thread = threading.get_ident()
         if not isinstance(meta, KVTierConnectorMetadata):
             return
         if meta.flush:
             self._poll()
-            ids = [j for j in meta.flush
-                   if j in self._running and self._running[j].kind == "store"]
-            if ids:
-                self._rt().engine.fence(ids)
-        self._start_sync_loads(meta)
+            self._fence_stores(meta.flush)
+        sync = [job for job in meta.loads if job.sync and job.job_id not in self._ahead]
+        self._start_ahead(sync, "early_load")
 
-    def _start_sync_loads(self, meta: KVTierConnectorMetadata) -> None:
-        """Submit this step's synchronous loads now (see the module docstring, step 1); how
-        the forward waits for them is decided at ``start_load``, which knows the forward."""
-        sync = [job for job in meta.loads if job.sync and not job.after]
+    def submit_ahead(self, job: LoadJob, flush: tuple[int, ...]) -> None:
+        """A synchronous load handed over by the scheduler when it planned it (step 0)."""
+        self._fence_stores(flush)
+        self._start_ahead([job], "load_ahead")
+
+    def _fence_stores(self, job_ids: Any) -> None:
+        ids = [j for j in job_ids if j in self._running and self._running[j].kind == "store"]
+        if ids:
+            self._rt().engine.fence(ids)
+
+    def _start_ahead(self, sync: list[LoadJob], ev: str) -> None:
+        """Submit synchronous loads before ``start_load``, which decides how the forward
+        waits for them (it knows the forward)."""
+        sync = [job for job in sync if not job.after]
         if not sync or self.runtime is None or not self.early_loads:
             return
         if self._tl.enabled:  # marked before: the copy starts with the first submit
-            self._tl.mark("worker", "early_load", sync=[j.job_id for j in sync])
+            self._tl.mark("worker", ev, sync=[j.job_id for j in sync])
         for job in sync:
             self._submit_load(job)
-        self._early = (meta, frozenset(job.job_id for job in sync))
-        if self._tl.enabled:
-            self._tl.mark("worker", "early_load_submitted")
+            self._ahead.add(job.job_id)
 
     def bind(self, meta: Any) -> None:
+        self.hook_thread = threading.get_ident()
         if not isinstance(meta, KVTierConnectorMetadata):
             raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
         self._meta = meta
@@ -201,14 +209,14 @@ class WorkerSide:
         if not meta.loads:
             return
         self._poll()
-        early_meta, early = self._early
-        self._early = (None, frozenset())
-        if early_meta is not meta:
-            early = frozenset()
         sync = [job for job in meta.loads if job.sync]
         self._deferred.extend(job for job in meta.loads if not job.sync)
+        early = 0
         for job in sync:  # never deferred: their forward runs in this step
-            if job.job_id not in early:
+            if job.job_id in self._ahead:
+                self._ahead.discard(job.job_id)
+                early += 1
+            else:
                 self._submit_load(job)
         per_layer = bool(sync) and per_layer and self._fences.arm(
             {job.job_id: job.gpu_ids for job in sync})
@@ -217,7 +225,7 @@ class WorkerSide:
         if self._tl.enabled:
             self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
                           jobs=[j.job_id for j in meta.loads], per_layer=per_layer,
-                          early=len(early))
+                          early=early)
         self._submit_ready_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:

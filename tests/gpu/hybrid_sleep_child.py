@@ -64,7 +64,7 @@ def main(workdir: str) -> None:
         kv_role="kv_both", kv_load_failure_policy="recompute",
         kv_connector_extra_config={"kvtier": {"block_tokens": BLOCK, "tiers": tiers}})
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK,
-              max_model_len=2048, kv_transfer_config=kvt, enable_sleep_mode=True,
+              max_model_len=1024, kv_transfer_config=kvt, enable_sleep_mode=True,
               gpu_memory_utilization=0.3, seed=0, max_num_seqs=8)
     core = llm.llm_engine.engine_core.engine_core
     connector = core.scheduler.connector

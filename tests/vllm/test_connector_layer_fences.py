@@ -107,7 +107,7 @@ def test_a_skipped_layer_hook_fails_the_load_and_turns_per_layer_fences_off(mode
 
 
 class SubmitSpy:
-    """Which hook of the step submitted each load (``submit_chain`` calls go through)."""
+    """Which step of vLLM's loop submitted each load (``submit_chain`` calls go through)."""
 
     def __init__(self, rig) -> None:
         ws = rig.worker_side()
@@ -119,8 +119,8 @@ class SubmitSpy:
             return submit_chain(hops, job_id=job_id)
 
         ws.runtime.engine.submit_chain = spy_submit
-        for name in ("handle_preemptions", "start_load"):
-            setattr(ws, name, self._phased(name, getattr(ws, name)))
+        for obj, name in ((ws, "handle_preemptions"), (ws, "start_load"), (rig.sched, "schedule")):
+            setattr(obj, name, self._phased(name, getattr(obj, name)))
 
     def _phased(self, name, fn):
         def call(*args, **kwargs):
@@ -132,23 +132,30 @@ class SubmitSpy:
         return call
 
 
+@pytest.mark.parametrize("colocated_worker", [True, False])
 @pytest.mark.parametrize("hooks", [True, False])
-def test_sync_load_starts_in_the_first_hook_of_the_step_once(model_dir, hooks):
-    """vLLM prepares the step's inputs between ``handle_preemptions`` and ``start_load_kv``:
-    a synchronous load's copy starts in the former, is not submitted twice, and is still
-    fenced (per layer or whole) before the forward reads it."""
+def test_sync_load_starts_before_vllm_prepares_the_step_once(model_dir, hooks, colocated_worker):
+    """A synchronous load's copy starts when the scheduler plans it if the worker runs in the
+    scheduler's thread (``colocated``), else at the step's first worker hook; it is never
+    submitted twice and is still fenced (per layer or whole) before the forward reads it."""
+    from kvtier.connectors import colocated
+
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     make = vh.RequestMaker(BS)
     if hooks:
         rig.loop.layer_hooks = list(LAYERS)
-        rig.loop.add(make(vh.random_tokens(40, seed=8), max_tokens=1))
-        rig.loop.run_until_idle()  # the hooks are seen: per-layer fences are on
-    fences = FenceSpy(rig.worker_side().runtime.engine)
+    rig.loop.add(make(vh.random_tokens(40, seed=8), max_tokens=1))
+    rig.loop.run_until_idle()  # one step ran the worker's hooks (and saw every layer hook)
+    ws = rig.worker_side()
+    if not colocated_worker:  # as with TP > 1 or a worker process: no direct hand-off
+        colocated.unregister(ws.settings.engine_id, ws)
+    fences = FenceSpy(ws.runtime.engine)
     submits = SubmitSpy(rig)
     a, b, _, loads = _hit(rig, make, vh.random_tokens(70, seed=7))
     assert [j.sync for j in loads] == [True]
     job = loads[0].job_id
-    assert [p for j, p in submits.submits if j == job] == ["handle_preemptions"]
+    first = "schedule" if colocated_worker else "handle_preemptions"
+    assert [p for j, p in submits.submits if j == job] == [first]
     if hooks:
         assert [layer for ids, layer in fences.layers if job in ids] == [0, 1]
     else:
@@ -157,6 +164,55 @@ def test_sync_load_starts_in_the_first_hook_of_the_step_once(model_dir, hooks):
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     assert bad_checks(rig) == []
     rig.close()
+
+
+def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(model_dir):
+    """A store still copying a block out is fenced before a load handed over at plan time
+    writes into that block (the step's ``flush`` is built only later, in build_meta)."""
+    from kvtier.connectors.metadata import LoadJob
+    from kvtier.connectors.worker_side import _Running
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    ws = rig.worker_side()
+    calls = []
+    engine = ws.runtime.engine
+    fence, submit_chain = engine.fence, engine.submit_chain
+    engine.fence = lambda ids: calls.append(("fence", list(ids)))
+    engine.submit_chain = lambda hops, job_id: calls.append(("load", job_id))
+    ws._running[900] = _Running("store", "r-old")  # a store of the block's previous owner
+    ws._running[901] = _Running("background")
+    job = LoadJob(job_id=902, req_id="r-new", keys=("k",), cpu_slots=(0,), from_disk=(False,),
+                  gpu_ids=tuple(range(1, 1 + ws.settings.engine_blocks_per_block)), sync=True)
+    ws.submit_ahead(job, flush=(900, 901, 777))
+    assert calls == [("fence", [900]), ("load", 902)]
+    engine.fence, engine.submit_chain = fence, submit_chain
+    del ws._running[900], ws._running[901], ws._running[902]
+    rig.close()
+
+
+def test_the_colocated_worker_is_only_handed_loads_on_its_own_thread_and_engine():
+    import threading
+
+    from kvtier.connectors import colocated
+
+    class Worker:
+        hook_thread = None
+
+    w = Worker()
+    colocated.register("engine-a", w)
+    try:
+        assert colocated.worker_for("engine-a") is None  # no hook has run yet
+        w.hook_thread = threading.get_ident()
+        assert colocated.worker_for("engine-a") is w
+        assert colocated.worker_for("engine-b") is None
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(colocated.worker_for("engine-a")))
+        t.start()
+        t.join()
+        assert seen == [None]  # the scheduler on another thread: the usual path
+    finally:
+        colocated.unregister("engine-a", w)
+    assert colocated.worker_for("engine-a") is None
 
 
 def test_full_cuda_graph_forwards_and_dummy_runs_run_no_hooks():
