@@ -22,6 +22,14 @@ PHASES = [
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
+    # the model runner vLLM 0.32 uses on GPUs
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "add_requests"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "pre_forward"),
+    ("vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "finish_forward"),
+    ("vllm.v1.worker.gpu.kv_connector", "ActiveKVConnector", "post_forward"),
 ]
 
 
@@ -32,7 +40,10 @@ def install() -> list[str]:
     tl = timeline()
     done = []
     for module, cls_name, name in PHASES:
-        cls = getattr(importlib.import_module(module), cls_name, None)
+        try:
+            cls = getattr(importlib.import_module(module), cls_name, None)
+        except ImportError:  # another vLLM version or platform
+            continue
         fn = getattr(cls, name, None) if cls is not None else None
         if fn is None:
             continue
