@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
