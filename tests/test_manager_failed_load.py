@@ -132,4 +132,8 @@ def test_failed_promotion_still_frees_its_slot():
     assert load.from_disk == (True,)
     m.complete_load(load.keys, failed=load.keys)
     assert b"A" not in m.cpu and b"A" not in m.disk and m.cpu.free_count == 1
+    drops = m.take_background_transfers()  # the record is deleted on every rank
+    assert [(t.dst.medium, t.keys) for t in drops] == [(Medium.DROP, (b"A",))]
+    for t in drops:
+        m.complete_background(t.id, True)
     assert m.pins() == 0

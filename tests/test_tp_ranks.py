@@ -6,13 +6,15 @@ background move and load runs on every rank, and the manager hears one outcome p
 only if it worked on all ranks, failed keys unioned), as the scheduler's job ledger does.
 Before the fix, a demotion that failed on one rank or a record found corrupt on one rank was
 forgotten by the index while the other ranks kept their slices, and a restart intersected the
-ranks' keys and never deleted the rest: disk use grew past capacity run after run.
+ranks' keys and never deleted the rest: disk use grew past capacity run after run. A read that
+failed on one rank (corrupt, or transiently: EIO, EMFILE) is now deleted on every rank within
+the run, and a transient failure is counted as such, not as corruption.
 """
 
 from __future__ import annotations
 
+import errno
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -84,8 +86,16 @@ class Ranks:
         self.manager = manager or build_manager(settings.config, settings.block_bytes)
 
     def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[bool, set[bytes]]:
+        ok, failed, _ = self.run_reads(src, dst)
+        return ok, failed
+
+    def run_reads(self, src: LoadStoreSpec, dst: LoadStoreSpec
+                  ) -> tuple[bool, set[bytes], set[bytes]]:
+        """Also the keys that failed only transiently, on every rank that failed them."""
         results = [rk.engine.wait([rk.engine.submit(src, dst)])[0] for rk in self.ranks]
-        return all(r.ok for r in results), {k for r in results for k in r.failed_keys}
+        failed = {k for r in results for k in r.failed_keys}
+        hard = {k for r in results for k in set(r.failed_keys) - set(r.transient_keys)}
+        return all(r.ok for r in results), failed, failed - hard
 
     def background(self) -> None:
         while True:
@@ -134,37 +144,80 @@ def test_demotion_failing_on_one_rank_is_deleted_on_every_rank(ranks):
     assert ranks.on_disk(0) == ranks.on_disk(1) == ranks.disk_index()
 
 
-def test_record_corrupt_on_one_rank_is_gone_from_every_rank_after_a_restart(tmp_path):
-    """The index forgets it at once; the other rank's slice (unusable alone) is deleted at the
-    next start-up. No DROP at once: a rank whose read failed transiently (EIO, EMFILE) kept an
-    intact record on purpose, and the manager cannot tell the two cases apart."""
-    settings = settings_for(tmp_path, 2)
-    rs = Ranks(settings)
+def disk_only_block(rs: Ranks) -> bytes:
+    """A block held by the disk tier only (its next load is a DISK -> CPU promotion)."""
     keys = [k(i) for i in range(4)]
     rs.store(keys)
     rs.store([k(i) for i in range(10, 14)])  # pushes the first blocks out of CPU
     on_disk_only = [key for key in keys if rs.manager.lookup([key]).tiers == (Medium.DISK,)]
     assert on_disk_only
-    victim = on_disk_only[0]
-    flip_payload(rs.ranks[0].store, victim, None)
-    plan = rs.manager.prepare_load([victim])
-    assert plan.from_disk == (True,)
-    ok, failed = rs.run(*plan.disk_hop())
-    assert failed == {victim}  # rank 0 found it bad (and deleted its record); rank 1 read it
-    rs.manager.complete_load(plan.keys, failed)
-    rs.background()
-    assert victim not in rs.disk_index() and victim not in rs.on_disk(0)
-    assert victim in rs.on_disk(1)
-    rs.close()
+    return on_disk_only[0]
 
-    geos = [settings.geometry(r) for r in range(2)]
-    common, partial = restored_keys(settings.disk_paths(), geos)
-    assert partial == [victim]
-    rs = Ranks(settings, build_manager(settings.config, settings.block_bytes, common, partial))
+
+def fill_disk(rs: Ranks, start: int) -> None:
+    for i in range(start, start + 24, 4):
+        rs.store([k(j) for j in range(i, i + 4)])
+
+
+def test_record_corrupt_on_one_rank_is_deleted_on_every_rank(tmp_path):
+    """The index forgets it, and the other rank's slice (unusable alone) is deleted at once,
+    not at the next start-up: until then it sat on disk over capacity."""
+    settings = settings_for(tmp_path, 2)
+    rs = Ranks(settings)
     try:
+        victim = disk_only_block(rs)
+        flip_payload(rs.ranks[0].store, victim, None)
+        plan = rs.manager.prepare_load([victim])
+        assert plan.from_disk == (True,)
+        ok, failed, transient = rs.run_reads(*plan.disk_hop())
+        assert failed == {victim} and not transient  # rank 0 found it bad; rank 1 read it
+        rs.manager.complete_load(plan.keys, failed, transient)
         rs.background()
-        assert victim not in rs.on_disk(1), "rank 1 kept a slice the index forgot"
+        assert victim not in rs.disk_index() | rs.on_disk(0) | rs.on_disk(1)
+        assert rs.manager.stats.failed_loads == 1 and rs.manager.stats.failed_loads_transient == 0
+        assert rs.ranks[0].store.stats().checksum_failures == 1
+        fill_disk(rs, 20)
         assert rs.on_disk(0) == rs.on_disk(1) == rs.disk_index()
+        assert all(rs.ranks[r].store.stats().num_blocks <= 6 for r in range(2))
+    finally:
+        rs.close()
+    geos = [settings.geometry(r) for r in range(2)]
+    assert restored_keys(settings.disk_paths(), geos)[1] == []  # nothing left to reconcile
+
+
+def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(tmp_path):
+    """EIO on rank 1's read of a block: rank 1's store keeps its record (no corruption is
+    counted, nothing of the segment is touched), the manager counts a transient failure, and
+    the block is deleted from every rank within the run, so each rank stays within capacity."""
+    settings = settings_for(tmp_path, 2)
+    rs = Ranks(settings)
+    try:
+        victim = disk_only_block(rs)
+        files = rs.ranks[1].store._files
+        real_pread = files.pread
+
+        def eio(*args, **kwargs):
+            raise OSError(errno.EIO, "Input/output error (injected on rank 1)")
+
+        files.pread = eio
+        plan = rs.manager.prepare_load([victim])
+        assert plan.from_disk == (True,)
+        ok, failed, transient = rs.run_reads(*plan.disk_hop())
+        files.pread = real_pread
+        assert failed == transient == {victim}
+        assert rs.ranks[1].store.contains(victim)  # kept by the store: the read failed, not it
+        rs.manager.complete_load(plan.keys, failed, transient)
+        rs.background()
+        assert victim not in rs.disk_index() | rs.on_disk(0) | rs.on_disk(1)
+        assert rs.manager.stats.failed_loads == rs.manager.stats.failed_loads_transient == 1
+        st = rs.ranks[1].store.stats()
+        assert st.checksum_failures == 0 and st.read_errors == 1
+        fill_disk(rs, 20)
+        assert rs.on_disk(0) == rs.on_disk(1) == rs.disk_index()
+        for r in range(2):
+            st = rs.ranks[r].store.stats()
+            assert st.num_blocks <= 6 and st.logical_bytes <= settings.config.disk.capacity
+        assert rs.manager.pins() == 0
     finally:
         rs.close()
 

@@ -13,6 +13,7 @@ import torch
 from kvtier.manager.specs import LoadStoreSpec as Spec
 from kvtier.manager.specs import Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.disk import ReadStatus
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer import TransferEngine, TransferHandler, TransferOutcome
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
@@ -63,7 +64,7 @@ class FakeStore:
 
     def __init__(self) -> None:
         self.data: dict[bytes, bytes] = {}
-        self.broken: set[bytes] = set()  # get_into raises OSError for these
+        self.broken: set[bytes] = set()  # fetch_into raises OSError for these
         self.lock = threading.Lock()
 
     def put_many(self, items):
@@ -71,15 +72,15 @@ class FakeStore:
             for key, buf in items:
                 self.data[key] = bytes(buf)
 
-    def get_into(self, key, out):
+    def fetch_into(self, key, out):
         if key in self.broken:
             raise OSError(f"unreadable {key!r}")
         with self.lock:
             blob = self.data.get(key)
         if blob is None or len(blob) != len(out):
-            return False
+            return ReadStatus.MISS
         out[:] = blob
-        return True
+        return ReadStatus.HIT
 
     def delete_many(self, keys):
         with self.lock:

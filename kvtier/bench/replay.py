@@ -33,7 +33,8 @@ from kvtier.events import EventPublisher, ManagerFeed, MetadataCache
 from kvtier.manager.factory import build_manager
 from kvtier.manager.specs import LoadStoreSpec, Medium, RequestContext
 from kvtier.metrics import MetricsExporter
-from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
+from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
+                                     transient_load_keys)
 from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
@@ -297,7 +298,7 @@ class Replay:
                 disk_keys = [k for k, d in zip(plan.keys, plan.from_disk) if d]
                 remote_keys = [k for k, r in zip(plan.keys, plan.from_remote) if r]
                 failed = failed_load_keys(res, disk_keys, remote_keys=remote_keys)
-                self.manager.complete_load(plan.keys, failed)
+                self.manager.complete_load(plan.keys, failed, transient_load_keys(res, failed))
                 self.result.failed_jobs += not res.ok
                 untrusted = gpu_untrusted(res)  # a hop raised: recompute every block
                 good = 0

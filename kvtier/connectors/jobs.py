@@ -31,10 +31,17 @@ class Job:
     reports: int = 0
     errors: int = 0
     failed: set[BlockKey] = field(default_factory=set)
+    hard_failed: set[BlockKey] = field(default_factory=set)  # failed other than transiently
 
     @property
     def ok(self) -> bool:
         return self.errors == 0 and not self.failed
+
+    @property
+    def transient(self) -> set[BlockKey]:
+        """Failed keys whose read failed only transiently (EIO, EMFILE ...), on every worker
+        that failed them: counted apart from corruption."""
+        return self.failed - self.hard_failed
 
 
 class JobLedger:
@@ -57,6 +64,7 @@ class JobLedger:
             job = self.pending.get(job_id)
             if job is not None:
                 job.failed.update(keys)
+                job.hard_failed |= meta.hard_failures(job_id)
         for job_id, n in meta.errors.items():
             job = self.pending.get(job_id)
             if job is not None:

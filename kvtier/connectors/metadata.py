@@ -95,7 +95,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """A worker's report for one step (or the sum over workers after ``aggregate``).
 
     ``done``: job id -> number of workers that finished it. ``failed``: job id -> keys that
-    could not be read (disk miss or corruption; the manager forgets them). ``errors``: job id
+    could not be read (disk miss or corruption; the manager forgets them), and ``transient``:
+    those of them whose read failed transiently (EIO, EMFILE: counted apart from corruption;
+    after ``aggregate``, only keys no worker failed otherwise). ``errors``: job id
     -> number of workers on which the job raised (a store or demotion that must not be
     published). ``load_hops``: (source medium, bytes, seconds) of each finished load hop out
     of CPU or DISK on each worker, and ``forwards``: (tokens, seconds) of large forward passes:
@@ -107,6 +109,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     errors: dict[int, int] = field(default_factory=dict)
     load_hops: tuple[tuple[str, int, float], ...] = ()
     forwards: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of timed forwards
+    transient: dict[int, tuple[BlockKey, ...]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         if not isinstance(other, KVTierWorkerMetadata):
@@ -120,8 +123,19 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         failed = dict(self.failed)
         for job, keys in other.failed.items():
             failed[job] = tuple(dict.fromkeys(failed.get(job, ()) + tuple(keys)))
+        transient = {}
+        for job in self.transient.keys() | other.transient.keys():
+            hard = self.hard_failures(job) | other.hard_failures(job)
+            keys = self.transient.get(job, ()) + tuple(other.transient.get(job, ()))
+            kept = tuple(k for k in dict.fromkeys(keys) if k not in hard)
+            if kept:
+                transient[job] = kept
         return KVTierWorkerMetadata(done, failed, errors, self.load_hops + tuple(other.load_hops),
-                                    self.forwards + tuple(other.forwards))
+                                    self.forwards + tuple(other.forwards), transient)
+
+    def hard_failures(self, job: int) -> set[BlockKey]:
+        """Keys of ``job`` that failed for a reason other than a transient read error."""
+        return set(self.failed.get(job, ())) - set(self.transient.get(job, ()))
 
     def is_empty(self) -> bool:
         return not (self.done or self.failed or self.errors or self.load_hops or self.forwards)

@@ -49,11 +49,15 @@ class JobSettling:
             self.manager.complete_background(job.transfer_id, success=job.errors == 0)
 
     def _settle_load(self, job_id: int, job: Job) -> None:
-        failed = set(job.failed)
+        failed, transient = set(job.failed), job.transient
         self.manager.complete_load(job.keys,
-                                   failed=[k for k in job.keys if k in failed] if failed else ())
+                                   failed=[k for k in job.keys if k in failed] if failed else (),
+                                   transient=[k for k in job.keys if k in transient]
+                                   if transient else ())
         if failed:
             self._stats.add("failed_load_blocks", len(failed))
+        if transient:
+            self._stats.add("transient_failed_load_blocks", len(transient))
         if any(job.from_disk):
             for key, from_disk in zip(job.keys, job.from_disk):
                 if from_disk and self._promoting.get(key) == job_id:

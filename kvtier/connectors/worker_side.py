@@ -23,8 +23,8 @@ Per step (vLLM's model runner calls these in this order):
 5. ``get_finished``: collect finished jobs; asynchronous loads report their request in
    ``finished_recving`` (and the engine blocks that could not be filled as load errors, in
    the same step), watched finished requests with no store left in ``finished_sending``.
-6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys, errors, and
-   the measured load hops that feed its cost model).
+6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys and which of
+   them failed transiently, errors, and the measured load hops that feed its cost model).
 """
 
 from __future__ import annotations
@@ -41,16 +41,13 @@ from kvtier.connectors.forward_timer import ForwardTimer
 from kvtier.connectors.layer_fences import LayerFences
 from kvtier.connectors.timeline import timeline
 from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
-from kvtier.connectors.metadata import (
-    KVTierConnectorMetadata,
-    KVTierWorkerMetadata,
-    LoadJob,
-    StoreJob,
-)
+from kvtier.connectors.metadata import (KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob,
+                                       StoreJob)
 from kvtier.connectors.settings import ConnectorSettings, ConnectorSetupError
 from kvtier.connectors.stats import KVTierStats, direction_delta
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
-from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
+from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
+                                     transient_load_keys)
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer import JobResult
@@ -83,6 +80,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._done: dict[int, int] = {}
         self._failed: dict[int, tuple[BlockKey, ...]] = {}
+        self._transient: dict[int, tuple[BlockKey, ...]] = {}  # of _failed: EIO, EMFILE ...
         self._errors: dict[int, int] = {}
         self._load_hops: list[tuple[str, int, float]] = []
         self._forward: ForwardTimer | None = None
@@ -276,8 +274,9 @@ class WorkerSide:
         if not (self._done or self._failed or self._errors or self._load_hops or forwards):
             return None
         meta = KVTierWorkerMetadata(self._done, self._failed, self._errors,
-                                    tuple(self._load_hops), forwards)
+                                    tuple(self._load_hops), forwards, self._transient)
         self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
+        self._transient = {}
         return meta
 
     def take_stats(self) -> KVTierStats | None:
@@ -399,6 +398,8 @@ class WorkerSide:
                     bad_gpu.update(job.gpu_ids[i * k:(i + 1) * k])
         if failed:
             self._failed[r.job_id] = tuple(k for k in job.keys if k in failed)
+            if transient := transient_load_keys(r, failed):
+                self._transient[r.job_id] = tuple(k for k in job.keys if k in transient)
         if disk_keys:  # loads that joined its promotions need to know what it could not read
             self._promotions[r.job_id] = frozenset(failed & disk_keys)
         self._load_errors |= bad_gpu

@@ -66,12 +66,15 @@ class OffloadingManager(ABC):
         """Mark ``keys`` as recently used (eviction order)."""
 
     @abstractmethod
-    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
+    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = (),
+                      transient: Collection[BlockKey] = ()) -> None:
         """Release the pins of a ``prepare_load``. ``failed`` keys could not be read from
         their tier (corrupt or missing record, or the read itself failed): the manager
         forgets them, so they are never offered again. A key whose tier was read but whose
         copy to the GPU failed is *not* failed: its bytes are fine
-        (``kvtier.runtime.load_job.failed_load_keys`` tells the two apart)."""
+        (``kvtier.runtime.load_job.failed_load_keys`` tells the two apart). ``transient``:
+        those of ``failed`` whose read failed for a reason that says nothing about the
+        record (EIO, EMFILE, ENOMEM ...): counted apart from corruption."""
 
     # ------------------------------------------------------------------ stores
     @abstractmethod

@@ -30,6 +30,8 @@ class ManagerStats:
     # resident hits lookup did not report: loading them was estimated slower than recompute
     skipped_slower_than_recompute: dict[str, int] = field(default_factory=_per_tier)
     failed_loads: int = 0
+    # of failed_loads: reads that failed transiently (EIO, EMFILE, ENOMEM), not corruption
+    failed_loads_transient: int = 0
     failed_stores: dict[str, int] = field(default_factory=_per_tier)
     protocol_errors: int = 0  # complete_* for something never prepared (caller bug), ignored
     disk_degraded: bool = False  # demotions keep failing (disk full / EIO): disk admits only probes

@@ -246,9 +246,11 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
             elif self.disk is not None and key in self.disk:
                 self.disk.policy.access(key)
 
-    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
+    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = (),
+                      transient: Collection[BlockKey] = ()) -> None:
         failed = set(failed)
         published: list[BlockKey] = []
+        unreadable: list[BlockKey] = []  # disk blocks forgotten: deleted on every rank
         # CPU hits (READY and pinned) only drop their pin, failed or not: the CPU -> GPU hop
         # reads the slot and never writes it. The rest (promotions, joins) below.
         for key in self.cpu.unpin_ready(keys):
@@ -258,7 +260,8 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                 continue
             if entry.promoted and entry.state is BlockState.WRITING:
                 if not self._settle_remote_promotion(key, bad=key in failed):
-                    self._release_disk_reader(key, bad=key in failed)
+                    if self._release_disk_reader(key, bad=key in failed):
+                        unreadable.append(key)
                 if key in failed and entry.readers > 0:
                     # joined loads still pin the slot; they fail too, the last one frees it
                     entry.promoted = False
@@ -286,25 +289,30 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
             else:
                 self.stats.protocol_errors += 1
         self.stats.failed_loads += len(failed)
+        self.stats.failed_loads_transient += len(failed.intersection(transient))
+        self._drop_everywhere(unreadable)
         self.events.emit(BlockStored(Medium.CPU, tuple(published)))
         self._plan_flushes(completion=True)
 
-    def _release_disk_reader(self, key: BlockKey, bad: bool) -> None:
+    def _release_disk_reader(self, key: BlockKey, bad: bool) -> bool:
+        """Unpin ``key``'s disk entry; a ``bad`` one is forgotten (True: the caller deletes
+        it on every rank). With tensor parallelism a read can fail on one rank only (a
+        corrupt record, which that rank's store dropped; or a transient error, EIO or EMFILE,
+        after which the store kept an intact record): the other ranks' slices, unindexed from
+        now on, would sit on disk over capacity until the next start-up (issue 14.5)."""
         d = self.disk.get(key) if self.disk is not None else None
         if d is None or d.readers <= 0:
             self.stats.protocol_errors += 1
-            return
+            return False
         d.readers -= 1
-        if bad:
-            # Unreadable (on some rank): forget it. No DROP: the store that found a record
-            # bad removed it already, and one that failed transiently (EIO, EMFILE) kept an
-            # intact record on purpose. Other ranks' slices, and kept records, are reconciled
-            # at the next start-up (keys on some ranks only are deleted, the rest restored).
-            self.disk.remove(key)
-            self.events.emit(BlockRemoved(Medium.DISK, (key,)))
-            cpu = self.cpu.get(key)
-            if cpu is not None:
-                cpu.on_disk = False
+        if not bad:
+            return False
+        self.disk.remove(key)
+        self.events.emit(BlockRemoved(Medium.DISK, (key,)))
+        cpu = self.cpu.get(key)
+        if cpu is not None:
+            cpu.on_disk = False
+        return True
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:

@@ -89,10 +89,10 @@ class WriteBack:
 
         With tensor parallelism each rank holds its own slice of a block in its own directory,
         and a background transfer runs on every rank. So when the index forgets a block whose
-        write failed on one rank only, the other ranks' slices must be deleted too, or they
-        stay on disk unindexed: never served, never evicted, over capacity. A rank without the
-        record deletes nothing. (Slices left by a crash, or by a record one rank found bad,
-        are deleted at the next start-up: ``stale`` of ``_restore_disk``.)"""
+        write (or read: ``complete_load``) failed on one rank only, the other ranks' slices
+        must be deleted too, or they stay on disk unindexed: never served, never evicted, over
+        capacity. A rank without the record deletes nothing. (Slices left by a crash are
+        deleted at the next start-up: ``stale`` of ``_restore_disk``.)"""
         if not keys:
             return
         for key in keys:

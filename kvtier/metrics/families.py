@@ -59,6 +59,8 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("store_skipped_no_space", "manager.store_skipped_no_space", "Blocks not stored: no evictable CPU slot."),
     _c("load_truncated_no_space", "manager.load_truncated_no_space", "Loads cut short: no CPU slot to promote into."),
     _c("failed_loads", "manager.failed_loads", "Blocks whose load failed (missing or corrupt)."),
+    _c("failed_loads_transient", "manager.failed_loads_transient",
+       "Of failed_loads: reads that failed transiently (EIO, EMFILE, ENOMEM), not corruption."),
     _c("failed_stores", "manager.failed_stores.{tier}", "Blocks whose store failed, per tier."),
     _c("protocol_errors", "manager.protocol_errors", "complete_* calls for nothing prepared (caller bugs)."),
     _c("skipped_slower_than_recompute", "manager.skipped_slower_than_recompute.{tier}",

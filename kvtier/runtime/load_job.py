@@ -10,7 +10,8 @@ move along exactly the path vLLM runs (one production path):
   tier*. A hop error in DISK -> CPU fails every promoted key (nothing reached the CPU
   slots); an error in CPU -> GPU fails none: the disk record and the CPU copy are fine, only
   the engine's blocks are untrusted (``gpu_untrusted``) and get recomputed. Treating that
-  as a bad disk record made the manager forget (and leak) a block that was intact.
+  as a bad disk record made the manager forget (and leak) a block that was intact;
+* ``transient_load_keys``: which of those failed transiently (the record may be intact).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def failed_load_keys(result: JobResult, disk_keys: Collection[BlockKey],
     elif result.error is not None and result.direction == (Medium.REMOTE, Medium.CPU):
         failed |= set(remote_keys)
     return failed
+
+
+def transient_load_keys(result: JobResult, failed: Collection[BlockKey]) -> set[BlockKey]:
+    """Those of ``failed`` whose read failed for a reason that says nothing about the record
+    (EIO, EMFILE, ENOMEM ...; the store kept it): the manager counts them apart from
+    corruption (it forgets and deletes both kinds on every rank all the same)."""
+    return set(result.transient_keys) & set(failed) if result.transient_keys else set()
 
 
 def gpu_untrusted(result: JobResult) -> bool:

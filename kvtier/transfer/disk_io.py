@@ -3,8 +3,10 @@
 The store owns the on-disk format, integrity checks and I/O; these handlers only connect it to
 CPU pool slots. Slot bytes are handed over as zero-copy memoryviews of the pool. A block that
 cannot be read back (missing, corrupt, unreadable) is an expected event on disk, so it is
-reported in ``failed_keys`` instead of failing the job: the manager then forgets those keys and
-the engine recomputes them. Writes are all-or-nothing per job (``put_many`` raises), because a
+reported in ``failed_keys`` instead of failing the job: the manager then forgets those keys (and
+deletes them on every rank) and the engine recomputes them. Reads that failed for a reason that
+says nothing about the record (EIO, EMFILE ...) are also in ``transient_keys``, so they are not
+counted as corruption. Writes are all-or-nothing per job (``put_many`` raises), because a
 store that half-failed cannot tell the manager which keys it may publish.
 """
 
@@ -16,6 +18,8 @@ from typing import Iterable, Protocol, Sequence
 
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.disk import ReadStatus
+from kvtier.tiers.disk.segments import is_transient
 from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import TransferOutcome
 
@@ -28,8 +32,9 @@ class DiskStoreLike(Protocol):
     def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
         """Write every item or raise."""
 
-    def get_into(self, key: bytes, out: memoryview) -> bool:
-        """Fill ``out`` with the block; False on a miss or corruption (never wrong bytes)."""
+    def fetch_into(self, key: bytes, out: memoryview) -> ReadStatus:
+        """Fill ``out`` with the block (HIT); MISS on a miss or corruption (never wrong
+        bytes); TRANSIENT when the read failed but the record may be intact (kept)."""
 
     def delete_many(self, keys: Iterable[bytes]) -> int:
         """Delete keys (unknown ones ignored); returns how many were deleted."""
@@ -106,27 +111,33 @@ class DiskToCpuHandler(TransferHandler):
             return TransferOutcome()
         step = -(-n // min(self.threads_per_job, n))
         parts = [range(i, min(n, i + step)) for i in range(0, n, step)]
-        failed_parts = await asyncio.gather(
+        parts_failed = await asyncio.gather(
             *(self.run_blocking(self._read, keys, slots, part) for part in parts)
         )
-        failed = sorted(i for part in failed_parts for i in part)
+        failed = sorted(i for part, _ in parts_failed for i in part)
+        transient = sorted(i for _, part in parts_failed for i in part)
         return TransferOutcome(
             bytes=(n - len(failed)) * self.pool.geometry.block_bytes,
             failed_keys=tuple(keys[i] for i in failed),
+            transient_keys=tuple(keys[i] for i in transient),
         )
 
-    def _read(self, keys: Sequence[BlockKey], slots: Sequence[int], part: range) -> list[int]:
-        """Read ``part`` of the pairs; returns the positions that could not be read."""
-        failed = []
+    def _read(self, keys: Sequence[BlockKey], slots: Sequence[int], part: range
+              ) -> tuple[list[int], list[int]]:
+        """Read ``part`` of the pairs; returns the positions that could not be read, and
+        those of them whose read failed transiently (the record may be intact)."""
+        failed, transient = [], []
         for i in part:
             try:
-                ok = self.store.get_into(keys[i], _slot_buffer(self.pool, slots[i]))
+                status = self.store.fetch_into(keys[i], _slot_buffer(self.pool, slots[i]))
             except OSError as exc:  # an unreadable record is a miss, not a failed job
                 log.warning("%s: reading block %s failed: %s", self.name, keys[i].hex()[:16], exc)
-                ok = False
-            if not ok:
+                status = ReadStatus.TRANSIENT if is_transient(exc) else ReadStatus.MISS
+            if status is not ReadStatus.HIT:
                 failed.append(i)
-        return failed
+                if status is ReadStatus.TRANSIENT:
+                    transient.append(i)
+        return failed, transient
 
 
 class DiskDropHandler(TransferHandler):

@@ -176,6 +176,7 @@ class TransferEngine(ImmediateHops):
         job.seconds += seconds
         job.hop_stats.append((lane.route, outcome.bytes, seconds))
         job.failed_keys.extend(outcome.failed_keys)
+        job.transient_keys.extend(outcome.transient_keys)
         job.last_route = lane.route
         job.error = error
 
@@ -190,6 +191,7 @@ class TransferEngine(ImmediateHops):
             seconds=job.seconds,
             direction=job.last_route or route_of(job.hops[0]),
             hops=tuple(job.hop_stats),
+            transient_keys=tuple(dict.fromkeys(job.transient_keys)),
         )
         with self._cond:
             self._finished[job.job_id] = result

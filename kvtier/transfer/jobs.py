@@ -38,6 +38,9 @@ class TransferOutcome:
     seconds: float | None = None
     """Device time of the hop when the handler measured it (CUDA events); else the engine
     uses the wall time it saw the hop run."""
+    transient_keys: tuple[BlockKey, ...] = ()
+    """Those of ``failed_keys`` whose read failed for a reason that says nothing about the
+    record (EIO, EMFILE, ENOMEM ...): kept by the store, not counted as corruption."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ class JobResult:
     hops: tuple[tuple[Route, int, float], ...] = ()
     """(route, bytes, seconds) of every hop that ran, in order: what feeds per-tier load
     bandwidth estimates (a promotion's DISK->CPU hop and its CPU->GPU hop differ ~30x)."""
+    transient_keys: tuple[BlockKey, ...] = ()
+    """Those of ``failed_keys`` a hop reported as transient failures (``TransferOutcome``)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ class Job:
     bytes: int = 0
     seconds: float = 0.0
     failed_keys: list[BlockKey] = field(default_factory=list)
+    transient_keys: list[BlockKey] = field(default_factory=list)
     error: str | None = None
     last_route: Route | None = None
     hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run

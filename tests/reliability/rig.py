@@ -31,7 +31,8 @@ from reliability.blocks import GEO, block
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.specs import LoadPlan, LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
-from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
+from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
+                                     transient_load_keys)
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView
@@ -226,7 +227,8 @@ class StackRig:
             if not self._gpu_holds(k, b):
                 self.c.wrong_blocks += 1
         self.c.failed_load_blocks += len(failed)
-        self.manager.complete_load(op.keys, failed)
+        self.manager.complete_load(op.keys, failed,
+                                   transient_load_keys(res, failed) if res is not None else ())
         if disk_keys:
             self._promotions[op.bg_id] = frozenset(failed & disk_keys)
             for key in disk_keys:

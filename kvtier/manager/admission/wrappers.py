@@ -45,8 +45,9 @@ class ManagerWrapper(OffloadingManager):
     def touch(self, keys: Sequence[BlockKey]) -> None:
         self.inner.touch(keys)
 
-    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
-        self.inner.complete_load(keys, failed)
+    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = (),
+                      transient: Collection[BlockKey] = ()) -> None:
+        self.inner.complete_load(keys, failed, transient)
 
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
         return self.inner.prepare_store(keys, ctx)

@@ -9,6 +9,7 @@ from kvtier.tiers.disk.errors import (
     NotADiskStore,
     UnsafeDiskDirectory,
 )
+from kvtier.tiers.disk.reader import ReadStatus
 from kvtier.tiers.disk.stats import DiskStats
 from kvtier.tiers.disk.store import DiskStore
 
@@ -21,5 +22,6 @@ __all__ = [
     "DiskStoreBusy",
     "DiskWriteError",
     "NotADiskStore",
+    "ReadStatus",
     "UnsafeDiskDirectory",
 ]

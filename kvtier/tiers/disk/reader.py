@@ -10,6 +10,7 @@ this read only, and must never drop the entry or the segment.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 from kvtier.tiers.disk.codec import BlockCodec
@@ -25,6 +26,14 @@ from kvtier.tiers.disk.segments import SegmentFiles, is_transient
 
 READ_ERROR = "read_errors"
 CHECKSUM_FAILURE = "checksum_failures"
+
+
+class ReadStatus(Enum):
+    """How a read of one block ended (``DiskStore.fetch_into``)."""
+
+    HIT = "hit"  # ``out`` holds the verified block
+    MISS = "miss"  # not stored, or the record was bad (then dropped and counted)
+    TRANSIENT = "transient"  # the read failed (EIO, EMFILE, ENOMEM ...): the record is kept
 
 
 class ReadFailure(NamedTuple):

@@ -26,7 +26,7 @@ from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.compaction import Compactor
 from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskWriteError, describe_os_error
 from kvtier.tiers.disk.index import BlockIndex, IndexEntry, IndexWriter
-from kvtier.tiers.disk.reader import CHECKSUM_FAILURE, ReadFailure, read_into
+from kvtier.tiers.disk.reader import CHECKSUM_FAILURE, ReadFailure, ReadStatus, read_into
 from kvtier.tiers.disk.segments import Buffer, SegmentFiles
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.disk.writer import SegmentWriter, as_bytes_view, valid_key
@@ -177,17 +177,25 @@ class DiskStore:
 
     def get_into(self, key: bytes, out: memoryview) -> bool:
         """Fill ``out`` (writable, block_bytes) with the block; False = miss (out is garbage)."""
+        return self.fetch_into(key, out) is ReadStatus.HIT
+
+    def fetch_into(self, key: bytes, out: memoryview) -> ReadStatus:
+        """``get_into`` that says why a read missed: TRANSIENT when the read itself failed
+        (EIO, EMFILE, ENOMEM ...: the record is kept, nothing counted as corruption), MISS
+        when the block is not stored or its record was bad (dropped). With tensor parallelism
+        the scheduler deletes a block that failed on any rank from every rank, and counts
+        transient failures apart from corruption."""
         self._check_open()
         view = self._out_view(out)
         if not valid_key(key):
-            return False
+            return ReadStatus.MISS
         raw = self._index.get_raw(key)
         if raw is None:
-            return False
+            return ReadStatus.MISS
         entry = IndexEntry.unpack(raw)
         if entry is None:  # a value this code cannot parse: damaged index
             self._drop_unreadable(key)
-            return False
+            return ReadStatus.MISS
         return self._read(key, entry, view)
 
     def _out_view(self, out: memoryview) -> memoryview:
@@ -199,22 +207,22 @@ class DiskStore:
             )
         return view
 
-    def _read(self, key: bytes, entry: IndexEntry | None, view: memoryview) -> bool:
+    def _read(self, key: bytes, entry: IndexEntry | None, view: memoryview) -> ReadStatus:
         for _ in range(_READ_RETRIES):
             if entry is None:
-                return False
+                return ReadStatus.MISS
             failure = read_into(self._files, self._codec, key, entry, view, LAYOUT_VERSION)
             if failure is None:
-                return True
+                return ReadStatus.HIT
             if failure.transient:  # says nothing about the record: a miss, nothing dropped
                 self._transient(key, failure)
-                return False
+                return ReadStatus.TRANSIENT
             again = self._index.get(key)
             if again == entry:
                 self._drop_bad(key, entry, failure)
-                return False
+                return ReadStatus.MISS
             entry = again  # compaction moved it (or it was replaced): read the new place
-        return False
+        return ReadStatus.MISS
 
     def contains(self, key: bytes) -> bool:
         self._check_open()
