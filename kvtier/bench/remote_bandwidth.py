@@ -5,7 +5,9 @@ checksums) -> Redis/Valkey, and back through ``RemoteToCpuHandler`` (every value
 copied into its slot), driven through the ``TransferEngine`` in jobs of ``batch`` blocks. The
 raw client is redis-py's asyncio client SETting and GETting values of the same size (block +
 record header) in the same batches, with the same number of commands in flight, and nothing
-else. Tier and raw runs alternate ``repeats`` times; medians are reported.
+else. Tier and raw rounds alternate ``repeats`` times; the GB/s are medians, and each ratio is
+the median of the per-pair ratios (a tier round against the raw round right after it), which
+keeps the slow swings of a shared machine's load out of the comparison.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _raw_round(config: KvtierConfig, value_bytes: int, blocks: int, batch: int,
 
 
 def tier_vs_raw(config: KvtierConfig, block_bytes: int, total_bytes: int = 64 << 20,
-                batch: int = 8, repeats: int = 3) -> dict:
+                batch: int = 8, repeats: int = 7) -> dict:
     blocks = max(batch, total_bytes // block_bytes)
     rt = _runtime(config, block_bytes, blocks)
     try:
@@ -111,7 +113,9 @@ def tier_vs_raw(config: KvtierConfig, block_bytes: int, total_bytes: int = 64 <<
         rt.close()
     gbps = {k: round(blocks * block_bytes / statistics.median(v) / 1e9, 4)
             for k, v in samples.items()}
+    pairs = {what: [raw / tier for tier, raw in zip(samples[f"tier_{op}"], samples[f"raw_{op}"])]
+             for what, op in (("store", "set"), ("load", "get"))}  # times: raw/tier = GB/s ratio
     return {"block_bytes": block_bytes, "blocks": blocks, "batch": batch, "repeats": repeats,
             "gbps": gbps, "failed": bad,
-            "ratio": {"store": round(gbps["tier_set"] / gbps["raw_set"], 3),
-                      "load": round(gbps["tier_get"] / gbps["raw_get"], 3)}}
+            "ratio": {k: round(statistics.median(v), 3) for k, v in pairs.items()},
+            "ratio_range": {k: [round(min(v), 3), round(max(v), 3)] for k, v in pairs.items()}}

@@ -29,6 +29,7 @@ from kvtier.tiers.remote.keys import RemoteKeys
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 IN_FLIGHT = 16  # commands on the wire at once (values are large: more only queues in sockets)
 
 
@@ -113,7 +114,11 @@ class RemoteStore:
     async def _one(self, method: str, *args: Any) -> Any:
         client = await self._ensure()
         async with self._sem:
-            return await asyncio.wait_for(getattr(client, method)(*args), self.deadline_s)
+            if _timeout is None:  # Python 3.10
+                return await asyncio.wait_for(getattr(client, method)(*args), self.deadline_s)
+            # no task per command (wait_for makes one): less loop work per value
+            async with _timeout(self.deadline_s):
+                return await getattr(client, method)(*args)
 
     async def _batch(self, method: str, calls: Sequence[tuple]) -> list[Any]:
         """Run one command per entry of ``calls``; results, or the exception of each."""
