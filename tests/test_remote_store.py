@@ -56,6 +56,30 @@ def test_round_trip_is_exact_and_absent_keys_miss(valkey):
                                               ).server_keys([b"k0-zstd"])[0]) < BLOCK // 2
 
 
+def test_each_value_is_consumed_on_the_store_loop_as_it_lands(valkey):
+    """A promotion verifies and copies each value where it lands (no thread hop per batch):
+    ``consume`` sees every position once, on the store's thread, an absent key as None."""
+    import threading
+
+    b = open_blocks(remote_cfg(url=valkey().url))
+    keys = [b"a", b"b", b"c"]
+    data = payloads(2)
+    assert b.put(keys[:2], [memoryview(d) for d in data]) == [True, True]
+    outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+    seen = []
+
+    def consume(i, value):
+        seen.append((i, threading.current_thread() is b.store._thread))
+        return b.verify_into(keys[i], value, outs[i])
+
+    verdicts = b.store.run(b.store.get_values(b.server_keys(keys), consume))
+    assert verdicts == ["hit", "hit", "absent"]
+    assert sorted(seen) == [(0, True), (1, True), (2, True)]
+    assert [bytes(o) for o in outs[:2]] == data and b.count(verdicts) == [2]
+    assert b.store.stats().hits == 2 and b.store.stats().misses == 1
+    b.store.close()
+
+
 def test_foreign_geometry_under_a_shared_namespace_is_a_miss(valkey):
     server = valkey()
     cfg = remote_cfg(url=server.url, namespace="team")

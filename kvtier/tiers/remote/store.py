@@ -20,7 +20,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.remote.client import make_client
@@ -120,14 +120,23 @@ class RemoteStore:
             async with _timeout(self.deadline_s):
                 return await getattr(client, method)(*args)
 
-    async def _batch(self, method: str, calls: Sequence[tuple]) -> list[Any]:
-        """Run one command per entry of ``calls``; results, or the exception of each."""
+    async def _then(self, landed: Callable[[int, Any], Any], i: int, method: str,
+                    *args: Any) -> Any:
+        return landed(i, await self._one(method, *args))
+
+    async def _batch(self, method: str, calls: Sequence[tuple],
+                     landed: Callable[[int, Any], Any] | None = None) -> list[Any]:
+        """Run one command per entry of ``calls``; results, or the exception of each. With
+        ``landed``, each reply is replaced by ``landed(position, reply)``, called on the loop
+        as soon as that reply is in (not after the whole batch)."""
         if not calls:
             return []
         if self.health.degraded and not await self._probe_if_due():
             self._sync_health()
             raise RemoteUnavailable(f"degraded: {self.health.last_error}")
-        out = await asyncio.gather(*(self._one(method, *c) for c in calls),
+        out = await asyncio.gather(*(self._one(method, *c) if landed is None else
+                                     self._then(landed, i, method, *c)
+                                     for i, c in enumerate(calls)),
                                    return_exceptions=True)
         failed = [r for r in out if isinstance(r, BaseException)]
         for exc in failed:
@@ -167,15 +176,28 @@ class RemoteStore:
         self._stats.degradations = self.health.degradations
 
     # ---- operations (run on the store's loop) -----------------------------------------------
-    async def get_values(self, server_keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_values(self, server_keys: Sequence[bytes],
+                         consume: Callable[[int, bytes | None], T] | None = None) -> list[Any]:
         """The raw values (None: absent, evicted, or its command failed). Unverified: the
-        caller checks each with ``value.decode_value_into``."""
-        out = await self._batch("get", [(k,) for k in server_keys])
-        values = [r if isinstance(r, (bytes, bytearray)) else None for r in out]
-        self._stats.gets += len(values)
-        self._stats.get_bytes += sum(len(v) for v in values if v is not None)
-        self._stats.misses += sum(1 for r in out if r is None)
-        return values
+        caller checks each with ``value.decode_value_into``. With ``consume``, what
+        ``consume(position, value)`` returned for each instead, called on this loop as each
+        value lands (a failed GET is consumed as None): verifying and copying a value then
+        overlaps the replies still on the wire, and no other thread is woken per batch."""
+
+        def landed(i: int, reply: Any) -> Any:
+            value = reply if isinstance(reply, (bytes, bytearray)) else None
+            if value is None:
+                self._stats.misses += reply is None
+            else:
+                self._stats.get_bytes += len(value)
+            return value if consume is None else consume(i, value)
+
+        out = await self._batch("get", [(k,) for k in server_keys], landed)
+        self._stats.gets += len(out)
+        failed = [i for i, r in enumerate(out) if isinstance(r, BaseException)]
+        for i in failed:
+            out[i] = None if consume is None else consume(i, None)
+        return out
 
     async def set_values(self, server_keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
         """Write each value; which writes the server accepted."""
