@@ -213,3 +213,68 @@ def test_cluster_round_trip_and_a_killed_primary_costs_only_its_keys(cluster):
     assert set(missed) == lost
     assert all(got[i] == data[i] for i in range(24) if i not in lost)
     assert not b.store.health.degraded  # the live primaries keep serving
+
+
+def _answers(directory, keys, wait_s: float = 10.0):
+    """The directory's answers once none is pending (it never waits itself: poll)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = directory.query(keys)
+        if None not in got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+def test_with_tensor_parallelism_a_block_is_held_only_if_every_rank_shard_is(valkey):
+    """Each rank stores its own shard: the scheduler's presence check asks for all of them, so
+    a block whose rank-1 shard is missing (evicted) is not promised to the workers."""
+    from kvtier.tiers.remote.directory import RemoteDirectory
+
+    cfg = remote_cfg(url=valkey().url)
+    ns = derive_namespace("geo-tp", world_size=2)
+    ranks = [RemoteBlocks(RemoteStore(cfg, RemoteKeys(ns, "geo-tp", rank=r))) for r in range(2)]
+    both, rank0_only = b"both", b"rank0-only"
+    data = [memoryview(d) for d in payloads(1)]
+    assert ranks[0].put([both], data) == [True] and ranks[1].put([both], data) == [True]
+    assert ranks[0].put([rank0_only], data) == [True]
+    every = RemoteDirectory(ranks[0].store, shards=2)
+    rank0 = RemoteDirectory(ranks[0].store, shards=1)  # what the scheduler asked before
+    try:
+        assert _answers(every, [both, rank0_only, b"neither"]) == [True, False, False]
+        assert _answers(rank0, [both, rank0_only]) == [True, True]
+    finally:
+        every.close(), rank0.close()
+        for b in ranks:
+            b.store.close()
+    replicated = RemoteKeys(ns, "geo-tp", rank=1, replicated=True)
+    assert replicated.shard_server_keys(both, 2) == [replicated.server_key(both)]
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replicated):
+    """The connector's directory and its workers agree: with TP 2 the workers each write their
+    rank's shard (one shared one when replicated), and the scheduler asks for exactly those."""
+    from kvtier.connectors.remote import open_remote_directory
+    from kvtier.connectors.settings import ConnectorSettings
+    from kvtier.tiers.remote.connect import connect_remote
+
+    url = valkey().url
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "1MiB"}, "remote": {"url": url}}},
+                      env={})
+    settings = ConnectorSettings(config=cfg, block_size=16, hash_block_size=16, block_tokens=16,
+                                 layer_names=("l0",), page_bytes=1024, sliding_window=None,
+                                 world_size=2, tp_size=2, kv_dtype="uint8", identity="tp-remote",
+                                 replicated_kv=replicated)
+    workers = [RemoteBlocks(connect_remote(cfg.remote, settings.geometry(r), rank=r,
+                                           world_size=2, replicated=replicated))
+               for r in range(2)]
+    payload = [memoryview(bytes(settings.geometry(0).block_bytes))]
+    assert workers[0].put([b"blk"], payload) == [True]  # rank 1 has not written its shard
+    directory = open_remote_directory(settings)
+    try:
+        assert directory.shards == (1 if replicated else 2)
+        assert _answers(directory, [b"blk"]) == [replicated]
+    finally:
+        directory.close(), directory.store.close()
+        for w in workers:
+            w.store.close()

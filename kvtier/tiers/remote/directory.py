@@ -4,8 +4,10 @@ The shared tier belongs to every instance, so no instance can index it; the sche
 server instead. ``query`` never blocks: a key whose answer is cached (fresh for ``ttl_s``) is
 answered at once; the others are asked in one batch on the store's loop and read ``None``
 ("not yet") until the reply lands, which the manager turns into vLLM's "ask again next step".
-A failed or degraded server answers "absent", so a dead tier costs only its hits. Answers are
-hints: a key can be evicted between the answer and the read, which the read then reports as a
+A failed or degraded server answers "absent", so a dead tier costs only its hits. With tensor
+parallelism each rank stores its own shard of a block; the block is "held" only when every
+rank's shard is (``shards``: one EXISTS per shard, all in the same batch), so no rank finds its
+shard evicted after the scheduler promised the block. Answers are hints: a key can be evicted between the answer and the read, which the read then reports as a
 miss (recomputed), never as wrong bytes.
 
 The scheduler's thread never hands the question to the store's loop itself: that hand-off
@@ -28,8 +30,9 @@ MAX_ENTRIES = 1 << 18  # cached answers kept (LRU); each is a key and two number
 
 class RemoteDirectory:
     def __init__(self, store: RemoteStore, ttl_s: float | None = None,
-                 max_entries: int = MAX_ENTRIES, clock=time.monotonic) -> None:
+                 max_entries: int = MAX_ENTRIES, clock=time.monotonic, shards: int = 1) -> None:
         self.store = store
+        self.shards = max(1, shards)  # ranks whose shard keys must all be present
         self.ttl_s = store.cfg.lookup_ttl_s if ttl_s is None else ttl_s
         self.max_entries = max_entries
         self._clock = clock
@@ -97,7 +100,9 @@ class RemoteDirectory:
 
     def _ask(self, keys: list[bytes]) -> None:
         self.queries += 1
-        server_keys = [self.store.keys.server_key(k) for k in keys]
+        per_key = [self.store.keys.shard_server_keys(k, self.shards) for k in keys]
+        n = len(per_key[0])
+        server_keys = [sk for shard_keys in per_key for sk in shard_keys]
         try:
             fut = self.store.submit(self.store.exists(server_keys))
         except RemoteUnavailable:
@@ -108,8 +113,9 @@ class RemoteDirectory:
             try:
                 answers = f.result()
             except Exception:  # noqa: BLE001 - down, degraded or cancelled: absent
-                answers = [False] * len(keys)
-            self._answer(keys, [bool(a) for a in answers])
+                answers = [False] * len(server_keys)
+            # held: every shard present (a failed EXISTS answers None: absent)
+            self._answer(keys, [all(answers[i:i + n]) for i in range(0, len(answers), n)])
 
         fut.add_done_callback(done)
 
