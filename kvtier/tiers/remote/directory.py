@@ -18,6 +18,7 @@ only queues the keys and sets an event; an asker thread of the directory does th
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +27,21 @@ from typing import Sequence
 from kvtier.tiers.remote.store import RemoteStore, RemoteUnavailable
 
 MAX_ENTRIES = 1 << 18  # cached answers kept (LRU); each is a key and two numbers
+
+
+def _no_wakeup_preemption() -> None:
+    """Run the calling thread under ``SCHED_BATCH`` (Linux): same CPU share as any thread,
+    but waking it never preempts the running one. The scheduler thread wakes the asker in
+    ``query``; on a machine whose cores are all busy the woken asker used to preempt the
+    scheduler thread on the spot, which then waited a timeslice of the OS (measured: half of
+    the lookups that woke it were preempted, up to ~4 ms). Unprivileged; a no-op elsewhere."""
+    batch = getattr(os, "SCHED_BATCH", None)
+    if batch is None:
+        return
+    try:
+        os.sched_setscheduler(0, batch, os.sched_param(0))  # 0: this thread
+    except OSError:  # not permitted here: keep the default policy
+        pass
 
 
 class RemoteDirectory:
@@ -78,6 +94,7 @@ class RemoteDirectory:
         return out
 
     def _ask_loop(self) -> None:
+        _no_wakeup_preemption()
         while not self._closed:
             self._wake.wait()
             self._wake.clear()
