@@ -68,7 +68,7 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
         single.close()
     blocks = {k: ra["blocks"][k] + rb["blocks"][k] for k in ra["blocks"]}
     shared_rate, single_rate = _hit_rate(blocks), _hit_rate(rs["blocks"])
-    bandwidth = tier_vs_raw(config, block_bytes, total_bytes=32 << 20)
+    bandwidth = tier_vs_raw(config, block_bytes, total_bytes=64 << 20, repeats=9)
     return {
         "requests": len(trace), "block_bytes": block_bytes, "seconds": round(seconds, 3),
         "shared": {"blocks": blocks, "hit_rate": round(shared_rate, 4),

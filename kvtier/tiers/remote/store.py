@@ -213,6 +213,11 @@ class RemoteStore:
         out = await self._batch("exists", [(k,) for k in server_keys])
         return [None if isinstance(r, BaseException) else bool(r) for r in out]
 
+    async def delete(self, server_keys: Sequence[bytes]) -> int:
+        """Drop the keys (tools and benches cleaning up what they wrote); how many were there."""
+        out = await self._batch("delete", [(k,) for k in server_keys])
+        return sum(r for r in out if isinstance(r, int))
+
     # ---- accounting -------------------------------------------------------------------------
     def count_verified(self, hits: int, rejected: int) -> None:
         self._stats.hits += hits
