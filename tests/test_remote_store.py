@@ -278,3 +278,27 @@ def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replica
         directory.close(), directory.store.close()
         for w in workers:
             w.store.close()
+
+
+def test_write_buffers_are_reused_once_acknowledged_and_values_stay_exact(valkey):
+    """Uncompressed records are built in reused buffers (no fresh allocation per SET): a
+    buffer goes back only after the server acknowledged its SET, and reuse never changes what
+    an earlier write stored."""
+    from kvtier.tiers.remote.buffers import RecordBuffers
+
+    b = open_blocks(remote_cfg(url=valkey().url))
+    first, second = payloads(3), payloads(3)
+    assert b.put([b"f0", b"f1", b"f2"], [memoryview(d) for d in first]) == [True] * 3
+    idle = b.buffers.idle_bytes
+    assert idle >= 3 * BLOCK  # all three came back
+    assert b.put([b"s0", b"s1", b"s2"], [memoryview(d) for d in second]) == [True] * 3
+    assert b.buffers.idle_bytes == idle  # the same buffers, taken and given back
+    got, missed = read(b, [b"f0", b"f1", b"f2", b"s0", b"s1", b"s2"])
+    assert missed == [] and got == first + second
+    b.store.close()
+    pool = RecordBuffers(max_bytes=2 * BLOCK)
+    views = [pool.take(BLOCK) for _ in range(3)]
+    pool.give(views + [b"not a buffer"])
+    assert pool.idle_bytes == 2 * BLOCK  # bounded; bytes objects ignored
+    taken = pool.take(BLOCK)
+    assert pool.idle_bytes == BLOCK and any(taken.obj is v.obj for v in views)

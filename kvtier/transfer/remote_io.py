@@ -48,13 +48,15 @@ class CpuToRemoteHandler(TransferHandler):
         values = await self.run_blocking(self._encode, keys, src.ids)
         store = self.blocks.store
         ok = await store.call(store.set_values(self.blocks.server_keys(keys), values))
+        # a value the server acknowledged is no longer read by any socket: its buffer is free
+        self.blocks.release([v for v, good in zip(values, ok) if good])
         if not any(ok):
             raise RemoteUnavailable(f"the server stored none of {len(keys)} blocks "
                                     f"({store.stats().last_error})")
         return TransferOutcome(bytes=sum(ok) * self.pool.geometry.block_bytes,
                                failed_keys=tuple(k for k, good in zip(keys, ok) if not good))
 
-    def _encode(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bytes]:
+    def _encode(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bytes | memoryview]:
         return self.blocks.encode(keys, [_slot_buffer(self.pool, s) for s in slots])
 
 

@@ -12,6 +12,7 @@ import logging
 from typing import Sequence
 
 from kvtier.tiers.disk.codec import BlockCodec
+from kvtier.tiers.remote.buffers import RecordBuffers
 from kvtier.tiers.remote.store import RemoteStore
 from kvtier.tiers.remote.value import decode_value_into, encode_value
 
@@ -24,17 +25,24 @@ class RemoteBlocks:
         self.store = store
         self.keys = store.keys
         self.codec = BlockCodec(store.cfg.compression, store.cfg.zstd_level)
+        self.buffers = RecordBuffers()  # encode's values; ``release`` them once stored
 
     def server_keys(self, block_keys: Sequence[bytes]) -> list[bytes]:
         return [self.keys.server_key(k) for k in block_keys]
 
-    def encode(self, block_keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bytes]:
+    def encode(self, block_keys: Sequence[bytes],
+               payloads: Sequence[memoryview]) -> list[bytes | memoryview]:
         """Self-verifying values of the blocks (CPU work: call it off the event loops)."""
         out = []
         for key, payload in zip(block_keys, payloads):
             skey = self.keys.server_key(key)
-            out.append(encode_value(self.keys.record_key(skey), payload, self.codec))
+            out.append(encode_value(self.keys.record_key(skey), payload, self.codec,
+                                    self.buffers))
         return out
+
+    def release(self, values: Sequence[bytes | memoryview]) -> None:
+        """``encode``'s values the server acknowledged (no socket reads them any more)."""
+        self.buffers.give(values)
 
     def decode_into(self, block_keys: Sequence[bytes], values: Sequence[bytes | None],
                     outs: Sequence[memoryview]) -> list[int]:
@@ -64,7 +72,9 @@ class RemoteBlocks:
     # -- blocking helpers (tools, tests, the raw-client comparison) ----------------------------
     def put(self, block_keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         values = self.encode(block_keys, payloads)
-        return self.store.run(self.store.set_values(self.server_keys(block_keys), values))
+        ok = self.store.run(self.store.set_values(self.server_keys(block_keys), values))
+        self.release([v for v, good in zip(values, ok) if good])
+        return ok
 
     def get_into(self, block_keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[int]:
         values = self.store.run(self.store.get_values(self.server_keys(block_keys)))

@@ -21,6 +21,7 @@ from kvtier.tiers.disk.record import (
     encode_head,
 )
 from kvtier.tiers.layout import LAYOUT_VERSION
+from kvtier.tiers.remote.buffers import RecordBuffers
 
 
 def copy_released(src: memoryview, out: memoryview) -> None:
@@ -30,13 +31,21 @@ def copy_released(src: memoryview, out: memoryview) -> None:
     np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(src, np.uint8))
 
 
-def encode_value(record_key: bytes, payload: memoryview, codec: BlockCodec) -> bytes:
-    """One self-verifying value for ``payload`` (compressed if the codec says so and it pays)."""
+def encode_value(record_key: bytes, payload: memoryview, codec: BlockCodec,
+                 buffers: RecordBuffers | None = None) -> bytes | memoryview:
+    """One self-verifying value for ``payload`` (compressed if the codec says so and it pays).
+    An uncompressed record is built in a buffer from ``buffers`` when given (return it there
+    once the server has it)."""
     codec_id, stored = codec.encode(payload)
     head = encode_head(record_key, codec=codec_id, layout_version=LAYOUT_VERSION, seq=0,
                        raw_len=len(payload), stored_len=len(stored),
                        checksum=data_checksum(record_key, stored))
-    return b"".join((head, stored))
+    if buffers is None or codec_id != CODEC_NONE:
+        return b"".join((head, stored))
+    out = buffers.take(len(head) + len(stored))
+    out[:len(head)] = head
+    copy_released(stored, out[len(head):])
+    return out
 
 
 def decode_value_into(value: bytes | None, record_key: bytes, out: memoryview,
