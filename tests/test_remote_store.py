@@ -225,12 +225,17 @@ def _answers(directory, keys, wait_s: float = 10.0):
         time.sleep(0.01)
 
 
-def test_with_tensor_parallelism_a_block_is_held_only_if_every_rank_shard_is(valkey):
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_with_tensor_parallelism_a_block_is_held_only_if_every_rank_shard_is(request, where):
     """Each rank stores its own shard: the scheduler's presence check asks for all of them, so
-    a block whose rank-1 shard is missing (evicted) is not promised to the workers."""
+    a block whose rank-1 shard is missing (evicted) is not promised to the workers. On a
+    Cluster the shards' keys live in different slots (the client splits the EXISTS)."""
     from kvtier.tiers.remote.directory import RemoteDirectory
 
-    cfg = remote_cfg(url=valkey().url)
+    if where == "cluster":
+        cfg = remote_cfg(nodes=[n.node for n in request.getfixturevalue("cluster")])
+    else:
+        cfg = remote_cfg(url=request.getfixturevalue("valkey")().url)
     ns = derive_namespace("geo-tp", world_size=2)
     ranks = [RemoteBlocks(RemoteStore(cfg, RemoteKeys(ns, "geo-tp", rank=r))) for r in range(2)]
     both, rank0_only = b"both", b"rank0-only"

@@ -6,9 +6,10 @@ answered at once; the others are asked in one batch on the store's loop and read
 ("not yet") until the reply lands, which the manager turns into vLLM's "ask again next step".
 A failed or degraded server answers "absent", so a dead tier costs only its hits. With tensor
 parallelism each rank stores its own shard of a block; the block is "held" only when every
-rank's shard is (``shards``: one EXISTS per shard, all in the same batch), so no rank finds its
-shard evicted after the scheduler promised the block. Answers are hints: a key can be evicted between the answer and the read, which the read then reports as a
-miss (recomputed), never as wrong bytes.
+rank's shard is (``shards``: one EXISTS of a block's shard keys counts them), so no rank finds
+its shard evicted after the scheduler promised the block. Answers are hints: a key can be
+evicted between the answer and the read, which the read then reports as a miss (recomputed),
+never as wrong bytes.
 
 The scheduler's thread never hands the question to the store's loop itself: that hand-off
 writes to the loop's wake-up socket, a system call that releases the GIL, after which the
@@ -117,22 +118,20 @@ class RemoteDirectory:
 
     def _ask(self, keys: list[bytes]) -> None:
         self.queries += 1
-        per_key = [self.store.keys.shard_server_keys(k, self.shards) for k in keys]
-        n = len(per_key[0])
-        server_keys = [sk for shard_keys in per_key for sk in shard_keys]
+        groups = [self.store.keys.shard_server_keys(k, self.shards) for k in keys]
         try:
-            fut = self.store.submit(self.store.exists(server_keys))
+            fut = self.store.submit(self.store.count_present(groups))
         except RemoteUnavailable:
             self._answer(keys, [False] * len(keys))
             return
 
         def done(f) -> None:
             try:
-                answers = f.result()
+                counts = f.result()
             except Exception:  # noqa: BLE001 - down, degraded or cancelled: absent
-                answers = [False] * len(server_keys)
+                counts = [None] * len(groups)
             # held: every shard present (a failed EXISTS answers None: absent)
-            self._answer(keys, [all(answers[i:i + n]) for i in range(0, len(answers), n)])
+            self._answer(keys, [c == len(g) for c, g in zip(counts, groups)])
 
         fut.add_done_callback(done)
 

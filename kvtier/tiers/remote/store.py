@@ -208,10 +208,11 @@ class RemoteStore:
         self._stats.put_bytes += sum(len(v) for v, good in zip(values, ok) if good)
         return ok
 
-    async def exists(self, server_keys: Sequence[bytes]) -> list[bool | None]:
-        """Presence of each key (None: its command failed)."""
-        out = await self._batch("exists", [(k,) for k in server_keys])
-        return [None if isinstance(r, BaseException) else bool(r) for r in out]
+    async def count_present(self, key_groups: Sequence[Sequence[bytes]]) -> list[int | None]:
+        """How many keys of each group exist: one EXISTS per group (a Cluster client splits a
+        group across its slots and sums); None: its command failed."""
+        out = await self._batch("exists", [tuple(g) for g in key_groups])
+        return [None if isinstance(r, BaseException) else int(r) for r in out]
 
     async def delete(self, server_keys: Sequence[bytes]) -> int:
         """Drop the keys (tools and benches cleaning up what they wrote); how many were there."""
