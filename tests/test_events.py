@@ -242,6 +242,21 @@ def test_converter_groups_chains_and_falls_back_to_placeholders():
     assert (acc.medium, acc.num_tokens) == ("CPU", 2 + 4)
 
 
+def test_shared_tier_events_say_locality_remote_and_local_tiers_stay_unchanged():
+    """kvtier's stream: the shared tier's events carry vLLM's ``locality="REMOTE"``; this
+    host's tiers leave it unset (their bytes are what vLLM's own events would be)."""
+    cache = MetadataCache(10)
+    cache.remember(k(1), [1, 2, 3, 4], parent=k(0))
+    conv = EventConverter(4, cache)
+    remote = conv.stored(Medium.REMOTE, [k(1), k(5)])  # a full event and a placeholder
+    assert [(e.medium, e.locality) for e in remote] == [("REMOTE", "REMOTE")] * 2
+    assert conv.removed(Medium.REMOTE, [k(1)]).locality == "REMOTE"
+    assert conv.removed(Medium.CPU, [k(1)]).locality is None
+    assert [e.locality for e in conv.stored(Medium.DISK, [k(1), k(5)])] == [None, None]
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(conv.stored(Medium.REMOTE, [k(5)])[0]))
+    assert raw["locality"] == "REMOTE"
+
+
 def test_converter_survives_bad_metadata():
     def lookup(key):
         if key == k(1):

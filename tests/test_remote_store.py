@@ -56,6 +56,30 @@ def test_round_trip_is_exact_and_absent_keys_miss(valkey):
                                               ).server_keys([b"k0-zstd"])[0]) < BLOCK // 2
 
 
+def test_each_value_is_consumed_on_the_store_loop_as_it_lands(valkey):
+    """A promotion verifies and copies each value where it lands (no thread hop per batch):
+    ``consume`` sees every position once, on the store's thread, an absent key as None."""
+    import threading
+
+    b = open_blocks(remote_cfg(url=valkey().url))
+    keys = [b"a", b"b", b"c"]
+    data = payloads(2)
+    assert b.put(keys[:2], [memoryview(d) for d in data]) == [True, True]
+    outs = [memoryview(bytearray(BLOCK)) for _ in keys]
+    seen = []
+
+    def consume(i, value):
+        seen.append((i, threading.current_thread() is b.store._thread))
+        return b.verify_into(keys[i], value, outs[i])
+
+    verdicts = b.store.run(b.store.get_values(b.server_keys(keys), consume))
+    assert verdicts == ["hit", "hit", "absent"]
+    assert sorted(seen) == [(0, True), (1, True), (2, True)]
+    assert [bytes(o) for o in outs[:2]] == data and b.count(verdicts) == [2]
+    assert b.store.stats().hits == 2 and b.store.stats().misses == 1
+    b.store.close()
+
+
 def test_foreign_geometry_under_a_shared_namespace_is_a_miss(valkey):
     server = valkey()
     cfg = remote_cfg(url=server.url, namespace="team")
@@ -189,3 +213,97 @@ def test_cluster_round_trip_and_a_killed_primary_costs_only_its_keys(cluster):
     assert set(missed) == lost
     assert all(got[i] == data[i] for i in range(24) if i not in lost)
     assert not b.store.health.degraded  # the live primaries keep serving
+
+
+def _answers(directory, keys, wait_s: float = 10.0):
+    """The directory's answers once none is pending (it never waits itself: poll)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        got = directory.query(keys)
+        if None not in got or time.monotonic() > deadline:
+            return got
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("where", ["server", "cluster"])
+def test_with_tensor_parallelism_a_block_is_held_only_if_every_rank_shard_is(request, where):
+    """Each rank stores its own shard: the scheduler's presence check asks for all of them, so
+    a block whose rank-1 shard is missing (evicted) is not promised to the workers. On a
+    Cluster the shards' keys live in different slots (the client splits the EXISTS)."""
+    from kvtier.tiers.remote.directory import RemoteDirectory
+
+    if where == "cluster":
+        cfg = remote_cfg(nodes=[n.node for n in request.getfixturevalue("cluster")])
+    else:
+        cfg = remote_cfg(url=request.getfixturevalue("valkey")().url)
+    ns = derive_namespace("geo-tp", world_size=2)
+    ranks = [RemoteBlocks(RemoteStore(cfg, RemoteKeys(ns, "geo-tp", rank=r))) for r in range(2)]
+    both, rank0_only = b"both", b"rank0-only"
+    data = [memoryview(d) for d in payloads(1)]
+    assert ranks[0].put([both], data) == [True] and ranks[1].put([both], data) == [True]
+    assert ranks[0].put([rank0_only], data) == [True]
+    every = RemoteDirectory(ranks[0].store, shards=2)
+    rank0 = RemoteDirectory(ranks[0].store, shards=1)  # what the scheduler asked before
+    try:
+        assert _answers(every, [both, rank0_only, b"neither"]) == [True, False, False]
+        assert _answers(rank0, [both, rank0_only]) == [True, True]
+    finally:
+        every.close(), rank0.close()
+        for b in ranks:
+            b.store.close()
+    replicated = RemoteKeys(ns, "geo-tp", rank=1, replicated=True)
+    assert replicated.shard_server_keys(both, 2) == [replicated.server_key(both)]
+
+
+@pytest.mark.parametrize("replicated", [False, True])
+def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replicated):
+    """The connector's directory and its workers agree: with TP 2 the workers each write their
+    rank's shard (one shared one when replicated), and the scheduler asks for exactly those."""
+    from kvtier.connectors.remote import open_remote_directory
+    from kvtier.connectors.settings import ConnectorSettings
+    from kvtier.tiers.remote.connect import connect_remote
+
+    url = valkey().url
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "1MiB"}, "remote": {"url": url}}},
+                      env={})
+    settings = ConnectorSettings(config=cfg, block_size=16, hash_block_size=16, block_tokens=16,
+                                 layer_names=("l0",), page_bytes=1024, sliding_window=None,
+                                 world_size=2, tp_size=2, kv_dtype="uint8", identity="tp-remote",
+                                 replicated_kv=replicated)
+    workers = [RemoteBlocks(connect_remote(cfg.remote, settings.geometry(r), rank=r,
+                                           world_size=2, replicated=replicated))
+               for r in range(2)]
+    payload = [memoryview(bytes(settings.geometry(0).block_bytes))]
+    assert workers[0].put([b"blk"], payload) == [True]  # rank 1 has not written its shard
+    directory = open_remote_directory(settings)
+    try:
+        assert directory.shards == (1 if replicated else 2)
+        assert _answers(directory, [b"blk"]) == [replicated]
+    finally:
+        directory.close(), directory.store.close()
+        for w in workers:
+            w.store.close()
+
+
+def test_write_buffers_are_reused_once_acknowledged_and_values_stay_exact(valkey):
+    """Uncompressed records are built in reused buffers (no fresh allocation per SET): a
+    buffer goes back only after the server acknowledged its SET, and reuse never changes what
+    an earlier write stored."""
+    from kvtier.tiers.remote.buffers import RecordBuffers
+
+    b = open_blocks(remote_cfg(url=valkey().url))
+    first, second = payloads(3), payloads(3)
+    assert b.put([b"f0", b"f1", b"f2"], [memoryview(d) for d in first]) == [True] * 3
+    idle = b.buffers.idle_bytes
+    assert idle >= 3 * BLOCK  # all three came back
+    assert b.put([b"s0", b"s1", b"s2"], [memoryview(d) for d in second]) == [True] * 3
+    assert b.buffers.idle_bytes == idle  # the same buffers, taken and given back
+    got, missed = read(b, [b"f0", b"f1", b"f2", b"s0", b"s1", b"s2"])
+    assert missed == [] and got == first + second
+    b.store.close()
+    pool = RecordBuffers(max_bytes=2 * BLOCK)
+    views = [pool.take(BLOCK) for _ in range(3)]
+    pool.give(views + [b"not a buffer"])
+    assert pool.idle_bytes == 2 * BLOCK  # bounded; bytes objects ignored
+    taken = pool.take(BLOCK)
+    assert pool.idle_bytes == BLOCK and any(taken.obj is v.obj for v in views)

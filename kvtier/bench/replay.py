@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 import xxhash
 
+from kvtier.bench.step_timer import SchedulerCallTimer
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.config import KvtierConfig
 from kvtier.events import EventPublisher, ManagerFeed, MetadataCache
@@ -51,15 +52,6 @@ def bench_geometry(block_bytes: int) -> BlockGeometry:
         raise ValueError(f"block size must be a multiple of {BENCH_LAYERS * 4} bytes, got {block_bytes}")
     return BlockGeometry(num_layers=BENCH_LAYERS, kv_parts=2, engine_blocks_per_block=1,
                          page_bytes=page, dtype="bfloat16", model="kvtier-bench-synthetic")
-
-
-def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
-    """p50 / p99 of lookup call durations in ms (what a scheduler step spends per lookup)."""
-    if not seconds:
-        return {}
-    s = sorted(seconds)
-    pick = lambda q: round(s[min(len(s) - 1, int(q * len(s)))] * 1e3, 4)  # noqa: E731
-    return {"lookup_p50_ms": pick(0.5), "lookup_p99_ms": pick(0.99), "lookups_timed": len(s)}
 
 
 def block_key(hash_id: int) -> bytes:
@@ -158,8 +150,8 @@ class Replay:
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
                                      g.block_bytes, self.worker.disk_keys(), remote=self.remote)
         self.lookup_wait_s = 0.0  # time spent waiting for the shared tier's presence answers
-        self.max_lookup_s = 0.0  # the longest single (non-blocking) lookup call
-        self.lookup_s: list[float] = []  # every lookup call's duration (shared tier only)
+        # every lookup / prepare_shared_load call of the simulated scheduler thread, timed
+        self.scheduler_calls = SchedulerCallTimer()
         self.engine_cache = EngineCache(gpu_blocks)
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
@@ -188,9 +180,8 @@ class Replay:
             out["disk"] = self.worker.store.stats().to_dict()
         if self.worker.remote is not None:
             out["remote"] = {**self.worker.remote.stats().to_dict(),
-                             "lookup_wait_s": round(self.lookup_wait_s, 4),
-                             "max_lookup_ms": round(self.max_lookup_s * 1e3, 3),
-                             **_percentiles_ms(self.lookup_s)}
+                             "lookup_wait_s": round(self.lookup_wait_s, 4)}
+        out["scheduler_calls"] = self.scheduler_calls.summary()
         return out
 
     def live_stats(self) -> dict:
@@ -264,11 +255,8 @@ class Replay:
         first = None
         while True:
             t0 = time.perf_counter()
-            found = self.manager.lookup(keys, sighting=first is None)
+            found = self.scheduler_calls.call(self.manager.lookup, keys, sighting=first is None)
             now = time.perf_counter()
-            self.max_lookup_s = max(self.max_lookup_s, now - t0)
-            if self.remote is not None:
-                self.lookup_s.append(now - t0)
             if not found.pending:
                 if first is not None:
                     self.lookup_wait_s += now - first
@@ -286,7 +274,8 @@ class Replay:
         if rest:
             hits = self._lookup(rest)
             # loads are waited for one at a time: no promotion is ever in flight to join
-            plan = self.manager.prepare_shared_load(rest[:hits]) if hits else None
+            plan = (self.scheduler_calls.call(self.manager.prepare_shared_load, rest[:hits])
+                    if hits else None)
             if plan is not None and plan.keys:
                 ids = self._allocate(plan.keys)
                 hops = load_hops(plan.keys, plan.cpu_slots, plan.from_disk, ids, 1,

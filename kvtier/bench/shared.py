@@ -20,6 +20,7 @@ from typing import Sequence
 
 from kvtier.bench.remote_bandwidth import tier_vs_raw
 from kvtier.bench.replay import Replay
+from kvtier.bench.step_timer import SchedulerCallTimer
 from kvtier.bench.trace import TraceRequest
 from kvtier.config import KvtierConfig
 
@@ -56,6 +57,7 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
         a.drain(), b.drain()
         seconds = time.perf_counter() - start
         ra, rb = a.report(), b.report()
+        calls = SchedulerCallTimer.merged(a.scheduler_calls, b.scheduler_calls).summary()
     finally:
         a.close(), b.close()
     single = Replay(_with_namespace(config, cpu_factor=2), block_bytes, gpu_blocks)
@@ -66,7 +68,7 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
         single.close()
     blocks = {k: ra["blocks"][k] + rb["blocks"][k] for k in ra["blocks"]}
     shared_rate, single_rate = _hit_rate(blocks), _hit_rate(rs["blocks"])
-    bandwidth = tier_vs_raw(config, block_bytes, total_bytes=32 << 20)
+    bandwidth = tier_vs_raw(config, block_bytes, total_bytes=64 << 20, repeats=9)
     return {
         "requests": len(trace), "block_bytes": block_bytes, "seconds": round(seconds, 3),
         "shared": {"blocks": blocks, "hit_rate": round(shared_rate, 4),
@@ -83,6 +85,6 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
                                "store": max(_gbps(r, "CPU->REMOTE") for r in (ra, rb))},
         "bandwidth": bandwidth,  # tier vs raw client, isolated, same run
         "bandwidth_ratio": bandwidth["ratio"],
-        "lookup_ms": {k: max(ra["remote"].get(k, 0), rb["remote"].get(k, 0))
-                      for k in ("lookup_p50_ms", "lookup_p99_ms", "max_lookup_ms")},
+        # the scheduler thread's lookup + prepare_shared_load calls of both instances
+        "scheduler_calls": calls,
     }

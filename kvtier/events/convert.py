@@ -34,6 +34,12 @@ def wire_medium(medium: Medium) -> str:
     return WIRE_MEDIUM.get(medium, str(getattr(medium, "value", medium)))
 
 
+def wire_locality(medium: Medium) -> str | None:
+    """vLLM 0.32+'s ``locality``: ``REMOTE`` for the shared tier (off-host, every instance's);
+    unset for this host's tiers, whose events stay byte for byte what they were."""
+    return "REMOTE" if medium is Medium.REMOTE else None
+
+
 class EventConverter:
     """Stateless apart from counters; runs on the publisher thread."""
 
@@ -87,7 +93,8 @@ class EventConverter:
         hashes = [self._hash(k) for k, _ in run]
         first = run[0][1]
         if first is None:
-            return BlockStored(hashes, None, [], self.block_tokens, None, wire_medium(medium), None)
+            return BlockStored(hashes, None, [], self.block_tokens, None, wire_medium(medium), None,
+                               locality=wire_locality(medium))
         tokens: list[int] = []
         for _, meta in run:
             tokens.extend(int(t) for t in meta.token_ids)
@@ -101,10 +108,12 @@ class EventConverter:
             medium=wire_medium(medium),
             lora_name=first.lora_name,
             extra_keys=extra if any(e is not None for e in extra) else None,
+            locality=wire_locality(medium),
         )
 
     def removed(self, medium: Medium, keys: Sequence[BlockKey]) -> BlockRemoved:
-        return BlockRemoved([self._hash(k) for k in keys], wire_medium(medium))
+        return BlockRemoved([self._hash(k) for k in keys], wire_medium(medium),
+                            locality=wire_locality(medium))
 
     def accessed(self, medium: Medium, keys: Sequence[BlockKey]) -> BlockAccessed:
         tokens = 0

@@ -4,7 +4,8 @@ Like the disk handlers, these connect CPU pool slots to a store and decide nothi
 server does not have (evicted, never written, written by an instance of another geometry, or
 corrupt) is reported in ``failed_keys``: the manager forgets it and the engine recomputes it.
 A tier that is down fails the whole job at once (``RemoteUnavailable``) instead of waiting.
-Encoding and verification run on the handler's threads, the network I/O on the store's loop.
+Encoding runs on the handler's threads; a read's values are verified and copied into their
+slots on the store's loop as each lands (``RemoteBlocks.verify_into``).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ class CpuToRemoteHandler(TransferHandler):
         values = await self.run_blocking(self._encode, keys, src.ids)
         store = self.blocks.store
         ok = await store.call(store.set_values(self.blocks.server_keys(keys), values))
+        # a value the server acknowledged is no longer read by any socket: its buffer is free
+        self.blocks.release([v for v, good in zip(values, ok) if good])
         if not any(ok):
             raise RemoteUnavailable(f"the server stored none of {len(keys)} blocks "
                                     f"({store.stats().last_error})")
         return TransferOutcome(bytes=sum(ok) * self.pool.geometry.block_bytes,
                                failed_keys=tuple(k for k, good in zip(keys, ok) if not good))
 
-    def _encode(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bytes]:
+    def _encode(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bytes | memoryview]:
         return self.blocks.encode(keys, [_slot_buffer(self.pool, s) for s in slots])
 
 
@@ -74,12 +77,11 @@ class RemoteToCpuHandler(TransferHandler):
         if not keys:
             return TransferOutcome()
         store = self.blocks.store
-        values = await store.call(store.get_values(self.blocks.server_keys(keys)))
-        missed = await self.run_blocking(self._decode, keys, slots, values)
+
+        def landed(i: int, value: bytes | None) -> str:  # on the store's loop, per value
+            return self.blocks.verify_into(keys[i], value, _slot_buffer(self.pool, slots[i]))
+
+        verdicts = await store.call(store.get_values(self.blocks.server_keys(keys), landed))
+        missed = self.blocks.count(verdicts)
         return TransferOutcome(bytes=(len(keys) - len(missed)) * self.pool.geometry.block_bytes,
                                failed_keys=tuple(keys[i] for i in missed))
-
-    def _decode(self, keys: Sequence[BlockKey], slots: Sequence[int],
-                values: Sequence[bytes | None]) -> list[int]:
-        return self.blocks.decode_into(keys, values,
-                                       [_slot_buffer(self.pool, s) for s in slots])

@@ -60,6 +60,18 @@ def test_kv_events_carry_locality_and_group_where_vllm_has_the_fields():
     assert (rm.medium, rm.group_idx) == ("STORAGE", None)
 
 
+def test_shared_tier_events_are_remote_storage_on_vllms_stream():
+    """vLLM's mediums are GPU / CPU / STORAGE: the shared tier goes out as STORAGE with
+    ``locality="REMOTE"`` (as vLLM's own object-store tier), the disk tier as STORAGE, LOCAL."""
+    ev = block_stored(block_hashes=[b"h"], parent_block_hash=None, token_ids=[1, 2],
+                      block_size=2, lora_id=None, medium="REMOTE", lora_name=None)
+    assert (ev.medium, ev.locality) == ("STORAGE", "REMOTE")
+    rm = block_removed(block_hashes=[b"h"], medium="REMOTE")
+    assert (rm.medium, rm.locality) == ("STORAGE", "REMOTE")
+    disk = block_removed(block_hashes=[b"h"], medium="STORAGE")
+    assert (disk.medium, disk.locality) == ("STORAGE", "LOCAL")
+
+
 def test_kv_hints_pass_through_and_malformed_actions_are_skipped():
     from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 

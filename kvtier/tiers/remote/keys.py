@@ -25,18 +25,31 @@ def derive_namespace(geometry_fingerprint: str, *, world_size: int = 1,
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+def _rank_prefix(namespace: str, rank: int) -> bytes:
+    return f"{KEY_PREFIX}:{namespace}:r{rank}:".encode()
+
+
 class RemoteKeys:
     """Server key and record identity of a block, for one rank of one namespace."""
 
     def __init__(self, namespace: str, geometry_fingerprint: str, rank: int = 0,
                  replicated: bool = False) -> None:
         self.namespace = namespace
+        self.replicated = replicated
         self.rank = 0 if replicated else rank
-        self._prefix = f"{KEY_PREFIX}:{namespace}:r{self.rank}:".encode()
+        self._prefix = _rank_prefix(namespace, self.rank)
         self._identity = b"|" + geometry_fingerprint.encode()
 
     def server_key(self, block_key: bytes) -> bytes:
         return self._prefix + block_key.hex().encode()
+
+    def shard_server_keys(self, block_key: bytes, world_size: int) -> list[bytes]:
+        """The server keys of every rank's shard of a block (one key when replicated): a
+        block is whole on the server only if all of them are there."""
+        if self.replicated or world_size <= 1:
+            return [self.server_key(block_key)]
+        suffix = block_key.hex().encode()
+        return [_rank_prefix(self.namespace, r) + suffix for r in range(world_size)]
 
     def record_key(self, server_key: bytes) -> bytes:
         """What the record stores and a read checks: the server key plus the geometry."""

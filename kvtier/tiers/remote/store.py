@@ -20,7 +20,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.remote.client import make_client
@@ -29,6 +29,7 @@ from kvtier.tiers.remote.keys import RemoteKeys
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 IN_FLIGHT = 16  # commands on the wire at once (values are large: more only queues in sockets)
 
 
@@ -113,16 +114,29 @@ class RemoteStore:
     async def _one(self, method: str, *args: Any) -> Any:
         client = await self._ensure()
         async with self._sem:
-            return await asyncio.wait_for(getattr(client, method)(*args), self.deadline_s)
+            if _timeout is None:  # Python 3.10
+                return await asyncio.wait_for(getattr(client, method)(*args), self.deadline_s)
+            # no task per command (wait_for makes one): less loop work per value
+            async with _timeout(self.deadline_s):
+                return await getattr(client, method)(*args)
 
-    async def _batch(self, method: str, calls: Sequence[tuple]) -> list[Any]:
-        """Run one command per entry of ``calls``; results, or the exception of each."""
+    async def _then(self, landed: Callable[[int, Any], Any], i: int, method: str,
+                    *args: Any) -> Any:
+        return landed(i, await self._one(method, *args))
+
+    async def _batch(self, method: str, calls: Sequence[tuple],
+                     landed: Callable[[int, Any], Any] | None = None) -> list[Any]:
+        """Run one command per entry of ``calls``; results, or the exception of each. With
+        ``landed``, each reply is replaced by ``landed(position, reply)``, called on the loop
+        as soon as that reply is in (not after the whole batch)."""
         if not calls:
             return []
         if self.health.degraded and not await self._probe_if_due():
             self._sync_health()
             raise RemoteUnavailable(f"degraded: {self.health.last_error}")
-        out = await asyncio.gather(*(self._one(method, *c) for c in calls),
+        out = await asyncio.gather(*(self._one(method, *c) if landed is None else
+                                     self._then(landed, i, method, *c)
+                                     for i, c in enumerate(calls)),
                                    return_exceptions=True)
         failed = [r for r in out if isinstance(r, BaseException)]
         for exc in failed:
@@ -162,15 +176,28 @@ class RemoteStore:
         self._stats.degradations = self.health.degradations
 
     # ---- operations (run on the store's loop) -----------------------------------------------
-    async def get_values(self, server_keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_values(self, server_keys: Sequence[bytes],
+                         consume: Callable[[int, bytes | None], T] | None = None) -> list[Any]:
         """The raw values (None: absent, evicted, or its command failed). Unverified: the
-        caller checks each with ``value.decode_value_into``."""
-        out = await self._batch("get", [(k,) for k in server_keys])
-        values = [r if isinstance(r, (bytes, bytearray)) else None for r in out]
-        self._stats.gets += len(values)
-        self._stats.get_bytes += sum(len(v) for v in values if v is not None)
-        self._stats.misses += sum(1 for r in out if r is None)
-        return values
+        caller checks each with ``value.decode_value_into``. With ``consume``, what
+        ``consume(position, value)`` returned for each instead, called on this loop as each
+        value lands (a failed GET is consumed as None): verifying and copying a value then
+        overlaps the replies still on the wire, and no other thread is woken per batch."""
+
+        def landed(i: int, reply: Any) -> Any:
+            value = reply if isinstance(reply, (bytes, bytearray)) else None
+            if value is None:
+                self._stats.misses += reply is None
+            else:
+                self._stats.get_bytes += len(value)
+            return value if consume is None else consume(i, value)
+
+        out = await self._batch("get", [(k,) for k in server_keys], landed)
+        self._stats.gets += len(out)
+        failed = [i for i, r in enumerate(out) if isinstance(r, BaseException)]
+        for i in failed:
+            out[i] = None if consume is None else consume(i, None)
+        return out
 
     async def set_values(self, server_keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
         """Write each value; which writes the server accepted."""
@@ -181,10 +208,16 @@ class RemoteStore:
         self._stats.put_bytes += sum(len(v) for v, good in zip(values, ok) if good)
         return ok
 
-    async def exists(self, server_keys: Sequence[bytes]) -> list[bool | None]:
-        """Presence of each key (None: its command failed)."""
-        out = await self._batch("exists", [(k,) for k in server_keys])
-        return [None if isinstance(r, BaseException) else bool(r) for r in out]
+    async def count_present(self, key_groups: Sequence[Sequence[bytes]]) -> list[int | None]:
+        """How many keys of each group exist: one EXISTS per group (a Cluster client splits a
+        group across its slots and sums); None: its command failed."""
+        out = await self._batch("exists", [tuple(g) for g in key_groups])
+        return [None if isinstance(r, BaseException) else int(r) for r in out]
+
+    async def delete(self, server_keys: Sequence[bytes]) -> int:
+        """Drop the keys (tools and benches cleaning up what they wrote); how many were there."""
+        out = await self._batch("delete", [(k,) for k in server_keys])
+        return sum(r for r in out if isinstance(r, int))
 
     # ---- accounting -------------------------------------------------------------------------
     def count_verified(self, hits: int, rejected: int) -> None:

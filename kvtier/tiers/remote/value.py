@@ -9,6 +9,8 @@ read from the server is ever unpickled or evaluated.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.record import (
     CODEC_NONE,
@@ -19,15 +21,31 @@ from kvtier.tiers.disk.record import (
     encode_head,
 )
 from kvtier.tiers.layout import LAYOUT_VERSION
+from kvtier.tiers.remote.buffers import RecordBuffers
 
 
-def encode_value(record_key: bytes, payload: memoryview, codec: BlockCodec) -> bytes:
-    """One self-verifying value for ``payload`` (compressed if the codec says so and it pays)."""
+def copy_released(src: memoryview, out: memoryview) -> None:
+    """``out[:] = src`` with the GIL released (numpy's copy releases it; a memoryview slice
+    assignment holds it for the whole copy, ~0.2 ms per MiB here, during which the store's
+    loop and a scheduler thread in the same process cannot run)."""
+    np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(src, np.uint8))
+
+
+def encode_value(record_key: bytes, payload: memoryview, codec: BlockCodec,
+                 buffers: RecordBuffers | None = None) -> bytes | memoryview:
+    """One self-verifying value for ``payload`` (compressed if the codec says so and it pays).
+    An uncompressed record is built in a buffer from ``buffers`` when given (return it there
+    once the server has it)."""
     codec_id, stored = codec.encode(payload)
     head = encode_head(record_key, codec=codec_id, layout_version=LAYOUT_VERSION, seq=0,
                        raw_len=len(payload), stored_len=len(stored),
                        checksum=data_checksum(record_key, stored))
-    return b"".join((head, stored))
+    if buffers is None or codec_id != CODEC_NONE:
+        return b"".join((head, stored))
+    out = buffers.take(len(head) + len(stored))
+    out[:len(head)] = head
+    copy_released(stored, out[len(head):])
+    return out
 
 
 def decode_value_into(value: bytes | None, record_key: bytes, out: memoryview,
@@ -52,6 +70,6 @@ def decode_value_into(value: bytes | None, record_key: bytes, out: memoryview,
     if head.codec == CODEC_NONE:
         if head.stored_len != len(out):
             return "corrupt: stored length"
-        out[:] = stored
+        copy_released(stored, out)
         return None
     return None if codec.decode_into(head.codec, bytes(stored), out) else "corrupt: codec"
