@@ -206,18 +206,21 @@ class TierIndex:
     def add_many(self, keys: Sequence[BlockKey], state: BlockState,
                  parents: Sequence[BlockKey | None] | None = None) -> list[int]:
         """``add`` for a batch (one call per request, not per block); returns the handles.
-        Checks everything first, so a refused batch changes nothing."""
+        A refused batch (no room, a key already here or twice in it) changes nothing."""
         if self.capacity - self._len < len(keys):
             raise RuntimeError(f"{self.medium.value}: add() with no free capacity")
         shards, nshards = self._shards, self._nshards
-        if len(set(keys)) != len(keys) or any(k in shards[hash(k) % nshards] for k in keys):
-            raise KeyError(f"{self.medium.value}: block already present")
         code = _CODES[state]
         free_next, st, flags, readers = self._free_next, self._state, self._flags, self._readers
         out: list[int] = []
         h = self._free_head
-        for key in keys:
-            shards[hash(key) % nshards][key] = h
+        for key in keys:  # one lookup per key: the presence check is the insert's own probe
+            shard = shards[hash(key) % nshards]
+            if shard.setdefault(key, h) != h:
+                for k, placed in zip(keys, out):  # undo; the free chain was not moved yet
+                    del shards[hash(k) % nshards][k]
+                    st[placed] = _FREE
+                raise KeyError(f"{self.medium.value}: block already present")
             st[h] = code
             flags[h] = 0
             readers[h] = 0
@@ -227,6 +230,18 @@ class TierIndex:
         self._len += len(keys)
         self.policy.insert_many(keys, parents)
         return out
+
+    def partition(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], list[BlockKey]]:
+        """``keys`` (first occurrences only) split into those here and those not, in order."""
+        shards, nshards = self._shards, self._nshards
+        here: list[BlockKey] = []
+        absent: list[BlockKey] = []
+        for key in dict.fromkeys(keys) if len(set(keys)) != len(keys) else keys:
+            if key in shards[hash(key) % nshards]:
+                here.append(key)
+            else:
+                absent.append(key)
+        return here, absent
 
     def stored_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """The ``keys`` that are WRITING because of a store (not a promotion), in order."""
@@ -238,11 +253,18 @@ class TierIndex:
                 out.append(key)
         return out
 
-    def mark_ready(self, keys: Sequence[BlockKey]) -> None:
-        """The bytes of ``keys`` (present) are written: they become readable."""
-        shards, nshards, st = self._shards, self._nshards, self._state
+    def publish_stored_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The ``keys`` that are WRITING because of a store (not a promotion) become READY
+        (their bytes are written); returns them, in order (``stored_writes`` + marking them,
+        in one lookup per key)."""
+        shards, nshards, st, flags = self._shards, self._nshards, self._state, self._flags
+        out: list[BlockKey] = []
         for key in keys:
-            st[shards[hash(key) % nshards][key]] = _READY
+            h = shards[hash(key) % nshards].get(key)
+            if h is not None and st[h] == _WRITING and not flags[h] & _PROMOTED:
+                st[h] = _READY
+                out.append(key)
+        return out
 
     def remove(self, key: BlockKey) -> bool:
         """Forget ``key`` and free its handle; False if it was not here. Views of it die."""

@@ -68,16 +68,13 @@ class ARCPolicy(EvictionPolicy):
         s1, s2, sb1, sb2 = s, s + 1, s + 2, s + 3
         n1, n2, nb1, nb2, free, p = self._n1, self._n2, self._nb1, self._nb2, self._free, self.p
         for key in keys:
-            shard = shards[hash(key) % kn]
-            node = shard.get(key)
-            if node is None:  # new: the MRU end of T1
-                node = free
-                if node < 0:
-                    self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
-                        n1, n2, nb1, nb2, free, p)
-                    raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
+            if free < 0 and key not in shards[hash(key) % kn]:
+                self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
+                    n1, n2, nb1, nb2, free, p)
+                raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
+            node = shards[hash(key) % kn].setdefault(key, free)  # one probe: find or claim
+            if node == free:  # new: the MRU end of T1
                 free = nxt[node]
-                shard[key] = node
                 nodes[node >> 6][node] = key
                 lst[node] = _T1
                 last = prev[s1]
@@ -176,6 +173,36 @@ class ARCPolicy(EvictionPolicy):
             lst[node] = _T2
             self._n1 -= 1
             self._n2 += 1
+
+    def access_many(self, keys) -> None:
+        """``access`` for a batch (a request's hits), inline."""
+        shards, kn, lst = self._shards, self._kn, self._list
+        nxt, prev = self._next, self._prev
+        s2 = self._s + 1
+        moved = 0  # T1 -> T2
+        for key in keys:
+            node = shards[hash(key) % kn].get(key)
+            if node is None:
+                continue
+            where = lst[node]
+            if where > _T2:
+                continue  # a ghost is not resident
+            b = nxt[node]
+            if b == s2:
+                continue  # already T2's MRU
+            a = prev[node]
+            nxt[a] = b
+            prev[b] = a
+            last = prev[s2]
+            nxt[last] = node
+            prev[node] = last
+            nxt[node] = s2
+            prev[s2] = node
+            if where == _T1:
+                lst[node] = _T2
+                moved += 1
+        self._n1 -= moved
+        self._n2 += moved
 
     def remove(self, key: BlockKey) -> None:
         self.remove_many((key,))

@@ -18,6 +18,9 @@ Evictable = Callable[[BlockKey], bool]
 
 class EvictionPolicy(ABC):
     name: str = ""
+    # Whether ``insert``'s ``parent`` is used: the manager only works out parents (a dict per
+    # store) for a policy that reads them.
+    wants_parents: bool = False
 
     @abstractmethod
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
@@ -41,6 +44,13 @@ class EvictionPolicy(ABC):
         """``remove`` for a batch."""
         for key in keys:
             self.remove(key)
+
+    def access_many(self, keys: Iterable[BlockKey]) -> None:
+        """``access`` for a batch, in order; keys not resident are ignored (policies override
+        it: on the request path a Python call per key costs as much as the access)."""
+        for key in keys:
+            if key in self:
+                self.access(key)
 
     @abstractmethod
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:

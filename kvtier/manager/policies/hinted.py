@@ -24,6 +24,7 @@ class HintedEviction(EvictionPolicy):
         self.inner = inner
         self.book = book
         self.name = f"{inner.name}+hints"
+        self.wants_parents = inner.wants_parents
         self.second_chances = 0
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
@@ -35,6 +36,9 @@ class HintedEviction(EvictionPolicy):
 
     def access(self, key: BlockKey) -> None:
         self.inner.access(key)
+
+    def access_many(self, keys: Iterable[BlockKey]) -> None:
+        self.inner.access_many(keys)
 
     def remove(self, key: BlockKey) -> None:
         self.inner.remove(key)

@@ -35,6 +35,9 @@ class LRUPolicy(EvictionPolicy):
     def access(self, key: BlockKey) -> None:
         self._order.move_to_end(key)
 
+    def access_many(self, keys) -> None:
+        self._order.move_many_to_end(keys)
+
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key)
 

@@ -1,0 +1,143 @@
+"""The batch paths the request path takes (issue 15: ARC's cost per block) do exactly what the
+per-key calls they replace did: ``access_many`` is ``access`` per resident key, a refused
+``add_many`` changes nothing, the admit-everything store path plans what the per-key admission
+loop plans, and batch admission hooks reach per-key ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.manager.admission.base import AdmissionPolicy, AdmitAll
+from kvtier.manager.policies import make_policy, policy_names
+from kvtier.manager.policies.base import EvictionPolicy
+from kvtier.manager.specs import Medium, RequestContext
+from kvtier.manager.tier_index import BlockState, TierIndex
+from kvtier.manager.tiered import TieredOffloadingManager
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(4, "big")
+
+
+def _state(policy: EvictionPolicy) -> tuple:
+    out = (list(policy.keys()), policy.victims(len(policy), lambda _k: True))
+    return out + ((policy.p, policy.ghost_size()) if hasattr(policy, "ghost_size") else ())
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_access_many_is_access_per_resident_key(name):
+    rng = random.Random(7)
+    one, many = make_policy(name, 64), make_policy(name, 64)
+    for step in range(400):
+        key = k(rng.randrange(200))
+        for p in (one, many):  # same inserts and evictions (ghosts too, for ARC)
+            if key not in p:
+                if len(p) >= 64:
+                    p.remove(p.victims(1, lambda _k: True)[0])
+                p.insert(key)
+        batch = [k(rng.randrange(200)) for _ in range(rng.randrange(1, 12))]  # some absent
+        for key in batch:
+            if key in one:
+                one.access(key)
+        many.access_many(batch)
+        assert _state(one) == _state(many), step
+
+
+def test_refused_add_many_changes_nothing():
+    ix = TierIndex(Medium.CPU, 8, make_policy("arc", 8), True)
+    ix.add_many([k(0), k(1)], BlockState.READY)
+    before = (sorted(ix.entries), ix.free_handles(), list(ix.policy.keys()), len(ix))
+    for batch in ([k(5), k(6), k(1), k(7)], [k(5), k(6), k(5)]):  # present / twice in batch
+        with pytest.raises(KeyError):
+            ix.add_many(batch, BlockState.WRITING)
+        assert (sorted(ix.entries), ix.free_handles(), list(ix.policy.keys()), len(ix)) == before
+    assert ix.add_many([k(5), k(6)], BlockState.WRITING) == before[1][:2]
+
+
+class _AdmitAllSlowly(AdmissionPolicy):
+    """Admits everything through the per-key loop (``admits_everything`` is False)."""
+
+    def admit(self, key):
+        return True
+
+
+def test_admit_everything_store_path_plans_what_the_admission_loop_plans():
+    rng = random.Random(3)
+    fast = TieredOffloadingManager(cpu_blocks=32, cpu_eviction="arc")
+    slow = TieredOffloadingManager(cpu_blocks=32, cpu_eviction="arc",
+                                   cpu_admission=_AdmitAllSlowly())
+    assert fast.cpu_admission.admits_everything and not slow.cpu_admission.admits_everything
+    for _ in range(300):
+        keys = [k(rng.randrange(80)) for _ in range(rng.randrange(1, 10))]  # dups, resident
+        plans = [m.prepare_store(keys) for m in (fast, slow)]
+        assert plans[0] == plans[1]
+        for m in (fast, slow):
+            m.complete_store(plans[0].keys)
+            hits = [key for key in keys if key in m.cpu][:4]
+            m.touch(hits)
+            m.complete_load(m.prepare_load(hits).keys)
+        assert list(fast.cpu.policy.keys()) == list(slow.cpu.policy.keys())
+        assert ([(type(e), e.medium, e.keys) for e in fast.take_events()]
+                == [(type(e), e.medium, e.keys) for e in slow.take_events()])
+
+
+class _ParentsSeen(EvictionPolicy):
+    """LRU that records the parents it is given."""
+
+    wants_parents = True
+
+    def __init__(self):
+        self.inner, self.parents = make_policy("lru", 16), []
+
+    def insert(self, key, parent=None):
+        self.parents.append((key, parent))
+        self.inner.insert(key)
+
+    def access(self, key):
+        self.inner.access(key)
+
+    def remove(self, key):
+        self.inner.remove(key)
+
+    def victims(self, n, evictable):
+        return self.inner.victims(n, evictable)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __contains__(self, key):
+        return key in self.inner
+
+
+def test_parents_reach_a_policy_that_wants_them():
+    m = TieredOffloadingManager(cpu_blocks=16)
+    m.cpu.policy = seen = _ParentsSeen()
+    m.complete_store(m.prepare_store([k(1), k(2)]).keys)
+    m.prepare_store([k(1), k(2), k(3), k(4)], RequestContext(request_id="r", parent_key=k(0)))
+    assert seen.parents == [(k(1), None), (k(2), k(1)), (k(3), k(2)), (k(4), k(3))]
+
+
+class _Counting(AdmissionPolicy):
+    def __init__(self):
+        self.hits, self.evicts = [], []
+
+    def on_hit(self, key):
+        self.hits.append(key)
+
+    def on_evict(self, key):
+        self.evicts.append(key)
+
+    def admit(self, key):
+        return True
+
+
+def test_batch_admission_hooks_reach_the_per_key_ones():
+    adm = _Counting()
+    m = TieredOffloadingManager(cpu_blocks=4, cpu_admission=adm)
+    m.complete_store(m.prepare_store([k(i) for i in range(4)]).keys)
+    m.complete_load(m.prepare_load([k(0), k(1)]).keys)
+    m.complete_store(m.prepare_store([k(8), k(9)]).keys)
+    assert adm.hits == [k(0), k(1)] and adm.evicts == [k(2), k(3)]
+    assert isinstance(m, TieredOffloadingManager) and not isinstance(adm, AdmitAll)
