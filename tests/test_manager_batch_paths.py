@@ -45,6 +45,33 @@ def test_access_many_is_access_per_resident_key(name):
         assert _state(one) == _state(many), step
 
 
+@pytest.mark.parametrize("name", policy_names())
+def test_handle_addressed_calls_are_the_key_calls(name):
+    """``insert_at`` / ``access_at`` / ``remove_at`` (the tier's calls, by handle) leave the
+    policy as ``insert_many`` / ``access_many`` / ``remove_many`` do."""
+    rng = random.Random(11)
+    by_key, by_handle = make_policy(name, 32), make_policy(name, 32)
+    handle: dict[bytes, int] = {}
+    free = list(range(32))
+    for step in range(300):
+        new = [key for key in dict.fromkeys(k(rng.randrange(90)) for _ in range(3))
+               if key not in by_key][: len(free) - 4 if len(free) > 4 else 0]
+        if not new:  # full: evict a few
+            gone = by_key.victims(4, lambda _k: True)
+            by_key.remove_many(gone)
+            by_handle.remove_at(gone, [handle[g] for g in gone])
+            free += [handle.pop(g) for g in gone]
+            continue
+        hs = [free.pop() for _ in new]
+        handle.update(zip(new, hs))
+        by_key.insert_many(new)
+        by_handle.insert_at(new, hs)
+        used = rng.sample(sorted(handle), min(len(handle), 5))
+        by_key.access_many(used)
+        by_handle.access_at(used, [handle[u] for u in used])
+        assert _state(by_key) == _state(by_handle), step
+
+
 def test_refused_add_many_changes_nothing():
     ix = TierIndex(Medium.CPU, 8, make_policy("arc", 8), True)
     ix.add_many([k(0), k(1)], BlockState.READY)

@@ -224,7 +224,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
         for policy, key in reversed(touched):
             policy.access(key)
-        self.cpu.policy.access_many(reversed(prefix))
+        self.cpu.policy.access_at(prefix[::-1], slots[m - 1::-1] if m else ())
         self.stats.hit_blocks["CPU"] += len(cpu_hits)
         self.stats.hit_blocks["DISK"] += len(disk_hits)
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
@@ -236,14 +236,9 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                         tuple(from_remote) if remote_hits else ())
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        if self.disk is None:  # the CPU policy holds exactly the CPU tier's keys
-            self.cpu.policy.access_many(keys)
-            return
-        for key in keys:
-            if key in self.cpu:
-                self.cpu.policy.access(key)
-            elif self.disk is not None and key in self.disk:
-                self.disk.policy.access(key)
+        rest = self.cpu.access(keys)
+        if rest and self.disk is not None:
+            self.disk.access(rest)
 
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = ()) -> None:
         failed = set(failed)
@@ -311,7 +306,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         if self.cpu_admission.admits_everything:  # the usual case, one pass in the tier
             resident, wanted = self.cpu.partition(keys)
             # resident behind a gap: keep it, it becomes reachable again
-            self.cpu.policy.access_many(resident)
+            self.cpu.access(resident)
         else:
             wanted = self._admitted(keys)
         evicted: list[BlockKey] = []

@@ -50,6 +50,9 @@ class ARCPolicy(EvictionPolicy):
         for i in range(4):
             self._next[s + i] = self._prev[s + i] = s + i
         self._free = 0
+        # handle -> node of the key holding it, for the ``*_at`` calls of the tier (whose
+        # handles are < capacity): an array read instead of a key lookup
+        self._node_of = array("i", bytes(4 * c))
         self._n1 = self._n2 = self._nb1 = self._nb2 = 0  # sizes of T1, T2, B1, B2
 
     # -- contract --------------------------------------------------------------------------
@@ -60,6 +63,15 @@ class ARCPolicy(EvictionPolicy):
         self.insert_many((key,))
 
     def insert_many(self, keys, parents=None) -> None:
+        self._insert(keys, None)
+
+    def insert_at(self, keys, handles, parents=None) -> None:
+        self._insert(keys, handles)
+
+    def _insert(self, keys, handles) -> None:
+        """``insert`` of each key; with ``handles``, also notes which node each handle's key
+        holds, for the ``*_at`` calls (they then skip the key lookup)."""
+        node_of = self._node_of
         c = self.capacity
         c2 = 2 * c
         shards, kn, nodes, lst = self._shards, self._kn, self._nodes, self._list
@@ -67,12 +79,14 @@ class ARCPolicy(EvictionPolicy):
         s = self._s
         s1, s2, sb1, sb2 = s, s + 1, s + 2, s + 3
         n1, n2, nb1, nb2, free, p = self._n1, self._n2, self._nb1, self._nb2, self._free, self.p
-        for key in keys:
+        for i, key in enumerate(keys):
             if free < 0 and key not in shards[hash(key) % kn]:
                 self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
                     n1, n2, nb1, nb2, free, p)
                 raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
             node = shards[hash(key) % kn].setdefault(key, free)  # one probe: find or claim
+            if handles is not None:
+                node_of[handles[i]] = node
             if node == free:  # new: the MRU end of T1
                 free = nxt[node]
                 nodes[node >> 6][node] = key
@@ -176,12 +190,18 @@ class ARCPolicy(EvictionPolicy):
 
     def access_many(self, keys) -> None:
         """``access`` for a batch (a request's hits), inline."""
-        shards, kn, lst = self._shards, self._kn, self._list
-        nxt, prev = self._next, self._prev
+        shards, kn = self._shards, self._kn
+        self._access([shards[hash(key) % kn].get(key) for key in keys])
+
+    def access_at(self, keys, handles) -> None:
+        node_of = self._node_of
+        self._access([node_of[h] for h in handles])
+
+    def _access(self, found) -> None:
+        lst, nxt, prev = self._list, self._next, self._prev
         s2 = self._s + 1
         moved = 0  # T1 -> T2
-        for key in keys:
-            node = shards[hash(key) % kn].get(key)
+        for node in found:
             if node is None:
                 continue
             where = lst[node]
@@ -208,15 +228,20 @@ class ARCPolicy(EvictionPolicy):
         self.remove_many((key,))
 
     def remove_many(self, keys) -> None:
-        c = self.capacity
-        c2 = 2 * c
-        shards, kn, nodes, lst = self._shards, self._kn, self._nodes, self._list
-        nxt, prev = self._next, self._prev
+        shards, kn = self._shards, self._kn
+        self._remove([shards[hash(key) % kn].get(key) for key in keys])
+
+    def remove_at(self, keys, handles) -> None:
+        node_of = self._node_of
+        self._remove([node_of[h] for h in handles])
+
+    def _remove(self, found) -> None:
+        """Resident nodes in ``found`` (None: an unknown key) move to their ghost list."""
+        lst, nxt, prev = self._list, self._next, self._prev
         sb1 = self._s + 2
         sb2 = sb1 + 1
-        n1, n2, nb1, nb2, free = self._n1, self._n2, self._nb1, self._nb2, self._free
-        for key in keys:
-            node = shards[hash(key) % kn].get(key)
+        n1, n2, nb1, nb2 = self._n1, self._n2, self._nb1, self._nb2
+        for node in found:
             if node is None:
                 continue
             where = lst[node]
@@ -240,38 +265,9 @@ class ARCPolicy(EvictionPolicy):
             prev[node] = last
             nxt[node] = to
             prev[to] = node
-            # Ghost bounds, as in insert_many.
-            while nb1 and n1 + nb1 > c:
-                node = nxt[sb1]
-                b = nxt[node]
-                nxt[sb1] = b
-                prev[b] = sb1
-                ghost = nodes[node >> 6].pop(node)
-                del shards[hash(ghost) % kn][ghost]
-                nxt[node] = free
-                free = node
-                nb1 -= 1
-            while nb2 and n1 + n2 + nb1 + nb2 > c2:
-                node = nxt[sb2]
-                b = nxt[node]
-                nxt[sb2] = b
-                prev[b] = sb2
-                ghost = nodes[node >> 6].pop(node)
-                del shards[hash(ghost) % kn][ghost]
-                nxt[node] = free
-                free = node
-                nb2 -= 1
-            while nb1 and n1 + n2 + nb1 + nb2 > c2:
-                node = nxt[sb1]
-                b = nxt[node]
-                nxt[sb1] = b
-                prev[b] = sb1
-                ghost = nodes[node >> 6].pop(node)
-                del shards[hash(ghost) % kn][ghost]
-                nxt[node] = free
-                free = node
-                nb1 -= 1
-        self._n1, self._n2, self._nb1, self._nb2, self._free = n1, n2, nb1, nb2, free
+        self._n1, self._n2, self._nb1, self._nb2 = n1, n2, nb1, nb2
+        # A resident key turned ghost leaves |T1|+|B1| and |T1|+|T2|+|B1|+|B2| as they were,
+        # so the ghost bounds that ``_insert`` keeps still hold: nothing to trim here.
 
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         out: list[BlockKey] = []

@@ -52,6 +52,20 @@ class EvictionPolicy(ABC):
             if key in self:
                 self.access(key)
 
+    # Handle-addressed batches: the tier passes, with the keys, the handle each one holds
+    # while resident (its CPU slot; < the tier's capacity, which is the policy's). A policy
+    # may keep ``handle -> node`` from ``insert_at`` to skip its own key lookup in
+    # ``access_at`` / ``remove_at``; the tier then addresses every resident key through these.
+    def insert_at(self, keys: Sequence[BlockKey], handles: Sequence[int],
+                  parents: Sequence[BlockKey | None] | None = None) -> None:
+        self.insert_many(keys, parents)
+
+    def access_at(self, keys: Sequence[BlockKey], handles: Sequence[int]) -> None:
+        self.access_many(keys)
+
+    def remove_at(self, keys: Sequence[BlockKey], handles: Sequence[int]) -> None:
+        self.remove_many(keys)
+
     @abstractmethod
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         """Up to ``n`` resident keys to evict, best victim first, all passing ``evictable``.

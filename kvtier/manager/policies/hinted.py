@@ -40,6 +40,15 @@ class HintedEviction(EvictionPolicy):
     def access_many(self, keys: Iterable[BlockKey]) -> None:
         self.inner.access_many(keys)
 
+    def insert_at(self, keys, handles, parents=None) -> None:
+        self.inner.insert_at(keys, handles, parents)
+
+    def access_at(self, keys, handles) -> None:
+        self.inner.access_at(keys, handles)
+
+    def remove_at(self, keys, handles) -> None:
+        self.inner.remove_at(keys, handles)
+
     def remove(self, key: BlockKey) -> None:
         self.inner.remove(key)
 
