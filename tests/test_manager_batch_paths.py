@@ -168,3 +168,118 @@ def test_batch_admission_hooks_reach_the_per_key_ones():
     m.complete_store(m.prepare_store([k(8), k(9)]).keys)
     assert adm.hits == [k(0), k(1)] and adm.evicts == [k(2), k(3)]
     assert isinstance(m, TieredOffloadingManager) and not isinstance(adm, AdmitAll)
+
+
+class _ReferenceARC:
+    """ARC as the paper writes it, on four OrderedDicts (kvtier's variant: the manager decides
+    when to evict; a removed key becomes a ghost), to check the pooled, inline ARC against."""
+
+    def __init__(self, c):
+        from collections import OrderedDict
+
+        self.c, self.p = c, 0.0
+        self.t1, self.t2, self.b1, self.b2 = (OrderedDict() for _ in range(4))
+
+    def _trim(self):
+        t1, t2, b1, b2, c = self.t1, self.t2, self.b1, self.b2, self.c
+        while b1 and len(t1) + len(b1) > c:
+            b1.popitem(last=False)
+        while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+            b2.popitem(last=False)
+        while b1 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+            b1.popitem(last=False)
+
+    def insert(self, key):
+        if key in self.t2:
+            self.t2.move_to_end(key)
+            return
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+            return
+        if key in self.b1:
+            del self.b1[key]
+            self.p = min(float(self.c), self.p + max(len(self.b2) / (len(self.b1) + 1), 1.0))
+            self.t2[key] = None
+        elif key in self.b2:
+            del self.b2[key]
+            self.p = max(0.0, self.p - max(len(self.b1) / (len(self.b2) + 1), 1.0))
+            self.t2[key] = None
+        else:
+            self.t1[key] = None
+        self._trim()
+
+    def access(self, key):
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def remove(self, key):
+        for live, ghosts in ((self.t1, self.b1), (self.t2, self.b2)):
+            if key in live:
+                del live[key]
+                ghosts[key] = None
+        self._trim()
+
+    def victims(self, n):
+        t1, t2, out, left = list(self.t1), list(self.t2), [], len(self.t1)
+        while len(out) < n and (t1 or t2):
+            if t1 and (left > self.p or not t2):
+                out.append(t1.pop(0))
+                left -= 1
+            else:
+                out.append(t2.pop(0))
+        return out
+
+    def lists(self):
+        return [list(x) for x in (self.t1, self.t2, self.b1, self.b2)], self.p
+
+
+def test_pooled_arc_follows_the_reference_arc():
+    """Batches by handle (the tier's calls) on the pooled ARC, key by key on the reference:
+    the same four lists in the same order and the same target after every step."""
+    from kvtier.manager.policies.arc import _B1, _B2, _T1, _T2
+
+    rng = random.Random(5)
+    c = 24
+    arc, ref = make_policy("arc", c), _ReferenceARC(c)
+    handle: dict[bytes, int] = {}
+    free = list(range(c))
+    for step in range(3000):
+        if len(free) < 4 or rng.random() < 0.3:
+            n = rng.randrange(1, 6)
+            keys, hs = arc.victims_at(n)
+            assert keys == ref.victims(n) and hs == [handle[x] for x in keys]
+            arc.remove_at(keys, hs)
+            for x in keys:
+                ref.remove(x)
+                free.append(handle.pop(x))
+        else:  # new keys, ghosts among them; a resident one now and then
+            pool = [k(rng.randrange(4 * c)) for _ in range(rng.randrange(1, 5))]
+            new = [x for x in dict.fromkeys(pool) if x not in handle][: len(free)]
+            hs = [free.pop() for _ in new]
+            handle.update(zip(new, hs))
+            arc.insert_at(new, hs)
+            for x in new:
+                ref.insert(x)
+            hits = rng.sample(sorted(handle), min(3, len(handle)))
+            arc.access_at(hits, [handle[x] for x in hits])
+            for x in hits:
+                ref.access(x)
+        got = [list(arc._walk(w)) for w in (_T1, _T2, _B1, _B2)], arc.p
+        assert got == ref.lists(), step
+
+
+@pytest.mark.parametrize("name", policy_names())
+def test_tier_victims_step_over_pinned_blocks_by_handle(name):
+    """The tier takes the policy's unfiltered victims (``victims_at``) only when none of
+    them is pinned; otherwise it walks with its filter."""
+    ix = TierIndex(Medium.CPU, 8, make_policy(name, 8), True)
+    ix.add_many([k(i) for i in range(8)], BlockState.READY)
+    assert ix.victims(3) == [k(0), k(1), k(2)]
+    ix.get(k(1)).readers = 1  # a load reads it
+    ix.get(k(3)).flushing = True  # a demotion reads it
+    ix.get(k(4)).state = BlockState.WRITING
+    assert ix.victims(3) == [k(0), k(2), k(5)]

@@ -240,6 +240,13 @@ class TierIndex:
             return []
         shards, nshards = self._shards, self._nshards
         state, readers, flags = self._state, self._readers, self._flags
+        first = self.policy.victims_at(n) if evictable is None else None
+        if first is not None:  # the usual case: none of the coldest n is pinned
+            for h in first[1]:
+                if h < 0 or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
+                    break
+            else:
+                return first[0]
 
         def ok(key: BlockKey) -> bool:
             h = shards[hash(key) % nshards].get(key)

@@ -16,6 +16,7 @@ most once.
 from __future__ import annotations
 
 from array import array
+from itertools import repeat
 from typing import Iterable, Iterator
 
 from kvtier.manager.keyed_list import KeyShards
@@ -53,6 +54,8 @@ class ARCPolicy(EvictionPolicy):
         # handle -> node of the key holding it, for the ``*_at`` calls of the tier (whose
         # handles are < capacity): an array read instead of a key lookup
         self._node_of = array("i", bytes(4 * c))
+        self._handle_of = array("i", [-1]) * n  # node -> that handle (-1: none)
+        self._no_handle = array("i", [0])  # where insert_many's "no handle" notes go
         self._n1 = self._n2 = self._nb1 = self._nb2 = 0  # sizes of T1, T2, B1, B2
 
     # -- contract --------------------------------------------------------------------------
@@ -71,7 +74,11 @@ class ARCPolicy(EvictionPolicy):
     def _insert(self, keys, handles) -> None:
         """``insert`` of each key; with ``handles``, also notes which node each handle's key
         holds, for the ``*_at`` calls (they then skip the key lookup)."""
-        node_of = self._node_of
+        if handles is None:  # policy-only use: no handles to note
+            handles, node_of = repeat(-1), self._no_handle
+        else:
+            node_of = self._node_of
+        handle_of = self._handle_of
         c = self.capacity
         c2 = 2 * c
         shards, kn, nodes, lst = self._shards, self._kn, self._nodes, self._list
@@ -79,14 +86,36 @@ class ARCPolicy(EvictionPolicy):
         s = self._s
         s1, s2, sb1, sb2 = s, s + 1, s + 2, s + 3
         n1, n2, nb1, nb2, free, p = self._n1, self._n2, self._nb1, self._nb2, self._free, self.p
-        for i, key in enumerate(keys):
+        for key, h in zip(keys, handles):
             if free < 0 and key not in shards[hash(key) % kn]:
                 self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
                     n1, n2, nb1, nb2, free, p)
                 raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
-            node = shards[hash(key) % kn].setdefault(key, free)  # one probe: find or claim
-            if handles is not None:
-                node_of[handles[i]] = node
+            if nb1 and n1 + nb1 >= c:  # a new key would push B1's oldest ghost out: its node
+                ghost_node = nxt[sb1]
+                node = shards[hash(key) % kn].setdefault(key, ghost_node)
+                ghost = nodes[ghost_node >> 6][ghost_node]
+                if node == ghost_node and ghost != key:  # new: takes the ghost's node over
+                    b = nxt[node]
+                    nxt[sb1] = b
+                    prev[b] = sb1
+                    del shards[hash(ghost) % kn][ghost]
+                    nodes[node >> 6][node] = key
+                    node_of[h] = node
+                    handle_of[node] = h
+                    lst[node] = _T1
+                    last = prev[s1]
+                    nxt[last] = node
+                    prev[node] = last
+                    nxt[node] = s1
+                    prev[s1] = node
+                    n1 += 1
+                    nb1 -= 1
+                    continue  # one in, one out: both ghost bounds stay as they were
+            else:
+                node = shards[hash(key) % kn].setdefault(key, free)  # find, or claim free
+            node_of[h] = node
+            handle_of[node] = h
             if node == free:  # new: the MRU end of T1
                 free = nxt[node]
                 nodes[node >> 6][node] = key
@@ -319,6 +348,28 @@ class ARCPolicy(EvictionPolicy):
                     else:
                         break
         return out
+
+    def victims_at(self, n: int):
+        # REPLACE as in ``victims`` with every key evictable: T1's LRU while T1 exceeds
+        # its target (or T2 is empty), else T2's LRU.
+        keys: list[BlockKey] = []
+        handles: list[int] = []
+        nodes, nxt, handle_of = self._nodes, self._next, self._handle_of
+        s1 = self._s
+        s2 = s1 + 1
+        node1, node2 = nxt[s1], nxt[s2]
+        t1_left, p = self._n1, self.p
+        for _ in range(n):
+            if node1 != s1 and (t1_left > p or node2 == s2):
+                node, node1 = node1, nxt[node1]
+                t1_left -= 1
+            elif node2 != s2:
+                node, node2 = node2, nxt[node2]
+            else:
+                break
+            keys.append(nodes[node >> 6][node])
+            handles.append(handle_of[node])
+        return keys, handles
 
     def __len__(self) -> int:
         return self._n1 + self._n2

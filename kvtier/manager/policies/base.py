@@ -66,6 +66,13 @@ class EvictionPolicy(ABC):
     def remove_at(self, keys: Sequence[BlockKey], handles: Sequence[int]) -> None:
         self.remove_many(keys)
 
+    def victims_at(self, n: int) -> tuple[list[BlockKey], list[int]] | None:
+        """The next ``n`` victims as ``victims`` would give them if every key were evictable,
+        with the handle each got from ``insert_at`` (-1: none). The tier checks pins by
+        handle, with no key lookup, and calls ``victims`` when one is pinned. None: this
+        policy keeps no handles (or must see every key: a filter of its own)."""
+        return None
+
     @abstractmethod
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         """Up to ``n`` resident keys to evict, best victim first, all passing ``evictable``.

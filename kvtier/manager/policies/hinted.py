@@ -55,6 +55,10 @@ class HintedEviction(EvictionPolicy):
     def remove_many(self, keys: Iterable[BlockKey]) -> None:
         self.inner.remove_many(keys)
 
+    def victims_at(self, n: int):
+        # with kept blocks in the book, the walk must see every key
+        return self.inner.victims_at(n) if not len(self.book) else None
+
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         book = self.book
         if not len(book):

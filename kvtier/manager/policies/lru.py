@@ -19,13 +19,30 @@ class LRUPolicy(EvictionPolicy):
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self._order = KeyedList(capacity_blocks)  # oldest first
 
+    # The list's value of a key is the tier handle ``insert_at`` gave it (-1: none).
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        self._order.push(key)
+        self._order.push(key, -1)
 
     def insert_many(self, keys, parents=None) -> None:
         push = self._order.push
         for key in keys:
-            push(key)
+            push(key, -1)
+
+    def insert_at(self, keys, handles, parents=None) -> None:
+        push = self._order.push
+        for key, h in zip(keys, handles):
+            push(key, h)
+
+    def victims_at(self, n: int):
+        keys: list[BlockKey] = []
+        handles: list[int] = []
+        if n > 0:
+            for key, h in self._order.items():
+                keys.append(key)
+                handles.append(h)
+                if len(keys) == n:
+                    break
+        return keys, handles
 
     def remove_many(self, keys) -> None:
         pop = self._order.pop
