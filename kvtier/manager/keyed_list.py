@@ -124,8 +124,9 @@ class KeyedList:
             node = nxt[node]
 
     # -- writing ------------------------------------------------------------------------------
-    def push(self, key: Hashable, value: int = 0) -> None:
-        """Set ``key`` to ``value`` and make it the newest."""
+    def push(self, key: Hashable, value: int = 0) -> int:
+        """Set ``key`` to ``value`` and make it the newest; returns its node (the same for as
+        long as the key stays, for ``move_nodes_to_end``)."""
         shard = self._kshards[hash(key) % self._kn]
         prev, nxt, nil = self._prev, self._next, self._nil
         free = self._free
@@ -146,6 +147,7 @@ class KeyedList:
         prev[node] = last
         nxt[node] = nil
         prev[nil] = node
+        return node
 
     def push_bounded(self, key: Hashable, value: int = 0) -> tuple[Hashable, int] | None:
         """``push``; when full, the oldest key is dropped first and returned with its value."""
@@ -175,9 +177,12 @@ class KeyedList:
     def move_many_to_end(self, keys) -> None:
         """``move_to_end`` for each of ``keys`` in order (absent ones ignored), inline."""
         kshards, kn = self._kshards, self._kn
+        self.move_nodes_to_end([kshards[hash(key) % kn].get(key) for key in keys])
+
+    def move_nodes_to_end(self, nodes) -> None:
+        """``move_many_to_end`` by the nodes ``push`` returned (None: skipped)."""
         prev, nxt, nil = self._prev, self._next, self._nil
-        for key in keys:
-            node = kshards[hash(key) % kn].get(key)
+        for node in nodes:
             if node is None:
                 continue
             n = nxt[node]
