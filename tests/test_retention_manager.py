@@ -51,3 +51,45 @@ def test_manager_replay_with_hints_matches_the_simulator():
     b = policy_sim.simulate(trace, 1500, spec)
     assert (a.hit_blocks, a.written) == (b.hit_blocks, b.written)
     assert a.hit_blocks > compare.replay(trace, 1500, "lru+reuse_gate").hit_blocks
+
+
+def _action(kind: str, payload, version: str = "1"):
+    from kvtier.connectors.compat.hints import KvHint  # what the connector hands the manager
+
+    return KvHint(kind, version, "a", payload)
+
+
+def test_kv_hints_retention_action_maps_to_the_same_hint():
+    """vLLM 0.33 ``kv_hints``: a retention action's priority / ttl / session / continues (or
+    one_off) give the hint ``kvtier_retention`` would; other actions and fields are ignored."""
+    from kvtier.manager.hints import NONE, ONE_OFF
+
+    same = RetentionHint.from_kv_hints([
+        _action("prefetch", {"blocks": 3}),
+        _action("kvtier_retention", {"continues": True, "ttl": 90, "session_id": "c1", "x": 1})])
+    assert same == RetentionHint.parse({PARAM_KEY: {"continues": True, "ttl_s": 90,
+                                                    "session": "c1"}})
+    assert RetentionHint.from_kv_hints([_action("Retention", {"priority": -2})]).rank == ONE_OFF
+    assert RetentionHint.from_kv_hints([_action("retention", {"one_off": True})]).rank == ONE_OFF
+    assert RetentionHint.from_kv_hints([_action("retention", {"ttl_seconds": 5})]).rank == NONE
+    assert RetentionHint.from_kv_hints([_action("prefetch", {})]) is None
+    assert RetentionHint.from_kv_hints(()) is None
+
+
+def test_kv_hints_feed_the_manager_and_kv_transfer_params_win(caplog):
+    m = TieredOffloadingManager(cpu_blocks=4)
+    apply_retention_hint(m, "chat", None, [_action("retention", {"continues": True})])
+    _store(m, [1, 2], "chat")  # oldest, but the router says the conversation continues
+    _store(m, [3, 4], "other")
+    plan = _store(m, [5, 6], "new")
+    assert set(plan.evicted[next(iter(plan.evicted))]) == {3, 4}
+    apply_retention_hint(m, "both", {PARAM_KEY: {"continues": False}},
+                         [_action("retention", {"continues": True})])
+    assert m._request_hints["both"].rank != KEEP
+    with caplog.at_level(logging.WARNING):
+        apply_retention_hint(m, "bad1", None, [_action("retention", {"ttl": "1h"})])
+        apply_retention_hint(m, "bad2", None, [_action("retention", {"priority": 1}, "2")])
+        apply_retention_hint(m, "bad3", None, [_action("retention", ["keep"])])
+    assert "request bad1" in caplog.text and "action_version" in caplog.text
+    assert "payload must be an object" in caplog.text
+    assert not {"bad1", "bad2", "bad3"} & set(m._request_hints)

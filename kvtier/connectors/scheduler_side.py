@@ -108,7 +108,7 @@ class SchedulerSide(JobSettling):
             t = RequestTrack(request, RequestParams.parse(request.kv_transfer_params),
                              hints=request_hints(request))
             self.tracks[request.request_id] = t
-            apply_retention_hint(self.manager, t.req_id, request.kv_transfer_params)
+            apply_retention_hint(self.manager, t.req_id, request.kv_transfer_params, t.hints)
         return t
 
     def _drop_if_done(self, t: RequestTrack) -> None:

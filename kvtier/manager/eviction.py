@@ -58,8 +58,7 @@ class CpuEviction:
     def _drop_cpu(self, keys: Sequence[BlockKey]) -> None:
         """Evict ``keys`` from the CPU tier: one event for the batch, not one per block."""
         gone = self.cpu.remove_many(keys)
-        for key in gone:
-            self.cpu_admission.on_evict(key)
+        self.cpu_admission.on_evicts(gone)
         self.stats.evicted_blocks["CPU"] += len(gone)
         self.events.emit(BlockRemoved(Medium.CPU, tuple(gone)))
 

@@ -13,6 +13,13 @@ A router (or the client) may say, per request, through vLLM's ``kv_transfer_para
 - ``session``: an id the router gives the conversation (recorded, for the metrics of a hint
   source; ranking does not need it).
 
+The same hint may come as a vLLM 0.33 ``kv_hints`` action (``KvHintsEnvelope.actions``; vLLM
+leaves each action's payload schema to its implementer), read by ``RetentionHint.from_kv_hints``:
+``action_type`` ``"kvtier_retention"`` or ``"retention"``, ``action_version`` ``"1"``, payload
+the fields above, also spelled ``ttl`` / ``ttl_seconds`` (for ``ttl_s``), ``session_id`` (for
+``session``) and ``one_off: true`` (for ``continues: false``); other payload fields (another
+component's) are ignored. ``kv_transfer_params`` wins when a request carries both.
+
 Hints are optional and never needed for correctness: a missing, malformed or expired hint
 ranks the block like any other (a malformed one is counted in ``HintBook.ignored``), and a kept
 block is still evicted when nothing unhinted is left. The book holds at most ``max_keys`` blocks
@@ -30,6 +37,9 @@ from kvtier.manager.keyed_list import KeyedList
 PARAM_KEY = "kvtier_retention"
 DEFAULT_TTL_S = 3600.0
 KEEP, NONE, ONE_OFF = 1, 0, -1
+KV_HINT_TYPES = ("kvtier_retention", "retention")  # kv_hints action types read as a hint
+KV_HINT_VERSIONS = ("1", "1.0", "v1")
+_KV_HINT_ALIASES = {"ttl": "ttl_s", "ttl_seconds": "ttl_s", "session_id": "session"}
 ONE_OFF_KEYS = 1 << 16  # one-off marks remembered (the blocks of the requests in flight)
 
 
@@ -70,6 +80,36 @@ class RetentionHint:
         if session is not None and not isinstance(session, (str, int)):
             raise ValueError(f"{PARAM_KEY}.session must be a string")
         return cls(rank, float(ttl), None if session is None else str(session)[:128])
+
+    @classmethod
+    def from_kv_hints(cls, actions: Sequence[Any]) -> "RetentionHint | None":
+        """The hint in a request's ``kv_hints`` actions (objects with ``action_type``,
+        ``action_version`` and ``payload``): the first retention action; None when there is
+        none. Raises ValueError when that action's version or fields are malformed."""
+        for action in actions:
+            kind = getattr(action, "action_type", None)
+            if not isinstance(kind, str) or kind.lower() not in KV_HINT_TYPES:
+                continue
+            version = getattr(action, "action_version", None)
+            if version not in KV_HINT_VERSIONS:
+                raise ValueError(f"kv_hints {kind}: unsupported action_version {version!r}; "
+                                 f"supported: {', '.join(KV_HINT_VERSIONS)}")
+            payload = getattr(action, "payload", None)
+            if not isinstance(payload, Mapping):
+                raise ValueError(f"kv_hints {kind}: payload must be an object")
+            raw: dict[str, Any] = {}
+            for name, value in payload.items():
+                name = _KV_HINT_ALIASES.get(name, name)
+                if name == "one_off":
+                    if not isinstance(value, bool):
+                        raise ValueError(f"kv_hints {kind}: one_off must be true or false")
+                    name, value = "continues", not value
+                if name in ("priority", "ttl_s", "continues", "session"):
+                    if name in raw:
+                        raise ValueError(f"kv_hints {kind}: {name} given twice")
+                    raw[name] = value
+            return cls.parse({PARAM_KEY: raw})
+        return None
 
 
 class HintBook:

@@ -124,17 +124,17 @@ class KeyedList:
             node = nxt[node]
 
     # -- writing ------------------------------------------------------------------------------
-    def push(self, key: Hashable, value: int = 0) -> None:
-        """Set ``key`` to ``value`` and make it the newest."""
+    def push(self, key: Hashable, value: int = 0) -> int:
+        """Set ``key`` to ``value`` and make it the newest; returns its node (the same for as
+        long as the key stays, for ``move_nodes_to_end``)."""
         shard = self._kshards[hash(key) % self._kn]
-        node = shard.get(key)
         prev, nxt, nil = self._prev, self._next, self._nil
-        if node is None:
-            node = self._free
-            if node == nil:
-                raise OverflowError(f"KeyedList is full ({self.capacity} keys)")
+        free = self._free
+        if free == nil and key not in shard:
+            raise OverflowError(f"KeyedList is full ({self.capacity} keys)")
+        node = shard.setdefault(key, free)  # one probe: find the key or claim the free node
+        if node == free and free != nil:
             self._free = nxt[node]
-            shard[key] = node
             self._nodes[node >> 6][node] = key
             self.size += 1
         else:  # unlink
@@ -147,6 +147,7 @@ class KeyedList:
         prev[node] = last
         nxt[node] = nil
         prev[nil] = node
+        return node
 
     def push_bounded(self, key: Hashable, value: int = 0) -> tuple[Hashable, int] | None:
         """``push``; when full, the oldest key is dropped first and returned with its value."""
@@ -172,6 +173,29 @@ class KeyedList:
         nxt[node] = nil
         prev[nil] = node
         return True
+
+    def move_many_to_end(self, keys) -> None:
+        """``move_to_end`` for each of ``keys`` in order (absent ones ignored), inline."""
+        kshards, kn = self._kshards, self._kn
+        self.move_nodes_to_end([kshards[hash(key) % kn].get(key) for key in keys])
+
+    def move_nodes_to_end(self, nodes) -> None:
+        """``move_many_to_end`` by the nodes ``push`` returned (None: skipped)."""
+        prev, nxt, nil = self._prev, self._next, self._nil
+        for node in nodes:
+            if node is None:
+                continue
+            n = nxt[node]
+            if n == nil:
+                continue
+            p = prev[node]
+            nxt[p] = n
+            prev[n] = p
+            last = prev[nil]
+            nxt[last] = node
+            prev[node] = last
+            nxt[node] = nil
+            prev[nil] = node
 
     def pop(self, key: Hashable, default: int | None = None) -> int | None:
         node = self._kshards[hash(key) % self._kn].pop(key, None)

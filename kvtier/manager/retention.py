@@ -47,12 +47,16 @@ class RetentionHints:
                 self.hints.note(keys, hint)
 
 
-def apply_retention_hint(manager: Any, request_id: str,
-                         params: Mapping[str, Any] | None) -> None:
-    """Connector helper: parse ``kv_transfer_params['kvtier_retention']`` and hand it to the
-    manager. A malformed hint is logged and ignored (hints are never needed for correctness)."""
+def apply_retention_hint(manager: Any, request_id: str, params: Mapping[str, Any] | None,
+                         kv_hints: Sequence[Any] = ()) -> None:
+    """Connector helper: parse ``kv_transfer_params['kvtier_retention']``, else the request's
+    vLLM ``kv_hints`` retention action, and hand the hint to the manager. A malformed hint is
+    logged and ignored (hints are never needed for correctness); a malformed
+    ``kv_transfer_params`` hint does not fall back to ``kv_hints``."""
     try:
         hint = RetentionHint.parse(params)
+        if hint is None and kv_hints:
+            hint = RetentionHint.from_kv_hints(kv_hints)
     except ValueError as exc:
         log.warning("kvtier: ignoring retention hint of request %s: %s", request_id, exc)
         return

@@ -19,103 +19,24 @@ that rebuilds its table on one request. :class:`Entry` is a short-lived view of 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
-from enum import Enum
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from kvtier.manager.keyed_list import KeyShards
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.specs import BlockKey, Medium
-
-
-class BlockState(Enum):
-    WRITING = "writing"  # bytes are being written (store, promotion or flush); not readable
-    READY = "ready"
-
-
-_FREE, _WRITING, _READY = 0, 1, 2  # values of the state column
-_STATES = (None, BlockState.WRITING, BlockState.READY)  # column value -> state
-_CODES = {BlockState.WRITING: _WRITING, BlockState.READY: _READY}
-_FLUSHING, _ON_DISK, _FLUSH_FAILED, _PROMOTED = 1, 2, 4, 8
-
-
-def _flag(bit: int, doc: str) -> property:
-    def get(self: "Entry") -> bool:
-        return bool(self._ix._flags[self.handle] & bit)
-
-    def put(self: "Entry", on: bool) -> None:
-        flags = self._ix._flags
-        flags[self.handle] = (flags[self.handle] | bit) if on else (flags[self.handle] & ~bit)
-
-    return property(get, put, doc=doc)
+from kvtier.manager.tier_entry import CODES as _CODES
+from kvtier.manager.tier_entry import FLUSH_FAILED as _FLUSH_FAILED
+from kvtier.manager.tier_entry import FLUSHING as _FLUSHING
+from kvtier.manager.tier_entry import FREE as _FREE
+from kvtier.manager.tier_entry import ON_DISK as _ON_DISK
+from kvtier.manager.tier_entry import PROMOTED as _PROMOTED
+from kvtier.manager.tier_entry import READY as _READY
+from kvtier.manager.tier_entry import WRITING as _WRITING
+from kvtier.manager.tier_entry import BlockState, Entries, Entry  # noqa: F401 - the tier's types
 
 
 class _WalkDone(Exception):
     """Ends a policy walk early (the policy's own loop has no budget)."""
-
-
-class Entry:
-    """View of one resident block's columns; valid until the block is removed."""
-
-    __slots__ = ("_ix", "handle")
-
-    def __init__(self, index: "TierIndex", handle: int) -> None:
-        self._ix = index
-        self.handle = handle
-
-    @property
-    def slot(self) -> int:
-        """CPU slot id; -1 on tiers addressed by key (disk)."""
-        return self.handle if self._ix.with_slots else -1
-
-    @property
-    def state(self) -> BlockState:
-        return _STATES[self._ix._state[self.handle]]
-
-    @state.setter
-    def state(self, state: BlockState) -> None:
-        self._ix._state[self.handle] = _CODES[state]
-
-    @property
-    def readers(self) -> int:
-        """In-flight loads reading this block (pins)."""
-        return self._ix._readers[self.handle]
-
-    @readers.setter
-    def readers(self, n: int) -> None:
-        self._ix._readers[self.handle] = n
-
-    flushing = _flag(_FLUSHING, "CPU only: a copy to disk is reading this slot (pin)")
-    on_disk = _flag(_ON_DISK, "CPU only: a READY copy also exists on disk (clean)")
-    flush_failed = _flag(_FLUSH_FAILED, "CPU only: the disk refused it; drop, don't retry")
-    promoted = _flag(_PROMOTED, "CPU only: WRITING because a load promotes it from disk")
-
-    @property
-    def pinned(self) -> bool:
-        ix, h = self._ix, self.handle
-        return ix._readers[h] > 0 or bool(ix._flags[h] & _FLUSHING) or ix._state[h] != _READY
-
-
-class _Entries(Mapping):
-    """Read-only ``key -> Entry`` mapping over a tier (stats, resyncs, tests)."""
-
-    def __init__(self, index: "TierIndex") -> None:
-        self._ix = index
-
-    def __getitem__(self, key: BlockKey) -> Entry:
-        entry = self._ix.get(key)
-        if entry is None:
-            raise KeyError(key)
-        return entry
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._ix
-
-    def __iter__(self) -> Iterator[BlockKey]:
-        return self._ix._handles.keys()
-
-    def __len__(self) -> int:
-        return len(self._ix)
 
 
 class TierIndex:
@@ -126,6 +47,9 @@ class TierIndex:
         if capacity_blocks <= 0:
             raise ValueError(f"{medium.value} tier capacity must be at least one block")
         n = self.capacity = capacity_blocks
+        if getattr(policy, "capacity", n) < n:  # handles (< n) index the policy's columns
+            raise ValueError(f"{medium.value}: eviction policy sized for {policy.capacity} "
+                             f"blocks, tier holds {n}")
         self.medium = medium
         self.policy = policy
         self.with_slots = with_slots
@@ -139,7 +63,7 @@ class TierIndex:
         # lowest handle goes first while the tier fills (the CPU pool fills front to back).
         self._free_next = array("i", range(1, n + 1))
         self._free_head = 0
-        self.entries = _Entries(self)
+        self.entries = Entries(self)
 
     def __contains__(self, key: object) -> bool:
         return key in self._shards[hash(key) % self._nshards]
@@ -206,18 +130,21 @@ class TierIndex:
     def add_many(self, keys: Sequence[BlockKey], state: BlockState,
                  parents: Sequence[BlockKey | None] | None = None) -> list[int]:
         """``add`` for a batch (one call per request, not per block); returns the handles.
-        Checks everything first, so a refused batch changes nothing."""
+        A refused batch (no room, a key already here or twice in it) changes nothing."""
         if self.capacity - self._len < len(keys):
             raise RuntimeError(f"{self.medium.value}: add() with no free capacity")
         shards, nshards = self._shards, self._nshards
-        if len(set(keys)) != len(keys) or any(k in shards[hash(k) % nshards] for k in keys):
-            raise KeyError(f"{self.medium.value}: block already present")
         code = _CODES[state]
         free_next, st, flags, readers = self._free_next, self._state, self._flags, self._readers
         out: list[int] = []
         h = self._free_head
-        for key in keys:
-            shards[hash(key) % nshards][key] = h
+        for key in keys:  # one lookup per key: the presence check is the insert's own probe
+            shard = shards[hash(key) % nshards]
+            if shard.setdefault(key, h) != h:
+                for k, placed in zip(keys, out):  # undo; the free chain was not moved yet
+                    del shards[hash(k) % nshards][k]
+                    st[placed] = _FREE
+                raise KeyError(f"{self.medium.value}: block already present")
             st[h] = code
             flags[h] = 0
             readers[h] = 0
@@ -225,8 +152,39 @@ class TierIndex:
             h = free_next[h]
         self._free_head = h
         self._len += len(keys)
-        self.policy.insert_many(keys, parents)
+        self.policy.insert_at(keys, out, parents)
         return out
+
+    def partition(self, keys: Sequence[BlockKey]) -> tuple[list[BlockKey], list[BlockKey]]:
+        """``keys`` (first occurrences only) split into those here and those not, in order."""
+        shards, nshards = self._shards, self._nshards
+        here: list[BlockKey] = []
+        absent: list[BlockKey] = []
+        for key in dict.fromkeys(keys) if len(set(keys)) != len(keys) else keys:
+            if key in shards[hash(key) % nshards]:
+                here.append(key)
+            else:
+                absent.append(key)
+        return here, absent
+
+    def access(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The ``keys`` here were used: tell the policy, in order, by handle (found in this
+        index, which the request has just read: cheaper than the policy's own). Returns the
+        keys not here, in order."""
+        shards, nshards = self._shards, self._nshards
+        here: list[BlockKey] = []
+        handles: list[int] = []
+        rest: list[BlockKey] = []
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is None:
+                rest.append(key)
+            else:
+                here.append(key)
+                handles.append(h)
+        if here:
+            self.policy.access_at(here, handles)
+        return rest
 
     def stored_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """The ``keys`` that are WRITING because of a store (not a promotion), in order."""
@@ -238,11 +196,18 @@ class TierIndex:
                 out.append(key)
         return out
 
-    def mark_ready(self, keys: Sequence[BlockKey]) -> None:
-        """The bytes of ``keys`` (present) are written: they become readable."""
-        shards, nshards, st = self._shards, self._nshards, self._state
+    def publish_stored_writes(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The ``keys`` that are WRITING because of a store (not a promotion) become READY
+        (their bytes are written); returns them, in order (``stored_writes`` + marking them,
+        in one lookup per key)."""
+        shards, nshards, st, flags = self._shards, self._nshards, self._state, self._flags
+        out: list[BlockKey] = []
         for key in keys:
-            st[shards[hash(key) % nshards][key]] = _READY
+            h = shards[hash(key) % nshards].get(key)
+            if h is not None and st[h] == _WRITING and not flags[h] & _PROMOTED:
+                st[h] = _READY
+                out.append(key)
+        return out
 
     def remove(self, key: BlockKey) -> bool:
         """Forget ``key`` and free its handle; False if it was not here. Views of it die."""
@@ -252,6 +217,7 @@ class TierIndex:
         """Forget the ``keys`` that are here (returned, in order) and free their handles."""
         shards, nshards, st, free_next = self._shards, self._nshards, self._state, self._free_next
         gone: list[BlockKey] = []
+        handles: list[int] = []
         head = self._free_head
         for key in keys:
             h = shards[hash(key) % nshards].pop(key, None)
@@ -261,9 +227,10 @@ class TierIndex:
             free_next[h] = head
             head = h
             gone.append(key)
+            handles.append(h)
         self._free_head = head
         self._len -= len(gone)
-        self.policy.remove_many(gone)
+        self.policy.remove_at(gone, handles)
         return gone
 
     def victims(self, n: int, evictable=None) -> list[BlockKey]:
@@ -273,6 +240,13 @@ class TierIndex:
             return []
         shards, nshards = self._shards, self._nshards
         state, readers, flags = self._state, self._readers, self._flags
+        first = self.policy.victims_at(n) if evictable is None else None
+        if first is not None:  # the usual case: none of the coldest n is pinned
+            for h in first[1]:
+                if h < 0 or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
+                    break
+            else:
+                return first[0]
 
         def ok(key: BlockKey) -> bool:
             h = shards[hash(key) % nshards].get(key)
@@ -354,9 +328,6 @@ class TierIndex:
             out.append(h)
             h = self._free_next[h]
         return out
-
-    def used_slots(self) -> int:
-        return self._len
 
     def pins(self) -> int:
         """Pins held in this tier: readers, flushes in flight, blocks being written."""

@@ -178,9 +178,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         touched: list[tuple] = []  # (policy, key) after the prefix, applied last-to-first
         from_remote: list[bool] = [False] * m
         remote_hits: list[BlockKey] = []
-        on_hit = self.cpu_admission.on_hit
-        for key in prefix:
-            on_hit(key)
+        self.cpu_admission.on_hits(prefix)
         for key in keys[m:]:
             entry = self.cpu.ready(key)
             if entry is not None:
@@ -226,9 +224,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
         for policy, key in reversed(touched):
             policy.access(key)
-        access = self.cpu.policy.access
-        for key in reversed(prefix):
-            access(key)
+        self.cpu.policy.access_at(prefix[::-1], slots[m - 1::-1] if m else ())
         self.stats.hit_blocks["CPU"] += len(cpu_hits)
         self.stats.hit_blocks["DISK"] += len(disk_hits)
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
@@ -240,11 +236,9 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                         tuple(from_remote) if remote_hits else ())
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            if key in self.cpu:
-                self.cpu.policy.access(key)
-            elif self.disk is not None and key in self.disk:
-                self.disk.policy.access(key)
+        rest = self.cpu.access(keys)
+        if rest and self.disk is not None:
+            self.disk.access(rest)
 
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = (),
                       transient: Collection[BlockKey] = ()) -> None:
@@ -316,9 +310,35 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
+        self._note_hints(keys, ctx)
+        if self.cpu_admission.admits_everything:  # the usual case, one pass in the tier
+            resident, wanted = self.cpu.partition(keys)
+            # resident behind a gap: keep it, it becomes reachable again
+            self.cpu.access(resident)
+        else:
+            wanted = self._admitted(keys)
+        evicted: list[BlockKey] = []
+        need = len(wanted) - self.cpu.free_count
+        if need > 0:
+            evicted = self._evict_cpu(need)
+        room = self.cpu.free_count
+        if room < len(wanted):
+            self.stats.store_skipped_no_space += len(wanted) - room
+            wanted = wanted[:room]
+        parents = self._parents(keys, ctx, wanted) if self.cpu.policy.wants_parents else None
+        slots = self.cpu.add_many(wanted, BlockState.WRITING, parents)
+        if self.disk is not None:
+            for key, slot in zip(wanted, slots):
+                if self.disk.is_ready(key):
+                    Entry(self.cpu, slot).on_disk = True
+        self._plan_flushes()
+        return StorePlan(tuple(wanted), tuple(slots), {Medium.CPU: tuple(evicted)} if evicted else {})
+
+    def _admitted(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """The new ``keys`` the CPU admission lets in, up to the first refused one that the
+        disk does not hold either (prefix semantics); resident ones are accessed instead."""
         wanted: list[BlockKey] = []
         seen: set[BlockKey] = set()
-        self._note_hints(keys, ctx)
         for key in keys:
             if key in seen:
                 continue
@@ -332,37 +352,19 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                     break  # prefix semantics: nothing after an unstored block can be hit
                 continue
             wanted.append(key)
-        evicted: list[BlockKey] = []
-        need = len(wanted) - self.cpu.free_count
-        if need > 0:
-            evicted = self._evict_cpu(need)
-        room = self.cpu.free_count
-        if room < len(wanted):
-            self.stats.store_skipped_no_space += len(wanted) - room
-            wanted = wanted[:room]
-        parents = self._parents(keys, ctx)
-        slots = self.cpu.add_many(wanted, BlockState.WRITING, [parents.get(k) for k in wanted])
-        if self.disk is not None:
-            for key, slot in zip(wanted, slots):
-                if self.disk.is_ready(key):
-                    Entry(self.cpu, slot).on_disk = True
-        self._plan_flushes()
-        return StorePlan(tuple(wanted), tuple(slots), {Medium.CPU: tuple(evicted)} if evicted else {})
+        return wanted
 
     @staticmethod
-    def _parents(keys: Sequence[BlockKey], ctx: RequestContext | None) -> dict[BlockKey, BlockKey | None]:
-        prev = ctx.parent_key if ctx is not None else None
-        out: dict[BlockKey, BlockKey | None] = {}
-        for key in keys:
-            out[key] = prev
-            prev = key
-        return out
+    def _parents(keys, ctx: RequestContext | None, wanted: Sequence[BlockKey]) -> list:
+        """Each of ``wanted``'s previous block in ``keys`` (the first's: ``ctx.parent_key``)."""
+        known = dict(zip(keys, [ctx.parent_key if ctx is not None else None, *keys]))
+        return [known.get(k) for k in wanted]
 
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
-        stored = self.cpu.stored_writes(keys)  # WRITING by a store (not a promotion)
+        # WRITING by a store (not a promotion); on success they become READY
+        stored = (self.cpu.publish_stored_writes if success else self.cpu.stored_writes)(keys)
         self.stats.protocol_errors += len(keys) - len(stored)
         if success:
-            self.cpu.mark_ready(stored)
             self.stats.stored_blocks["CPU"] += len(stored)
             self.events.emit(BlockStored(Medium.CPU, tuple(stored)))
             self._queue_remote_writes(stored)

@@ -277,3 +277,29 @@ def test_retention_hint_in_kv_transfer_params_reaches_the_tiered_manager(model_d
     assert inner.hints is not None and req.request_id in inner._request_hints
     assert bad_checks(rig) == []
     rig.close()
+
+
+def test_retention_action_in_kv_hints_reaches_the_tiered_manager(model_dir):
+    """vLLM 0.33's per-request ``kv_hints`` feed the same retention hints as
+    ``kv_transfer_params['kvtier_retention']`` (issue 15)."""
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    from kvtier.manager.hints import KEEP
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    env = KvHintsEnvelope(protocol_version="1", message_id="m1", actions=[
+        KvHintAction(action_id="a0", action_type="prefetch", action_version="1", payload={}),
+        KvHintAction(action_id="a1", action_type="kvtier_retention", action_version="1",
+                     payload={"continues": True, "ttl": 120, "session_id": "chat-7",
+                              "router": "other component's field"})])
+    req = make(vh.random_tokens(40, seed=32), max_tokens=1, kv_hints=env)
+    rig.loop.add(req)
+    rig.loop.run_until_idle()
+    inner = rig.side.manager
+    while hasattr(inner, "inner"):
+        inner = inner.inner
+    hint = inner._request_hints[req.request_id]
+    assert (hint.rank, hint.ttl_s, hint.session) == (KEEP, 120.0, "chat-7")
+    assert bad_checks(rig) == []
+    rig.close()

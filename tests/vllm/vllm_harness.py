@@ -218,13 +218,14 @@ class RequestMaker:
 
     def __call__(self, token_ids: Sequence[int], *, max_tokens: int = 4,
                  kv_transfer_params: dict | None = None, req_id: str | None = None,
-                 ignore_eos: bool = True) -> Request:
+                 ignore_eos: bool = True, kv_hints=None) -> Request:
         extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, extra_args=extra)
         sp.update_from_generation_config({}, EOS_TOKEN_ID)
         return Request(request_id=req_id or f"req-{next(self._ids)}",
                        prompt_token_ids=list(token_ids), sampling_params=sp,
-                       pooling_params=None, block_hasher=self._hasher)
+                       pooling_params=None, block_hasher=self._hasher,
+                       **({"kv_hints": kv_hints} if kv_hints is not None else {}))
 
 
 def random_tokens(n: int, seed: int) -> list[int]:

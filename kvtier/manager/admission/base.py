@@ -18,6 +18,8 @@ from kvtier.manager.specs import BlockKey
 
 class AdmissionPolicy(ABC):
     name: str = ""
+    # ``admit`` is always True and has no side effect: the manager skips the per-block call.
+    admits_everything: bool = False
 
     def record_lookup(self, keys: Sequence[BlockKey]) -> None:
         """``keys`` of a request were looked up (one sighting each)."""
@@ -27,6 +29,16 @@ class AdmissionPolicy(ABC):
 
     def on_evict(self, key: BlockKey) -> None:
         """``key`` left this tier."""
+
+    def on_hits(self, keys: Sequence[BlockKey]) -> None:
+        """``on_hit`` for a batch (one call per request on the load path)."""
+        for key in keys:
+            self.on_hit(key)
+
+    def on_evicts(self, keys: Sequence[BlockKey]) -> None:
+        """``on_evict`` for a batch (one call per eviction)."""
+        for key in keys:
+            self.on_evict(key)
 
     @abstractmethod
     def admit(self, key: BlockKey) -> bool:
@@ -41,6 +53,13 @@ class AdmissionPolicy(ABC):
 
 class AdmitAll(AdmissionPolicy):
     name = "all"
+    admits_everything = True
+
+    def on_hits(self, keys: Sequence[BlockKey]) -> None:
+        pass
+
+    def on_evicts(self, keys: Sequence[BlockKey]) -> None:
+        pass
 
     def admit(self, key: BlockKey) -> bool:
         return True

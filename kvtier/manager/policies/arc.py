@@ -16,6 +16,7 @@ most once.
 from __future__ import annotations
 
 from array import array
+from itertools import repeat
 from typing import Iterable, Iterator
 
 from kvtier.manager.keyed_list import KeyShards
@@ -50,6 +51,11 @@ class ARCPolicy(EvictionPolicy):
         for i in range(4):
             self._next[s + i] = self._prev[s + i] = s + i
         self._free = 0
+        # handle -> node of the key holding it, for the ``*_at`` calls of the tier (whose
+        # handles are < capacity): an array read instead of a key lookup
+        self._node_of = array("i", bytes(4 * c))
+        self._handle_of = array("i", [-1]) * n  # node -> that handle (-1: none)
+        self._no_handle = array("i", [0])  # where insert_many's "no handle" notes go
         self._n1 = self._n2 = self._nb1 = self._nb2 = 0  # sizes of T1, T2, B1, B2
 
     # -- contract --------------------------------------------------------------------------
@@ -60,6 +66,19 @@ class ARCPolicy(EvictionPolicy):
         self.insert_many((key,))
 
     def insert_many(self, keys, parents=None) -> None:
+        self._insert(keys, None)
+
+    def insert_at(self, keys, handles, parents=None) -> None:
+        self._insert(keys, handles)
+
+    def _insert(self, keys, handles) -> None:
+        """``insert`` of each key; with ``handles``, also notes which node each handle's key
+        holds, for the ``*_at`` calls (they then skip the key lookup)."""
+        if handles is None:  # policy-only use: no handles to note
+            handles, node_of = repeat(-1), self._no_handle
+        else:
+            node_of = self._node_of
+        handle_of = self._handle_of
         c = self.capacity
         c2 = 2 * c
         shards, kn, nodes, lst = self._shards, self._kn, self._nodes, self._list
@@ -67,17 +86,38 @@ class ARCPolicy(EvictionPolicy):
         s = self._s
         s1, s2, sb1, sb2 = s, s + 1, s + 2, s + 3
         n1, n2, nb1, nb2, free, p = self._n1, self._n2, self._nb1, self._nb2, self._free, self.p
-        for key in keys:
-            shard = shards[hash(key) % kn]
-            node = shard.get(key)
-            if node is None:  # new: the MRU end of T1
-                node = free
-                if node < 0:
-                    self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
-                        n1, n2, nb1, nb2, free, p)
-                    raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
+        for key, h in zip(keys, handles):
+            if free < 0 and key not in shards[hash(key) % kn]:
+                self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
+                    n1, n2, nb1, nb2, free, p)
+                raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
+            if nb1 and n1 + nb1 >= c:  # a new key would push B1's oldest ghost out: its node
+                ghost_node = nxt[sb1]
+                node = shards[hash(key) % kn].setdefault(key, ghost_node)
+                ghost = nodes[ghost_node >> 6][ghost_node]
+                if node == ghost_node and ghost != key:  # new: takes the ghost's node over
+                    b = nxt[node]
+                    nxt[sb1] = b
+                    prev[b] = sb1
+                    del shards[hash(ghost) % kn][ghost]
+                    nodes[node >> 6][node] = key
+                    node_of[h] = node
+                    handle_of[node] = h
+                    lst[node] = _T1
+                    last = prev[s1]
+                    nxt[last] = node
+                    prev[node] = last
+                    nxt[node] = s1
+                    prev[s1] = node
+                    n1 += 1
+                    nb1 -= 1
+                    continue  # one in, one out: both ghost bounds stay as they were
+            else:
+                node = shards[hash(key) % kn].setdefault(key, free)  # find, or claim free
+            node_of[h] = node
+            handle_of[node] = h
+            if node == free:  # new: the MRU end of T1
                 free = nxt[node]
-                shard[key] = node
                 nodes[node >> 6][node] = key
                 lst[node] = _T1
                 last = prev[s1]
@@ -177,19 +217,60 @@ class ARCPolicy(EvictionPolicy):
             self._n1 -= 1
             self._n2 += 1
 
+    def access_many(self, keys) -> None:
+        """``access`` for a batch (a request's hits), inline."""
+        shards, kn = self._shards, self._kn
+        self._access([shards[hash(key) % kn].get(key) for key in keys])
+
+    def access_at(self, keys, handles) -> None:
+        node_of = self._node_of
+        self._access([node_of[h] for h in handles])
+
+    def _access(self, found) -> None:
+        lst, nxt, prev = self._list, self._next, self._prev
+        s2 = self._s + 1
+        moved = 0  # T1 -> T2
+        for node in found:
+            if node is None:
+                continue
+            where = lst[node]
+            if where > _T2:
+                continue  # a ghost is not resident
+            b = nxt[node]
+            if b == s2:
+                continue  # already T2's MRU
+            a = prev[node]
+            nxt[a] = b
+            prev[b] = a
+            last = prev[s2]
+            nxt[last] = node
+            prev[node] = last
+            nxt[node] = s2
+            prev[s2] = node
+            if where == _T1:
+                lst[node] = _T2
+                moved += 1
+        self._n1 -= moved
+        self._n2 += moved
+
     def remove(self, key: BlockKey) -> None:
         self.remove_many((key,))
 
     def remove_many(self, keys) -> None:
-        c = self.capacity
-        c2 = 2 * c
-        shards, kn, nodes, lst = self._shards, self._kn, self._nodes, self._list
-        nxt, prev = self._next, self._prev
+        shards, kn = self._shards, self._kn
+        self._remove([shards[hash(key) % kn].get(key) for key in keys])
+
+    def remove_at(self, keys, handles) -> None:
+        node_of = self._node_of
+        self._remove([node_of[h] for h in handles])
+
+    def _remove(self, found) -> None:
+        """Resident nodes in ``found`` (None: an unknown key) move to their ghost list."""
+        lst, nxt, prev = self._list, self._next, self._prev
         sb1 = self._s + 2
         sb2 = sb1 + 1
-        n1, n2, nb1, nb2, free = self._n1, self._n2, self._nb1, self._nb2, self._free
-        for key in keys:
-            node = shards[hash(key) % kn].get(key)
+        n1, n2, nb1, nb2 = self._n1, self._n2, self._nb1, self._nb2
+        for node in found:
             if node is None:
                 continue
             where = lst[node]
@@ -213,38 +294,9 @@ class ARCPolicy(EvictionPolicy):
             prev[node] = last
             nxt[node] = to
             prev[to] = node
-            # Ghost bounds, as in insert_many.
-            while nb1 and n1 + nb1 > c:
-                node = nxt[sb1]
-                b = nxt[node]
-                nxt[sb1] = b
-                prev[b] = sb1
-                ghost = nodes[node >> 6].pop(node)
-                del shards[hash(ghost) % kn][ghost]
-                nxt[node] = free
-                free = node
-                nb1 -= 1
-            while nb2 and n1 + n2 + nb1 + nb2 > c2:
-                node = nxt[sb2]
-                b = nxt[node]
-                nxt[sb2] = b
-                prev[b] = sb2
-                ghost = nodes[node >> 6].pop(node)
-                del shards[hash(ghost) % kn][ghost]
-                nxt[node] = free
-                free = node
-                nb2 -= 1
-            while nb1 and n1 + n2 + nb1 + nb2 > c2:
-                node = nxt[sb1]
-                b = nxt[node]
-                nxt[sb1] = b
-                prev[b] = sb1
-                ghost = nodes[node >> 6].pop(node)
-                del shards[hash(ghost) % kn][ghost]
-                nxt[node] = free
-                free = node
-                nb1 -= 1
-        self._n1, self._n2, self._nb1, self._nb2, self._free = n1, n2, nb1, nb2, free
+        self._n1, self._n2, self._nb1, self._nb2 = n1, n2, nb1, nb2
+        # A resident key turned ghost leaves |T1|+|B1| and |T1|+|T2|+|B1|+|B2| as they were,
+        # so the ghost bounds that ``_insert`` keeps still hold: nothing to trim here.
 
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         out: list[BlockKey] = []
@@ -296,6 +348,28 @@ class ARCPolicy(EvictionPolicy):
                     else:
                         break
         return out
+
+    def victims_at(self, n: int):
+        # REPLACE as in ``victims`` with every key evictable: T1's LRU while T1 exceeds
+        # its target (or T2 is empty), else T2's LRU.
+        keys: list[BlockKey] = []
+        handles: list[int] = []
+        nodes, nxt, handle_of = self._nodes, self._next, self._handle_of
+        s1 = self._s
+        s2 = s1 + 1
+        node1, node2 = nxt[s1], nxt[s2]
+        t1_left, p = self._n1, self.p
+        for _ in range(n):
+            if node1 != s1 and (t1_left > p or node2 == s2):
+                node, node1 = node1, nxt[node1]
+                t1_left -= 1
+            elif node2 != s2:
+                node, node2 = node2, nxt[node2]
+            else:
+                break
+            keys.append(nodes[node >> 6][node])
+            handles.append(handle_of[node])
+        return keys, handles
 
     def __len__(self) -> int:
         return self._n1 + self._n2

@@ -18,6 +18,9 @@ Evictable = Callable[[BlockKey], bool]
 
 class EvictionPolicy(ABC):
     name: str = ""
+    # Whether ``insert``'s ``parent`` is used: the manager only works out parents (a dict per
+    # store) for a policy that reads them.
+    wants_parents: bool = False
 
     @abstractmethod
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
@@ -41,6 +44,34 @@ class EvictionPolicy(ABC):
         """``remove`` for a batch."""
         for key in keys:
             self.remove(key)
+
+    def access_many(self, keys: Iterable[BlockKey]) -> None:
+        """``access`` for a batch, in order; keys not resident are ignored (policies override
+        it: on the request path a Python call per key costs as much as the access)."""
+        for key in keys:
+            if key in self:
+                self.access(key)
+
+    # Handle-addressed batches: the tier passes, with the keys, the handle each one holds
+    # while resident (its CPU slot; < the tier's capacity, which is the policy's). A policy
+    # may keep ``handle -> node`` from ``insert_at`` to skip its own key lookup in
+    # ``access_at`` / ``remove_at``; the tier then addresses every resident key through these.
+    def insert_at(self, keys: Sequence[BlockKey], handles: Sequence[int],
+                  parents: Sequence[BlockKey | None] | None = None) -> None:
+        self.insert_many(keys, parents)
+
+    def access_at(self, keys: Sequence[BlockKey], handles: Sequence[int]) -> None:
+        self.access_many(keys)
+
+    def remove_at(self, keys: Sequence[BlockKey], handles: Sequence[int]) -> None:
+        self.remove_many(keys)
+
+    def victims_at(self, n: int) -> tuple[list[BlockKey], list[int]] | None:
+        """The next ``n`` victims as ``victims`` would give them if every key were evictable,
+        with the handle each got from ``insert_at`` (-1: none). The tier checks pins by
+        handle, with no key lookup, and calls ``victims`` when one is pinned. None: this
+        policy keeps no handles (or must see every key: a filter of its own)."""
+        return None
 
     @abstractmethod
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:

@@ -24,6 +24,7 @@ class HintedEviction(EvictionPolicy):
         self.inner = inner
         self.book = book
         self.name = f"{inner.name}+hints"
+        self.wants_parents = inner.wants_parents
         self.second_chances = 0
 
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
@@ -36,11 +37,27 @@ class HintedEviction(EvictionPolicy):
     def access(self, key: BlockKey) -> None:
         self.inner.access(key)
 
+    def access_many(self, keys: Iterable[BlockKey]) -> None:
+        self.inner.access_many(keys)
+
+    def insert_at(self, keys, handles, parents=None) -> None:
+        self.inner.insert_at(keys, handles, parents)
+
+    def access_at(self, keys, handles) -> None:
+        self.inner.access_at(keys, handles)
+
+    def remove_at(self, keys, handles) -> None:
+        self.inner.remove_at(keys, handles)
+
     def remove(self, key: BlockKey) -> None:
         self.inner.remove(key)
 
     def remove_many(self, keys: Iterable[BlockKey]) -> None:
         self.inner.remove_many(keys)
+
+    def victims_at(self, n: int):
+        # with kept blocks in the book, the walk must see every key
+        return self.inner.victims_at(n) if not len(self.book) else None
 
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         book = self.book

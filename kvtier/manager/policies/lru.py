@@ -4,6 +4,7 @@ request every ~0.5M inserts)."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Iterable
 
 from kvtier.manager.keyed_list import KeyedList
@@ -18,14 +19,38 @@ class LRUPolicy(EvictionPolicy):
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self._order = KeyedList(capacity_blocks)  # oldest first
+        # handle -> the list node of the key holding it (``insert_at``): ``access_at`` reads
+        # an array instead of looking the key up
+        self._node_of = array("i", bytes(4 * capacity_blocks))
 
+    # The list's value of a key is the tier handle ``insert_at`` gave it (-1: none).
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:
-        self._order.push(key)
+        self._order.push(key, -1)
 
     def insert_many(self, keys, parents=None) -> None:
         push = self._order.push
         for key in keys:
-            push(key)
+            push(key, -1)
+
+    def insert_at(self, keys, handles, parents=None) -> None:
+        push, node_of = self._order.push, self._node_of
+        for key, h in zip(keys, handles):
+            node_of[h] = push(key, h)
+
+    def access_at(self, keys, handles) -> None:
+        node_of = self._node_of
+        self._order.move_nodes_to_end([node_of[h] for h in handles])
+
+    def victims_at(self, n: int):
+        keys: list[BlockKey] = []
+        handles: list[int] = []
+        if n > 0:
+            for key, h in self._order.items():
+                keys.append(key)
+                handles.append(h)
+                if len(keys) == n:
+                    break
+        return keys, handles
 
     def remove_many(self, keys) -> None:
         pop = self._order.pop
@@ -34,6 +59,9 @@ class LRUPolicy(EvictionPolicy):
 
     def access(self, key: BlockKey) -> None:
         self._order.move_to_end(key)
+
+    def access_many(self, keys) -> None:
+        self._order.move_many_to_end(keys)
 
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key)
