@@ -38,12 +38,13 @@ import torch
 
 from kvtier.connectors import colocated
 from kvtier.connectors.forward_timer import ForwardTimer
+from kvtier.connectors.kv_view import engine_view
 from kvtier.connectors.layer_fences import LayerFences
 from kvtier.connectors.timeline import timeline
 from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
 from kvtier.connectors.metadata import (KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob,
                                        StoreJob)
-from kvtier.connectors.settings import ConnectorSettings, ConnectorSetupError
+from kvtier.connectors.settings import ConnectorSettings
 from kvtier.connectors.stats import KVTierStats, direction_delta
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
@@ -95,19 +96,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        missing = [n for n in self.settings.layer_names if n not in kv_caches]
-        if missing:
-            raise ConnectorSetupError(
-                f"kvtier: KV caches of layers {missing[:4]} were not registered (got "
-                f"{list(kv_caches)[:4]}...)"
-            )
-        layers = {n: kv_caches[n] for n in self.settings.layer_names}
-        view = GpuKvView(layers, "block_pages")
-        if view.page_bytes != self.settings.page_bytes:
-            raise ConnectorSetupError(
-                f"kvtier: registered KV pages hold {view.page_bytes} B per block and layer, the "
-                f"KV cache spec says {self.settings.page_bytes} B; unsupported cache layout"
-            )
+        view = engine_view(self.settings, kv_caches)
         self._forward = ForwardTimer(view.device)
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
