@@ -303,33 +303,3 @@ def test_layered_loads_need_a_pinned_pool_and_auto_falls_back_to_staged():
         CudaCpuToGpuHandler(view, pool, loads="layered")
     with pytest.raises(ValueError, match="load mode"):
         CudaCpuToGpuHandler(view, pool, loads="sideways")
-
-
-@pytest.mark.skipif(not cupy_available(), reason="layered loads need CuPy")
-def test_auto_stages_small_loads_and_layers_large_ones_bit_exact():
-    """In "auto" a load under LAYERED_MIN_BYTES_PER_LAYER per layer goes through the staging
-    ring (one job, whole-load fence), a larger one layer by layer; both land exactly."""
-    from kvtier.transfer.cuda import handlers
-    from kvtier.transfer.cuda.direct import LayeredJob
-
-    gen = torch.Generator(device=DEV).manual_seed(31)
-    layers, page = 2, 32 << 10
-    view = GpuKvView(make_caches("kv_first", layers, 160, page, torch.bfloat16, gen),
-                     layout="kv_first")
-    pool = CpuBlockPool(view.geometry(1), num_slots=150)
-    pool.wait_ready()
-    for s in range(150):
-        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
-    handler = CudaCpuToGpuHandler(view, pool)  # "auto"
-    assert handler.direct is not None
-    per_block = pool.geometry.block_bytes  # 2 layers x K,V x 32 KiB = 128 KiB
-    big = -(-handler.layered_min_bytes // per_block)  # smallest layered job
-    assert handler.layered_min_bytes == layers * handlers.LAYERED_MIN_BYTES_PER_LAYER
-    for n, layered in ((4, False), (big, True)):
-        ids = random.Random(n).sample(range(160), n)
-        pending = handler.start(LoadStoreSpec.cpu(range(n)), LoadStoreSpec.gpu(ids))
-        assert isinstance(pending.job, LayeredJob) is layered
-        handler.finish(pending)
-        got = reference_slots(view, ids, 1)
-        want = torch.stack([pool.slot(s) for s in range(n)])
-        assert torch.equal(got, want), f"{n} blocks (layered={layered}) not bit-exact"

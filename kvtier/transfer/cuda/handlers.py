@@ -17,11 +17,7 @@ the GPU, never by host syncs:
   Timing events give the copy's device time, which feeds the cost model.
 
 Loads go layer by layer straight from the pinned slots (``loads="layered"``, the default when
-the pool is pinned and CuPy is there) or through the staging ring (``"staged"``). In ``"auto"``
-a load smaller than ``LAYERED_MIN_BYTES_PER_LAYER`` per layer is staged: enqueueing a layered
-job costs ~0.1 ms of host time per layer (its copies and kernels are per layer), which only
-pays when the copy it overlaps with the forward is longer (a 1k-token hit of a 1B model is
-33 MB: 0.7 ms of copy against ~2 ms of enqueue for its 16 layers, measured in vLLM on an H100).
+the pool is pinned and CuPy is there) or through the staging ring (``"staged"``).
 
 Loads run on higher-priority streams than stores, and the two directions use separate
 streams and staging rings, so both PCIe directions run at once. Enqueueing a job costs a few
@@ -54,7 +50,6 @@ log = logging.getLogger(__name__)
 
 
 LOAD_MODES = ("auto", "layered", "staged")
-LAYERED_MIN_BYTES_PER_LAYER = 8 << 20  # "auto": smaller loads are staged (see the docstring)
 
 
 @dataclass
@@ -92,8 +87,6 @@ class _CudaHandler(ImmediateHandler):
             staging_bytes=staging_bytes, ring_slots=ring_slots, priority=priority,
         )
         self.direct: DirectLayerLoader | None = None
-        self.layered_min_bytes = 0 if loads == "layered" else \
-            view.num_layers * LAYERED_MIN_BYTES_PER_LAYER
         if self.to_gpu and loads == "layered":
             self.direct = self._layered(max_ctas)
         elif self.to_gpu and loads == "auto" and pool.pin and backend != "torch" \
@@ -125,8 +118,7 @@ class _CudaHandler(ImmediateHandler):
         if self.compute_stream != current:
             waits.append(torch.cuda.Event())
             waits[1].record(self.compute_stream)
-        if self.direct is not None and \
-                len(slots) * self.pool.geometry.block_bytes >= self.layered_min_bytes:
+        if self.direct is not None:
             return _Pending(self.direct.enqueue(ids, slots, waits))
         return _Pending(self.copier.enqueue(ids, slots, waits))
 
