@@ -6,7 +6,8 @@ side by side on the same machine:
 * ``none``: no connector (recompute); ``kvtier``: kvtier's CPU tier; ``native``: vLLM's
   ``OffloadingConnector`` with the same CPU bytes; ``kvtier_disk``: kvtier with a small CPU
   tier and a disk tier (prompts pushed out of CPU first); ``kvtier_ab``: each kvtier hit
-  timed with the copy started at vLLM's first hook of the step and at ``start_load_kv``,
+  timed with the copy started early (handed over when planned, or at vLLM's first worker hook
+  of the step) and at ``start_load_kv``,
   alternating in one engine (the paired A/B of the early start); ``kvtier_staged``: kvtier with
   whole-load copies through the staging ring (``KVTIER_CUDA_LOADS=staged``), the A/B of
   layer-by-layer loads; ``check``: GPU page bytes and
@@ -42,7 +43,7 @@ COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late"}
 HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
            "kvtier_disk": "kvtier disk hit", "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
-           "kvtier_cpu_ab": "A/B: load at first hook", "kvtier_cpu_ab_late": "A/B: load at start_load"}
+           "kvtier_cpu_ab": "A/B: load started early", "kvtier_cpu_ab_late": "A/B: load at start_load"}
 
 
 def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:

@@ -8,8 +8,8 @@ process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Co
 * ``kvtier_disk`` - kvtier with a small CPU tier and a disk tier: every prompt is written,
   pushed out of CPU by filler prompts, then timed (cost-aware loading may recompute instead);
 * ``kvtier_ab`` - kvtier, CPU tier only, each repetition timed twice in the same engine:
-  synchronous loads submitted at vLLM's first hook of the step (``handle_preemptions``, the
-  default) and at ``start_load_kv`` (the paired A/B of the early start);
+  synchronous loads started early (the default: handed over when planned, or at vLLM's first
+  worker hook) and at ``start_load_kv`` (the paired A/B of the early start);
 * ``native`` - vLLM's ``OffloadingConnector`` with the same CPU bytes;
 * ``check``  - kvtier, in-process engine: GPU page bytes after a load against the bytes vLLM
   computed, and tokens/logprobs against vLLM's own prefix-cache hit.
