@@ -2,7 +2,8 @@
 tier is the given Redis/Valkey URL; generate the prompts once (after an optional reset of the
 engine's own prefix cache), wait until kvtier settled, write results and tier counters as JSON.
 
-Usage: remote_child.py MODEL_DIR REDIS_URL PROMPTS_JSON OUT_JSON
+Usage: remote_child.py MODEL_DIR SERVER PROMPTS_JSON OUT_JSON
+SERVER is a redis:// URL (one standalone server) or comma-separated HOST:PORT Cluster nodes.
 """
 
 from __future__ import annotations
@@ -19,18 +20,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import engine_util as eu  # noqa: E402
 
 
-def transfer_config(url: str):
+def remote_tier(server: str) -> dict:
+    """``tiers.remote`` for a server URL, or for Cluster start-up nodes "h:p,h:p,..."."""
+    if "://" in server:
+        return {"url": server, "timeout_s": 1.0}
+    return {"nodes": server.split(","), "timeout_s": 1.0}
+
+
+def transfer_config(server: str):
     cfg = eu.kvtier_transfer_config(cpu_blocks=64)
     extra = cfg.kv_connector_extra_config["kvtier"]
-    extra["tiers"]["remote"] = {"url": url, "timeout_s": 1.0}
+    extra["tiers"]["remote"] = remote_tier(server)
     return cfg
 
 
 def main() -> int:
-    model_dir, url, prompts_path, out_path = sys.argv[1:5]
+    model_dir, server, prompts_path, out_path = sys.argv[1:5]
     with open(prompts_path) as f:
         token_prompts = json.load(f)
-    llm = eu.make_llm(model_dir, transfer_config(url))
+    llm = eu.make_llm(model_dir, transfer_config(server))
     conn = eu.scheduler_connector(llm)
     loads = eu.record_loads(conn)
     results = eu.generate(llm, token_prompts)
