@@ -38,10 +38,6 @@ class LayerFences:
         self._fenced = dict(loads)
         return True
 
-    @property
-    def armed(self) -> bool:
-        return bool(self._fenced)
-
     def on_layer(self, layer_name: str, fence_layer: Callable[[list[int], int], None]) -> None:
         """vLLM's hook before a layer's attention: order it after that layer of the loads."""
         layer = self._layer_of.get(layer_name)

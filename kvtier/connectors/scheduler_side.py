@@ -203,9 +203,7 @@ class SchedulerSide(JobSettling):
         if sync and not after:  # a worker in this thread starts it now (colocated.py)
             worker = colocated.worker_for(self.settings.engine_id)
             if worker is not None:
-                flush = tuple(sorted({j for b in gpu_ids for j in self._sources.get(b, ())})
-                              if self._sources else ())
-                worker.submit_ahead(self._step_loads[-1], flush)
+                worker.submit_ahead(self._step_loads[-1], tuple(self._stores_reading(gpu_ids)))
         t.load_job = job_id
         t.load_first_index = start
         if self._tl.enabled:
@@ -294,9 +292,15 @@ class SchedulerSide(JobSettling):
         out.discard(0)
         return out
 
+    def _stores_reading(self, blocks: Iterable[int]) -> list[int]:
+        """Unsettled store jobs that still copy out of any of these engine blocks."""
+        if not self._sources:
+            return []
+        return sorted({j for b in blocks for j in self._sources.get(b, ())})
+
     def build_meta(self, so: Any) -> KVTierConnectorMetadata:
         written = self._written_blocks(so)
-        flush = sorted({j for b in written for j in self._sources.get(b, ())})
+        flush = self._stores_reading(written)
         stores = []
         for req_id, num_scheduled in so.num_scheduled_tokens.items():
             t = self.tracks.get(req_id)
