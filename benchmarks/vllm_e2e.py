@@ -81,7 +81,8 @@ def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict
 def summarize(samples: list) -> dict:
     ms = [s[0] for s in samples]
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "n": len(ms),
-            "cached_tokens": statistics.median(s[1] for s in samples)}
+            "cached_tokens": statistics.median(s[1] for s in samples),
+            "samples": [[round(s[0], 2), s[1]] for s in samples]}
 
 
 def timeline_of_one_hit(path: str, length: int) -> list[dict]:
@@ -160,6 +161,10 @@ def main(argv=None) -> int:
                    help="tiny model on vLLM's CPU engine (no GPU): checks the harness runs")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--timeout", type=float, default=560.0, help="per configuration, seconds")
+    p.add_argument("--vllm-marks", action="store_true",
+                   help="kvtier's timeline also marks vLLM's own step phases (vllm_marks.py)")
+    p.add_argument("--profile", default=None, help="directory for torch.profiler traces of the "
+                   "last timed hit per length (benchmarks/profile_summary.py reads them)")
     a = p.parse_args(argv)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
@@ -196,6 +201,10 @@ def main(argv=None) -> int:
                     args += ["--trace-chunks", "1"]
             if conn in ("kvtier", "kvtier_ab"):
                 args += ["--timeline", tl_path]
+                if a.vllm_marks:
+                    args += ["--vllm-marks"]
+            if a.profile and conn in ("none", "kvtier", "native"):
+                args += ["--profile", a.profile]
             os.makedirs(os.path.join(a.out_dir, "logs"), exist_ok=True)
             out = run_child(args, env, a.timeout,
                             os.path.join(a.out_dir, "logs", f"{shape}-{conn}.log"))

@@ -157,6 +157,22 @@ def timed(llm, prompt: list[int]) -> tuple[float, int]:
     return (time.perf_counter() - t0) * 1e3, int(out.num_cached_tokens or 0)
 
 
+def profiled(llm, prompt: list[int], a, length: int) -> tuple[float, int]:
+    """``timed`` under torch.profiler (host calls and CUDA runtime, kernels and copies on the
+    GPU): a chrome trace per length in ``--profile DIR``, summarised by profile_summary.py."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available()
+                                           else [])
+    with profile(activities=activities) as prof:
+        result = timed(llm, prompt)
+    os.makedirs(a.profile, exist_ok=True)
+    path = os.path.join(a.profile, f"{a.shape}-{a.connector}-{length}.json")
+    prof.export_chrome_trace(path)
+    return result
+
+
 def ttft_sweep(llm, a) -> dict:
     """Per prompt length: first (store or miss) then, after a GPU prefix-cache reset, the
     timed repetition; for disk, every prompt is written first and pushed out of CPU."""
@@ -198,7 +214,10 @@ def ttft_sweep(llm, a) -> dict:
                     worker.early_loads = early
                 reset(llm)
                 mark(a, "client_submit", length=length, rep=r)
-                ms, cached = timed(llm, p)
+                if a.profile and r == a.reps - 1 and early in (True, None):
+                    ms, cached = profiled(llm, p, a, length)
+                else:
+                    ms, cached = timed(llm, p)
                 mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
                 key = str(length) if early in (True, None) else f"{length}:late"
                 out.setdefault(key, []).append((ms, cached))
@@ -321,6 +340,8 @@ def main(argv=None) -> None:
     p.add_argument("--trace-speedup", type=float, default=4.0)
     p.add_argument("--trace-max-out", type=int, default=32)
     p.add_argument("--timeline", default=None)
+    p.add_argument("--profile", default=None,
+                   help="directory: torch.profiler chrome trace of the last timed rep per length")
     p.add_argument("--vllm-marks", action="store_true",
                    help="with --timeline: also mark vLLM's own step phases (vllm_marks.py)")
     p.add_argument("--switch-interval", type=float, default=None,

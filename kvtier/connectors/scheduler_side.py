@@ -85,6 +85,7 @@ class SchedulerSide(JobSettling):
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
         self._recompute = RecomputeEstimate()
+        self.whole_tail_max_bytes = settings.whole_tail_max_bytes  # _claim; the e2e A/B flips it
         self._tl = timeline()
         # token ids are needed until a block's last event (its demotion to disk at the latest,
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
@@ -124,7 +125,8 @@ class SchedulerSide(JobSettling):
         if t.params.skip_load or num_computed_tokens % bt:
             return 0, False
         start = num_computed_tokens // bt * per
-        stop = min((request.num_tokens - 1) // bt * per, self.keymap.num_keyed(request))
+        # the block holding the last token counts too (see _claim: it is loaded whole)
+        stop = min(request.num_tokens // bt * per, self.keymap.num_keyed(request))
         if stop <= start:
             return 0, False
         found = self.manager.lookup(self.keymap.keys(request, start, stop),
@@ -134,6 +136,8 @@ class SchedulerSide(JobSettling):
             return None, False
         hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
+        hits, claimed = self._claim(request, num_computed_tokens, hits)
+        t.whole_tail = claimed % bt != 0
         if hits == 0:
             if self._tl.enabled:
                 self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
@@ -147,7 +151,28 @@ class SchedulerSide(JobSettling):
         if self._tl.enabled:
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
                           sync=t.sync_load)
-        return hits // per * bt, not t.sync_load
+        return claimed, not t.sync_load
+
+    def _claim(self, request: Any, num_computed: int, hits: int) -> tuple[int, int]:
+        """(kvtier blocks to load, tokens to report to vLLM) for a run of ``hits`` blocks.
+
+        vLLM computes at least the prompt's last token. A hit that reaches it is reported one
+        token short and its last block is still loaded whole (the forward then rewrites that
+        one token's KV, ordered after the copy): the step computes one token, a batch vLLM runs
+        as one full CUDA graph, where a hit cut at the block before would leave a block of
+        tokens to a piecewise forward (eager attention per layer: ~0.6 ms of host time per
+        layer on an H100, more than a small hit's whole copy). Above ``whole_tail_max_bytes``
+        the cut is at the block before instead, which lets the forward's layers follow a long
+        copy layer by layer (layer_fences.py)."""
+        bt, per = self.settings.block_tokens, self.keymap.per_block
+        tokens = hits // per * bt
+        room = request.num_tokens - 1 - num_computed
+        if tokens <= room:
+            return hits, tokens
+        if hits * self.settings.block_bytes <= self.whole_tail_max_bytes:
+            return hits, room
+        hits -= per * -(-(tokens - room) // bt)
+        return hits, hits // per * bt
 
     def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -155,13 +180,18 @@ class SchedulerSide(JobSettling):
         t = self.track(request)
         bt, bs, per = self.settings.block_tokens, self.settings.block_size, self.keymap.per_block
         start, n = t.lookup_start // bt * per, num_external_tokens // bt * per
+        whole_tail = (t.whole_tail and num_external_tokens % bt != 0
+                      and t.lookup_start + num_external_tokens == request.num_tokens - 1)
+        if whole_tail:  # the hit reached the last token: its block is loaded whole (_claim);
+            n += per  # it ends at the prompt's end, so every engine block of it is allocated
         block_ids = self.keymap.table(blocks.get_block_ids())
         epb = self.keymap.engine_per_block
         # one group (per == 1): the units' engine ids are one flat slice of the block table
         flat = self.keymap.engine_ids(block_ids, start, n) if per == 1 else None
         # vLLM may trim a hit to its own block size; engine blocks of a partial kvtier block
         # were claimed but cannot be loaded: they are reported as load errors (recomputed)
-        partial = self.keymap.gpu_ids(block_ids, start + n)[:(num_external_tokens % bt) // bs]
+        partial = ([] if whole_tail else
+                   self.keymap.gpu_ids(block_ids, start + n)[:(num_external_tokens % bt) // bs])
         keys = self.keymap.keys(request, start, start + n)
         # Blocks left outside a sliding window are null (id 0): nothing to load into them.
         # Without any (the common case) everything below is slices, not per-block loops.
@@ -218,6 +248,11 @@ class SchedulerSide(JobSettling):
         if remote:
             t.hit_tokens["REMOTE"] = remote * bt
             self._stats.add("hit_tokens_remote", remote * bt)
+        over = sum(t.hit_tokens.values()) - num_external_tokens  # a whole tail's last token
+        if over > 0:  # is computed, not loaded: vLLM checks the sources add up to its count
+            last = ("REMOTE" if plan.from_remote and plan.from_remote[-1] else
+                    "DISK" if plan.from_disk[-1] or joined[-1] else "CPU")
+            t.hit_tokens[last] -= over
         self._stats.add("unloadable_tokens", len(unloaded) * bs)
         t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
         if self._describe:

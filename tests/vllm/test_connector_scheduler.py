@@ -57,21 +57,32 @@ def test_store_then_reload_after_prefix_cache_reset(model_dir):
     rig.close()
 
 
-def test_never_claims_the_last_prompt_token(model_dir):
-    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
-    make = vh.RequestMaker(BS)
-    prompt = vh.random_tokens(64, seed=3)  # exactly 4 blocks
-    rig.loop.add(make(prompt, max_tokens=2))
-    rig.loop.run_until_idle()
-    assert rig.sched.reset_prefix_cache()
-    b = make(prompt, max_tokens=2)
-    # not 64; a CPU hit within the step's budget loads synchronously (False)
-    assert rig.connector.get_num_new_matched_tokens(b, 0) == (48, False)
-    rig.loop.add(b)
-    rig.loop.run_until_idle()
-    assert rig.loop.prefill[b.request_id] == (0, 48)
-    assert bad_checks(rig) == []
-    rig.close()
+def test_a_hit_reaching_the_last_token_claims_all_but_that_token(model_dir):
+    """vLLM computes at least the last prompt token. A hit of every block is reported one token
+    short and its last block loaded whole (the step computes one token: a full CUDA graph on a
+    GPU), and the KV vLLM then holds is exact. With ``whole_tail_max_bytes`` below the hit
+    the cut falls at the block before (a block of tokens computed)."""
+    for tail_max, claimed in ((float("inf"), 63), (0, 48)):
+        rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+        rig.side.whole_tail_max_bytes = tail_max
+        make = vh.RequestMaker(BS)
+        prompt = vh.random_tokens(64, seed=3)  # exactly 4 blocks
+        rig.loop.add(make(prompt, max_tokens=2))
+        rig.loop.run_until_idle()
+        assert rig.sched.reset_prefix_cache()
+        b = make(prompt, max_tokens=2)
+        # a CPU hit within the step's budget loads synchronously (False)
+        assert rig.connector.get_num_new_matched_tokens(b, 0) == (claimed, False)
+        rig.loop.add(b)
+        first = rig.loop.step()
+        (load,) = first.scheduler_output.kv_connector_metadata.loads
+        assert len(load.keys) == (claimed + BS - 1) // BS and not load.unloaded_gpu_ids
+        rig.loop.run_until_idle()
+        assert rig.loop.prefill[b.request_id] == (0, claimed)
+        assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
+        settle(rig)
+        assert rig.side.manager.pins() == 0
+        rig.close()
 
 
 def test_sync_cpu_hit_runs_in_the_step_that_loads_it(model_dir):
@@ -90,14 +101,14 @@ def test_sync_cpu_hit_runs_in_the_step_that_loads_it(model_dir):
         rig.loop.add(b)
         first = rig.loop.step()
         (load,) = first.scheduler_output.kv_connector_metadata.loads
-        assert load.sync is sync and len(load.keys) == 4
+        assert load.sync is sync and len(load.keys) == 5  # 80 tokens: 5 blocks, 79 claimed
         scheduled = b.request_id in first.scheduler_output.num_scheduled_tokens
         assert scheduled is sync
         records = [first] + rig.loop.run_until_idle()
         recving = set().union(*((r.kv_output.finished_recving or set())
                                 for r in records if r.kv_output))
         assert (b.request_id in recving) is not sync
-        assert rig.loop.prefill[b.request_id] == (0, 64)
+        assert rig.loop.prefill[b.request_id] == (0, 79)
         assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
         settle(rig)
         assert rig.side.manager.pins() == 0

@@ -30,11 +30,14 @@ def test_cpu_smoke_produces_hits_and_passes_its_checks(tmp_path):
     tiny = res["shapes"]["tiny"]
     for length, cols in tiny["ttft"].items():
         assert cols["recompute"]["n"] == 2 and cols["recompute"]["cached_tokens"] == 0
-        # every kvtier repetition was a hit of all full blocks but the last token's
-        assert cols["kvtier_cpu"]["cached_tokens"] == (int(length) - 1) // 32 * 32
+        # every kvtier repetition was a hit of the whole prompt but its last token (the
+        # lengths are whole blocks: the last block is loaded whole, that token recomputed)
+        assert cols["kvtier_cpu"]["cached_tokens"] == int(length) - 1
     check = tiny["check"]
     assert [p["identical"] for p in check["pages"]] == [p["loaded_blocks"] for p in check["pages"]]
     assert all(p["loaded_blocks"] > 0 and p["control_clashes"] == 0 for p in check["pages"])
+    # whole-block prompts: the hit reached the last token, its block was loaded whole
+    assert all(p["last_block_loaded_whole"] for p in check["pages"])
     assert all(o["tokens_equal_gpu_hit"] and o["max_logprob_diff_gpu_hit"] == 0.0
                for o in check["outputs"])
     assert any(r["ev"] == "lookup" and r.get("sync") for r in tiny["timeline"])
