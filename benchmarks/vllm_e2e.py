@@ -40,10 +40,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_disk": "kvtier_disk", "kvtier_cpu_staged": "kvtier_staged",
-           "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late"}
+           "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late",
+           "kvtier_cpu_tail": "kvtier_ab_tail", "kvtier_cpu_tail_cut": "kvtier_ab_tail:late"}
 HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
            "kvtier_disk": "kvtier disk hit", "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
-           "kvtier_cpu_ab": "A/B: load started early", "kvtier_cpu_ab_late": "A/B: load at start_load"}
+           "kvtier_cpu_ab": "A/B: load started early", "kvtier_cpu_ab_late": "A/B: load at start_load",
+           "kvtier_cpu_tail": "A/B: last block whole", "kvtier_cpu_tail_cut": "A/B: cut a block short"}
 
 
 def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:
@@ -199,7 +201,7 @@ def main(argv=None) -> int:
                 args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests)]
                 if a.cpu_smoke:
                     args += ["--trace-chunks", "1"]
-            if conn in ("kvtier", "kvtier_ab"):
+            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail"):
                 args += ["--timeline", tl_path]
                 if a.vllm_marks:
                     args += ["--vllm-marks"]
@@ -226,7 +228,7 @@ def main(argv=None) -> int:
                 res["trace"][conn] = out["trace"]
             if out.get("kvtier_stats"):
                 res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
-            if conn in ("kvtier", "kvtier_ab"):
+            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail"):
                 res["timeline"] = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
                                                      len(lengths.split(",")) > 1 else 0]))
         results["shapes"][shape] = res

@@ -10,6 +10,8 @@ process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Co
 * ``kvtier_ab`` - kvtier, CPU tier only, each repetition timed twice in the same engine:
   synchronous loads started early (the default: handed over when planned, or at vLLM's first
   worker hook) and at ``start_load_kv`` (the paired A/B of the early start);
+* ``kvtier_ab_tail`` - the same pairing for the last block of a hit that reaches the prompt's
+  last token: loaded whole (one token computed, the default) or not (a block computed);
 * ``native`` - vLLM's ``OffloadingConnector`` with the same CPU bytes;
 * ``check``  - kvtier, in-process engine: GPU page bytes after a load against the bytes vLLM
   computed, and tokens/logprobs against vLLM's own prefix-cache hit.
@@ -202,16 +204,16 @@ def ttft_sweep(llm, a) -> dict:
             ms, cached = timed(llm, p)
             out.setdefault(str(L), []).append((ms, cached))
         return out
-    worker = early_switch(a)
+    switch = ab_switch(a)
     for length in a.lengths:
         for r in range(a.reps):
             p = tokens(length, 1000 * length + r, a.vocab)
             if a.connector != "none":
                 gen(llm, p)  # computes and offloads it
                 settle(llm, a)
-            for early in ((False, True) if r % 2 == 0 else (True, False)) if worker else (None,):
-                if worker:
-                    worker.early_loads = early
+            for early in ((False, True) if r % 2 == 0 else (True, False)) if switch else (None,):
+                if switch:
+                    switch(early)
                 reset(llm)
                 mark(a, "client_submit", length=length, rep=r)
                 if a.profile and r == a.reps - 1 and early in (True, None):
@@ -221,21 +223,28 @@ def ttft_sweep(llm, a) -> dict:
                 mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
                 key = str(length) if early in (True, None) else f"{length}:late"
                 out.setdefault(key, []).append((ms, cached))
-    if worker:
-        worker.early_loads = True
+    if switch:
+        switch(True)
     return out
 
 
-def early_switch(a):
-    """``kvtier_ab``: the in-process worker's switch for early loads (else None)."""
-    if a.connector != "kvtier_ab":
+def ab_switch(a):
+    """The paired A/B's switch (a function of True/False), or None. ``kvtier_ab``: synchronous
+    loads started early (True) or at ``start_load_kv``; ``kvtier_ab_tail``: a hit reaching the
+    last prompt token loads its last block whole (True: one token computed, a full CUDA graph)
+    or stops at the block before (a block of tokens computed, per-layer fences)."""
+    if a.connector not in ("kvtier_ab", "kvtier_ab_tail"):
         return None
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker = getattr(get_kv_transfer_group(), "_worker", None)
     if worker is None or not hasattr(worker, "early_loads"):
-        raise RuntimeError("kvtier_ab needs the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    return worker
+        raise RuntimeError(f"{a.connector} needs the in-process engine "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    if a.connector == "kvtier_ab":
+        return lambda on: setattr(worker, "early_loads", on)
+    side = a.llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+    return lambda on: setattr(side, "whole_tail_max_bytes", float("inf") if on else 0)
 
 
 def progress(msg: str) -> None:
@@ -322,7 +331,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--connector", required=True,
-                   choices=["none", "kvtier", "kvtier_ab", "kvtier_staged", "kvtier_disk", "native",
+                   choices=["none", "kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_staged", "kvtier_disk", "native",
                             "check"])
     p.add_argument("--lengths", default="1024,2048,8192,32768")
     p.add_argument("--reps", type=int, default=5)
@@ -375,7 +384,7 @@ def main(argv=None) -> None:
         return
     t0 = time.perf_counter()
     progress(f"starting {a.connector} {a.shape}")
-    llm = make_llm(a, model_dir)
+    llm = a.llm = make_llm(a, model_dir)
     progress(f"engine up after {time.perf_counter() - t0:.0f} s")
     result = {"shape": a.shape, "connector": a.connector, "engine_start_s": time.perf_counter() - t0}
     result["ttft"] = ttft_sweep(llm, a)

@@ -300,3 +300,16 @@ def test_repeated_lookups_of_one_request_count_one_sighting():
     assert m.prepare_store([k(0)]).keys == ()
     m.lookup([k(0)])  # a second request
     assert m.prepare_store([k(0)]).keys == (k(0),)
+
+
+def test_slots_freed_together_come_back_in_order():
+    """An evicted run of neighbouring CPU slots is handed out again ascending, so a store that
+    replaces it gets one contiguous run (a load of it: one strided DMA per layer, not one copy
+    per block). Pushed one by one onto the free chain they came back descending."""
+    m = TieredOffloadingManager(cpu_blocks=16, disk_blocks=0)
+    first = [bytes([1, i]) for i in range(16)]
+    m.complete_store(m.prepare_store(first, RequestContext(request_id="a")).keys)
+    second = [bytes([2, i]) for i in range(8)]
+    plan = m.prepare_store(second, RequestContext(request_id="b"))  # evicts the 8 oldest
+    assert list(plan.keys) == second
+    assert list(plan.cpu_slots) == list(range(8))

@@ -32,6 +32,7 @@ from kvtier.connectors.disk_keys import restored_keys
 from kvtier.connectors.remote import open_remote_directory
 from kvtier.connectors.events import VllmEventConverter
 from kvtier.connectors.group_keys import GroupKeyMap
+from kvtier.connectors.hit_claim import claim
 from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
 from kvtier.connectors.observability import SchedulerObservability
@@ -85,7 +86,8 @@ class SchedulerSide(JobSettling):
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
         self._recompute = RecomputeEstimate()
-        self.whole_tail_max_bytes = settings.whole_tail_max_bytes  # _claim; the e2e A/B flips it
+        # _claim's bound; benchmarks/vllm_e2e.py's A/B flips it
+        self.whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
         self._tl = timeline()
         # token ids are needed until a block's last event (its demotion to disk at the latest,
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
@@ -136,7 +138,8 @@ class SchedulerSide(JobSettling):
             return None, False
         hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
-        hits, claimed = self._claim(request, num_computed_tokens, hits)
+        hits, claimed = claim(hits, per, bt, request.num_tokens - 1 - num_computed_tokens,
+                              self.settings.block_bytes, self.whole_tail_max_bytes)
         t.whole_tail = claimed % bt != 0
         if hits == 0:
             if self._tl.enabled:
@@ -152,27 +155,6 @@ class SchedulerSide(JobSettling):
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
                           sync=t.sync_load)
         return claimed, not t.sync_load
-
-    def _claim(self, request: Any, num_computed: int, hits: int) -> tuple[int, int]:
-        """(kvtier blocks to load, tokens to report to vLLM) for a run of ``hits`` blocks.
-
-        vLLM computes at least the prompt's last token. A hit that reaches it is reported one
-        token short and its last block is still loaded whole (the forward then rewrites that
-        one token's KV, ordered after the copy): the step computes one token, a batch vLLM runs
-        as one full CUDA graph, where a hit cut at the block before would leave a block of
-        tokens to a piecewise forward (eager attention per layer: ~0.6 ms of host time per
-        layer on an H100, more than a small hit's whole copy). Above ``whole_tail_max_bytes``
-        the cut is at the block before instead, which lets the forward's layers follow a long
-        copy layer by layer (layer_fences.py)."""
-        bt, per = self.settings.block_tokens, self.keymap.per_block
-        tokens = hits // per * bt
-        room = request.num_tokens - 1 - num_computed
-        if tokens <= room:
-            return hits, tokens
-        if hits * self.settings.block_bytes <= self.whole_tail_max_bytes:
-            return hits, room
-        hits -= per * -(-(tokens - room) // bt)
-        return hits, hits // per * bt
 
     def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:

@@ -64,8 +64,10 @@ CASES = [
 ]
 
 
-MODES = [("cupy", "layered"), ("cupy", "uva"), ("cupy", "staged"), ("torch", "staged")] \
-    if cupy_available() else [("torch", "staged")]
+# layered: slots in two runs (one strided DMA per layer and run); scattered: slots at random
+# (the layered path reads them through UVA, direct.scattered); uva: UVA forced
+MODES = [("cupy", "layered"), ("cupy", "scattered"), ("cupy", "uva"), ("cupy", "staged"),
+         ("torch", "staged")] if cupy_available() else [("torch", "staged")]
 
 
 @pytest.mark.parametrize("backend,loads", MODES)
@@ -85,13 +87,22 @@ def test_round_trip_is_bit_exact(backend, loads, layout, dtype, page_bytes, laye
     store = CudaGpuToCpuHandler(view, pool, **kw)
     load = CudaCpuToGpuHandler(view, pool, loads="staged" if loads == "staged" else "layered",
                                **kw)
+    taken = []
+    if load.direct is not None:  # which way the job's layers went
+        real = load.direct.enqueue
+        load.direct.enqueue = lambda *a, **k: taken.append(real(*a, **k)) or taken[-1]
     assert (load.direct is not None) == (loads != "staged")
+    copy2d = load.direct is not None and load.direct._copy2d is not None
     if loads == "uva":
         load.direct._copy2d = None
     n = min(num_blocks // per // 2, 7)
     ids = rng.sample(range(num_blocks), n * per)
     slots = rng.sample(range(16), n)
     slots[:3] = sorted(slots[:3])  # some neighbours, some not
+    if loads == "layered":  # two runs of neighbouring slots
+        slots = list(range(9, 9 + n // 2)) + list(range(n - n // 2))
+    elif loads == "scattered":  # descending: every slot its own run
+        slots = list(range(15, 15 - n, -1))
     want = reference_slots(view, ids, per)
 
     out = run(store.run(LoadStoreSpec.gpu(ids), LoadStoreSpec.cpu(slots)))
@@ -108,6 +119,8 @@ def test_round_trip_is_bit_exact(backend, loads, layout, dtype, page_bytes, laye
               for b in range(num_blocks) if b not in dst}
     out = run(load.run(LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst)))
     assert out.bytes == n * geo.block_bytes
+    if loads != "staged":
+        assert [j.uva for j in taken] == [loads != "layered" or not copy2d]
     # completion was reported only after the copy finished: read on another stream, no sync
     assert torch.equal(reference_slots(view, dst, per), want)
     for b, pages in before.items():  # nothing else was written

@@ -107,6 +107,21 @@ class LayeredJob:
     started: torch.cuda.Event
     layer_done: list[torch.cuda.Event]
     keepalive: list[Any] = field(default_factory=list)
+    uva: bool = False  # read through UVA addresses (no copy2d, or slots scattered)
+
+
+MIN_AVG_RUN = 16  # blocks per run of neighbouring slots below which a job reads through UVA
+
+
+def scattered(runs: int, blocks: int) -> bool:
+    """Whether a job's slots are too scattered for one strided DMA per (layer, run).
+
+    Each DMA request costs the host ~5-8 us to enqueue while a block's layer (32-64 KiB)
+    crosses PCIe in ~1 us, so short runs leave the copy engines waiting on the host: a 32k hit
+    of single-slot runs took 260-380 ms instead of ~100 (H100, the slots a LIFO free chain had
+    reversed). The kernel reading the slots through their UVA addresses is one launch per
+    layer whatever the runs, ~6 % slower than the DMA on long runs."""
+    return runs > max(4, blocks // MIN_AVG_RUN)
 
 
 def _memcpy2d() -> Any:
@@ -188,28 +203,29 @@ class DirectLayerLoader:
         ptrs_ptr = 0
         runs: list[tuple[int, int, int]] = []  # (first block, blocks, host address)
         block_bytes = self.pool.geometry.block_bytes
-        if self._copy2d is None:
-            host_ptrs = torch.from_numpy(slot_pointers(self.pool, slots)).pin_memory()
-            keep.append(host_ptrs)
-        else:
+        if self._copy2d is not None:
             runs = [(r.job_offset // block_bytes, r.nbytes // block_bytes,
                      r.chunk.data_ptr() + r.chunk_offset) for r in host_runs(self.pool, slots)]
+        uva = self._copy2d is None or scattered(len(runs), n)
+        if uva:
+            host_ptrs = torch.from_numpy(slot_pointers(self.pool, slots)).pin_memory()
+            keep.append(host_ptrs)
         layer_done: list[torch.cuda.Event] = []
         with self._lock, torch.cuda.device(self.view.device):
             for wait in waits:  # only the kernel stream touches the engine's pages
                 self.stream.wait_event(wait)
             started = torch.cuda.Event(enable_timing=True)
-            started.record(self.dma_stream if self._copy2d else self.stream)
+            started.record(self.stream if uva else self.dma_stream)
             with torch.cuda.stream(self.stream):
                 ids = host_ids.to(self.view.device, non_blocking=True)
                 keep.append(ids)
-                if self._copy2d is None:
+                if uva:
                     ptrs = host_ptrs.to(self.view.device, non_blocking=True)
                     keep.append(ptrs)
                     ptrs_ptr = ptrs.data_ptr()
             with self._cupy.cuda.Device(self.device_index), self._cp_stream:
                 for layer in range(self.addressing.num_layers):
-                    if self._copy2d is None:
+                    if uva:
                         self._launch(ids.data_ptr(), ptrs_ptr, 0, layer, n, per)
                     else:
                         self._staged_layer(ids.data_ptr(), runs, layer, n, per)
@@ -219,7 +235,7 @@ class DirectLayerLoader:
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         return LayeredJob(done=done, nbytes=n * block_bytes, started=started,
-                          layer_done=layer_done, keepalive=keep)
+                          layer_done=layer_done, keepalive=keep, uva=uva)
 
     def _staged_layer(self, ids_ptr: int, runs: list[tuple[int, int, int]], layer: int,
                       n: int, per: int) -> None:
