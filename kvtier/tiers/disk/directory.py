@@ -42,7 +42,7 @@ from kvtier.tiers.disk.segments import SegmentFiles, open_dir
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.layout import BlockGeometry
 
-_OURS = {"LOCK", "index.lmdb", "segments"}
+_OURS = {"LOCK", "HOST", "HOST.tmp", "index.lmdb", "segments"}
 _MAX_SEQ = 1 << 62  # record headers hold 64-bit sequence numbers, index locations 32-bit segments
 _MAX_SEGMENT = 1 << 31
 
@@ -55,7 +55,7 @@ class Opened(NamedTuple):
     segments_fd: int
 
 
-def _check_owner_mode(st: os.stat_result, path: Path) -> None:
+def check_owner_mode(st: os.stat_result, path: Path) -> None:
     uid = os.geteuid()
     if st.st_uid != uid:
         raise UnsafeDiskDirectory(
@@ -81,7 +81,7 @@ def check_private(path: Path, follow: bool) -> None:
     st = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise _link_error(path)
-    _check_owner_mode(st, path)
+    check_owner_mode(st, path)
 
 
 def _link_error(path: Path) -> UnsafeDiskDirectory:
@@ -175,7 +175,7 @@ def _open_sub(root_fd: int, root: Path, name: str) -> int:
     try:
         if created:
             os.fchmod(fd, 0o700)
-        _check_owner_mode(os.fstat(fd), root / name)
+        check_owner_mode(os.fstat(fd), root / name)
     except BaseException:
         os.close(fd)
         raise
@@ -194,7 +194,7 @@ def prepare(root: Path) -> Opened:
     fd = _open_root(root)
     subs: list[int] = []
     try:
-        _check_owner_mode(os.fstat(fd), root)
+        check_owner_mode(os.fstat(fd), root)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
