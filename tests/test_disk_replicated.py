@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
 from itertools import count
@@ -35,6 +36,7 @@ from kvtier.tiers.disk import DiskStore, host  # noqa: E402
 from kvtier.tiers.disk.record import HEADER_BYTES  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "replica_child.py"
+HANG_S = 300
 
 
 def key(i: int) -> bytes:
@@ -52,6 +54,9 @@ class Rank1:
         assert self.read() == {"ready": True}
 
     def read(self) -> dict:
+        # a hang guard, not a speed check: rank 1 blocked (say, on a lock) fails the test
+        ready, _, _ = select.select([self.proc.stdout], [], [], HANG_S)
+        assert ready, f"rank 1 did not answer within {HANG_S} s"
         line = self.proc.stdout.readline()
         assert line, f"rank 1 exited (code {self.proc.poll()})"
         return json.loads(line)

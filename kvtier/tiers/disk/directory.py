@@ -4,6 +4,7 @@ Layout::
 
     <dir>/index.lmdb/       LMDB environment (see index.py)
     <dir>/segments/*.seg    append-only record files (see segments.py, record.py)
+    <dir>/HOST              the host serving it (see host.py: replicated layouts' readers)
 
 The single-owner lock is an ``flock`` on the store directory's own descriptor, held for the
 store's life: unlike a lock file, the directory cannot be unlinked and recreated under a

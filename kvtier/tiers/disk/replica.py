@@ -36,7 +36,7 @@ from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.directory import check_owner_mode
 from kvtier.tiers.disk.errors import DiskLayoutMismatch, NotADiskStore
 from kvtier.tiers.disk.index import BlockIndex, IndexEntry
-from kvtier.tiers.disk.reader import CHECKSUM_FAILURE, ReadStatus, read_into
+from kvtier.tiers.disk.reader import ReadStatus, read_into
 from kvtier.tiers.disk.record import FORMAT_VERSION
 from kvtier.tiers.disk.segments import SegmentFiles, open_dir
 from kvtier.tiers.disk.stats import index_dir, segments_dir
@@ -88,7 +88,6 @@ class DiskReplica:
         self._files: SegmentFiles | None = None
         self._next_try = 0.0
         self._closed = False
-        self.counters = {"hits": 0, "misses": 0, "transient": 0, CHECKSUM_FAILURE: 0}
 
     # -- opening -----------------------------------------------------------------------------
     def _ready(self) -> tuple[BlockIndex, SegmentFiles] | None:
@@ -184,10 +183,7 @@ class DiskReplica:
         if view.readonly or view.nbytes != self.block_bytes:
             raise ValueError(f"fetch_into needs a writable buffer of {self.block_bytes} bytes, "
                              f"got {view.nbytes}{' (read-only)' if view.readonly else ''}")
-        status = self._fetch(key, view) if valid_key(key) else ReadStatus.MISS
-        self.counters[{ReadStatus.HIT: "hits", ReadStatus.MISS: "misses",
-                       ReadStatus.TRANSIENT: "transient"}[status]] += 1
-        return status
+        return self._fetch(key, view) if valid_key(key) else ReadStatus.MISS
 
     def _fetch(self, key: bytes, view: memoryview) -> ReadStatus:
         ready = self._ready()
@@ -209,7 +205,6 @@ class DiskReplica:
                     return ReadStatus.TRANSIENT
                 again = index.get(key)
                 if again == entry:  # still indexed and wrong: bad (the owner will drop it)
-                    self.counters[CHECKSUM_FAILURE] += 1
                     log.warning("kvtier disk tier: block %s in %s is bad: %s", key.hex()[:32],
                                 self.root, failure.reason)
                     return ReadStatus.MISS
