@@ -233,6 +233,41 @@ def test_a_read_racing_compaction_rereads_or_is_transient_never_wrong(tmp_path, 
         store.close()
 
 
+def _deleted_segments_open(pid: int) -> int:
+    """Segment files ``pid`` holds open that were unlinked (their space is still in use)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        n += "/segments/" in target and target.endswith("(deleted)")
+    return n
+
+
+def test_rank1_keeps_no_space_of_segments_rank0_removed(tmp_path, rank1):
+    """Rank 0 cannot tell rank 1 that it removed a segment: every descriptor rank 1 kept on a
+    removed file would keep its space allocated. At most one stays open."""
+    root = tmp_path / "rank0"
+    keys = [key(i) for i in range(6)]
+    store = DiskStore(root, geometry(0), fsync=False, segment_bytes=record_bytes(keys[0]) + 1,
+                      compact_budget_bytes=0)
+    try:
+        for k in keys:  # one segment each
+            store.put_many([(k, pattern(k))])
+        assert len(store._files.on_disk()) >= len(keys)
+        r1 = rank1(tmp_path)
+        got = r1("load", keys)
+        assert got["ok"] and got["equal"] == [True] * len(keys)
+        segs = {store._index.get(k).segment for k in keys}
+        store.delete_many(keys)  # their sealed segments are empty now: removed
+        assert len(segs - set(store._files.on_disk())) >= len(keys) - 1
+        assert _deleted_segments_open(r1.proc.pid) <= 1
+        r1.close()
+    finally:
+        store.close()
+
+
 def test_rank0_on_another_host_falls_back_to_per_rank_copies(tmp_path, rank1):
     rt0 = rank0_runtime(tmp_path)
     try:

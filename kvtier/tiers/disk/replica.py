@@ -16,6 +16,11 @@ their own. A replica must never disturb the owner, so it is strictly read-only:
   if it keeps moving, or the index cannot be read right now, the read is TRANSIENT (a miss
   that proves nothing about the record), never wrong bytes.
 
+A replica caches at most one idle segment descriptor (``MAX_OPEN``): the owner cannot tell it
+that compaction removed a segment, and every descriptor kept on a removed file keeps that
+file's space in use, so at most one removed segment stays allocated, until the next read of
+another segment.
+
 In one process LMDB must not be opened twice (closing the second copy would drop the first's
 locks), so a replica of a store this very process owns reads through the owner's index.
 """
@@ -46,6 +51,7 @@ from kvtier.tiers.layout import LAYOUT_VERSION, BlockGeometry
 log = logging.getLogger(__name__)
 
 _READ_RETRIES = 4
+MAX_OPEN = 1  # idle segment descriptors kept (see the module docstring)
 _REOPEN_AFTER_S = 1.0  # an index that could not be opened is tried again at most this often
 
 _owners: dict[tuple[int, int], BlockIndex] = {}  # index dir (dev, inode) -> owner's index
@@ -73,7 +79,7 @@ class ReplicaUnavailable(OSError):
 
 class DiskReplica:
     def __init__(self, path: str | Path, geometry: BlockGeometry, *,
-                 max_open_segments: int | None = None) -> None:
+                 max_open_segments: int = MAX_OPEN) -> None:
         """Read the store at ``path`` (written for ``geometry``). Opening is lazy and retried:
         the owner may not have created the store yet; until it can be read, reads are
         TRANSIENT."""
