@@ -22,7 +22,8 @@ file's space in use, so at most one removed segment stays allocated, until the n
 another segment.
 
 In one process LMDB must not be opened twice (closing the second copy would drop the first's
-locks), so a replica of a store this very process owns reads through the owner's index.
+locks), so a replica of a store this very process owns reads through the owner's index (vLLM
+runs each rank in its own process; in one process, as in tests, open the owner first).
 """
 
 from __future__ import annotations
