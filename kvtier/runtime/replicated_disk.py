@@ -102,13 +102,6 @@ class ReplicatedDisk:
             return self.own.delete_many(keys)
         return 0  # REPLICA: rank 0 deletes the one copy
 
-    def keys_by_age(self) -> list[bytes]:
-        mode = self._decide()
-        if mode == REPLICA:
-            assert self.replica is not None
-            return self.replica.keys_by_age()
-        return self.own.keys_by_age() if self.own is not None else []
-
     def close(self) -> None:
         with self._lock:
             replica, own = self.replica, self.own

@@ -40,7 +40,7 @@ import lmdb
 from kvtier.tiers.disk import lmdb_check
 from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.directory import check_owner_mode
-from kvtier.tiers.disk.errors import DiskLayoutMismatch, NotADiskStore
+from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskLayoutMismatch, NotADiskStore
 from kvtier.tiers.disk.index import BlockIndex, IndexEntry
 from kvtier.tiers.disk.reader import ReadStatus, read_into
 from kvtier.tiers.disk.record import FORMAT_VERSION
@@ -109,15 +109,16 @@ class DiskReplica:
             self._next_try = now + _REOPEN_AFTER_S
             try:
                 self._index, self._own_index, self._files = self._open()
-            except (OSError, lmdb.Error, NotADiskStore, DiskLayoutMismatch) as exc:
+            except (OSError, lmdb.Error, NotADiskStore, DiskLayoutMismatch,
+                    DiskIndexUnreadable) as exc:
                 log.warning("kvtier disk tier: rank 0's store %s not readable yet: %s",
                             self.root, exc)
                 return None
             return self._index, self._files
 
     def _open(self) -> tuple[BlockIndex, bool, SegmentFiles]:
-        """Raises DiskLayoutMismatch for a store of another geometry (a configuration
-        error, not a transient state); OSError/lmdb.Error/NotADiskStore otherwise."""
+        """Open the owner's index and segments read-only; raises what ``_ready`` logs (the
+        store is then retried later: it may not exist yet, or be replaced by its owner)."""
         root_fd = open_dir(self.root)
         try:
             check_owner_mode(os.fstat(root_fd), self.root)
@@ -221,28 +222,6 @@ class DiskReplica:
             log.warning("kvtier disk tier: index of %s unreadable right now: %s", self.root, exc)
             self._reset()
             return ReadStatus.TRANSIENT
-
-    def contains(self, key: bytes) -> bool:
-        ready = self._ready()
-        if ready is None or not valid_key(key):
-            return False
-        try:
-            return ready[0].get(key) is not None
-        except lmdb.Error:
-            self._reset()
-            return False
-
-    def keys_by_age(self) -> list[bytes]:
-        """The owner's keys, oldest first ([] while its store cannot be read)."""
-        ready = self._ready()
-        if ready is None:
-            return []
-        try:
-            with ready[0].read() as v:
-                return v.keys_by_age()
-        except lmdb.Error:
-            self._reset()
-            return []
 
     def close(self) -> None:
         self._reset()
