@@ -184,7 +184,7 @@ def test_replicated_ranks_store_each_block_once_and_all_read_it(tmp_path, valkey
                for i in range(base.num_layers)}
         runtimes.append(WorkerRuntime.create(cfg, GpuKvView(gpu, layout="kv_first"),
                                              rank_geometry(rank), rank=rank, world_size=2,
-                                             remote_geometry=rank_geometry(0), replicated=True))
+                                             rank0_geometry=rank_geometry(0), replicated=True))
     try:
         keys = [b"mla-0", b"mla-1"]
         data = torch.randint(0, 255, (2, base.block_bytes), dtype=torch.uint8)

@@ -10,7 +10,8 @@ the environment in one process, so the open store registered here is asked inste
 several workers a block is usable only if every rank has its slice: the keys are intersected,
 and the keys some ranks hold without the others (a demotion that failed on one rank, a record
 found corrupt on one rank, a crash between the ranks' writes) are handed to the manager to be
-deleted on every rank, so they do not pile up on disk across restarts.
+deleted on every rank, so they do not pile up on disk across restarts. A replicated layout
+(MLA) has one directory, rank 0's (``ConnectorSettings.disk_paths``): its keys are the truth.
 """
 
 from __future__ import annotations

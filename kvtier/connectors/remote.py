@@ -17,7 +17,7 @@ def open_remote_directory(settings: ConnectorSettings) -> RemoteDirectory | None
     cfg = settings.config.remote
     if cfg is None:
         return None
-    replicated = settings.replicated_kv and settings.world_size > 1
+    replicated = settings.replicated
     store = connect_remote(cfg, settings.geometry(0), rank=0, world_size=settings.world_size,
                            replicated=replicated)
     return RemoteDirectory(store, shards=1 if replicated else settings.world_size)

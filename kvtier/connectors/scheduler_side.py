@@ -60,8 +60,8 @@ class SchedulerSide(JobSettling):
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         bb = settings.block_bytes
-        disk_keys, partial_keys = restored_keys(
-            settings.disk_paths(), [settings.geometry(r) for r in range(settings.world_size)])
+        disk_keys, partial_keys = restored_keys(settings.disk_paths(),
+                                                settings.disk_geometries())
         self.remote = open_remote_directory(settings)
         manager = build_manager(settings.config, bb, disk_keys, partial_keys, remote=self.remote)
         if not isinstance(manager, OffloadRatioAdmission):

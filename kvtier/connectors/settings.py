@@ -104,11 +104,26 @@ class ConnectorSettings:
         disk = replace(self.config.disk, path=self.config.disk.path / f"rank{tp_rank}")
         return replace(self.config, disk=disk)
 
-    def disk_paths(self) -> list[Path]:
-        """Every rank's disk directory (the scheduler reads them all at start-up)."""
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the same bytes (MLA) and there are several: each block is stored
+        once, by rank 0, in the disk and the shared tiers."""
+        return self.replicated_kv and self.world_size > 1
+
+    def disk_ranks(self) -> list[int]:
+        """The ranks whose disk directories hold blocks: every rank's, or rank 0's alone for
+        a replicated layout (the other ranks read it; see runtime/replicated_disk.py)."""
         if self.config.disk is None:
             return []
-        return [self.rank_config(r).disk.path for r in range(self.world_size)]
+        return [0] if self.replicated else list(range(self.world_size))
+
+    def disk_paths(self) -> list[Path]:
+        """The disk directories the scheduler reads at start-up (see ``disk_ranks``)."""
+        return [self.rank_config(r).disk.path for r in self.disk_ranks()]
+
+    def disk_geometries(self) -> list[BlockGeometry]:
+        """The geometry each of ``disk_paths`` was written for."""
+        return [self.geometry(r) for r in self.disk_ranks()]
 
 
 def sync_load_budget(extra: Mapping[str, Any] | None) -> int:

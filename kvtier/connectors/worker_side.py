@@ -101,11 +101,11 @@ class WorkerSide:
         self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
-        replicated = self.settings.replicated_kv and self.settings.world_size > 1
+        replicated = self.settings.replicated  # MLA: rank 0 writes the disk and shared tiers
         self.runtime = WorkerRuntime.create(
             config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
-            remote_geometry=self.settings.geometry(0) if replicated else None,
-            replicated=replicated)
+            rank0_geometry=self.settings.geometry(0) if replicated else None,
+            replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0])
         if self.runtime.store is not None:
             register_open_store(config.disk.path, self.runtime.store)
         if self.settings.world_size == 1:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvtier.config import KvtierConfig
+from kvtier.runtime.replicated_disk import ReplicatedDisk
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
@@ -50,39 +52,50 @@ class WorkerRuntime:
     store: DiskStore | None
     engine: TransferEngine
     remote: RemoteStore | None = None
+    replica: ReplicatedDisk | None = None  # rank > 0 of a replicated layout: rank 0's disk
 
     @classmethod
     def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry, *,
-               rank: int = 0, world_size: int = 1, remote_geometry: BlockGeometry | None = None,
-               replicated: bool = False) -> "WorkerRuntime":
+               rank: int = 0, world_size: int = 1, rank0_geometry: BlockGeometry | None = None,
+               replicated: bool = False, rank0_disk: Path | None = None) -> "WorkerRuntime":
         """``replicated``: every rank holds the same bytes (MLA), so the shared tier keeps one
-        value per block: rank 0 writes it (under ``remote_geometry``, rank 0's), every rank
-        reads it."""
+        value per block: rank 0 writes it (under ``rank0_geometry``, rank 0's), every rank
+        reads it. The disk tier too, when ``rank0_disk`` (rank 0's directory) is given: a rank
+        > 0 reads rank 0's records and writes none (see replicated_disk.py)."""
         config.check_block_bytes(geometry.block_bytes)
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin)
-        store = None
+        store = replica = None
         handlers = gpu_handlers(view, pool)
         if config.disk is not None:
             d = config.disk
-            try:
-                store = DiskStore(d.path, geometry, compression=d.compression,
-                                  zstd_level=d.zstd_level, fsync=d.fsync,
-                                  segment_bytes=d.segment_bytes)
-            except DiskIndexUnreadable as exc:
-                # a damaged index or a full file system: serve from CPU memory; demotions to
-                # the missing tier fail and mark it degraded, loads never come from it
-                log.error("kvtier: running without the disk tier: %s", exc)
+
+            def open_store() -> DiskStore:
+                return DiskStore(d.path, geometry, compression=d.compression,
+                                 zstd_level=d.zstd_level, fsync=d.fsync,
+                                 segment_bytes=d.segment_bytes)
+
+            disk = None
+            if replicated and rank > 0 and rank0_disk is not None:
+                disk = replica = ReplicatedDisk(rank0_disk, rank0_geometry or geometry,
+                                                open_store, rank=rank)
             else:
-                handlers += [CpuToDiskHandler(pool, store), DiskToCpuHandler(pool, store),
-                             DiskDropHandler(store)]
+                try:
+                    disk = store = open_store()
+                except DiskIndexUnreadable as exc:
+                    # a damaged index or a full file system: serve from CPU memory; demotions
+                    # to the missing tier fail and mark it degraded, loads never come from it
+                    log.error("kvtier: running without the disk tier: %s", exc)
+            if disk is not None:
+                handlers += [CpuToDiskHandler(pool, disk), DiskToCpuHandler(pool, disk),
+                             DiskDropHandler(disk)]
         remote = None
         if config.remote is not None:  # connects lazily: a down server costs nothing here
-            remote = connect_remote(config.remote, remote_geometry or geometry, rank=rank,
+            remote = connect_remote(config.remote, rank0_geometry or geometry, rank=rank,
                                     world_size=world_size, replicated=replicated)
             blocks = RemoteBlocks(remote)
             handlers += [CpuToRemoteHandler(pool, blocks, write=rank == 0 or not replicated),
                          RemoteToCpuHandler(pool, blocks)]
-        return cls(geometry, pool, store, TransferEngine(handlers), remote)
+        return cls(geometry, pool, store, TransferEngine(handlers), remote, replica)
 
     def disk_keys(self) -> list[bytes]:
         """Blocks already on disk, oldest first (the manager's start-up state)."""
@@ -95,5 +108,7 @@ class WorkerRuntime:
         self.engine.close()
         if self.store is not None:
             self.store.close()
+        if self.replica is not None:
+            self.replica.close()
         if self.remote is not None:
             self.remote.close()

@@ -4,6 +4,7 @@ Layout::
 
     <dir>/index.lmdb/       LMDB environment (see index.py)
     <dir>/segments/*.seg    append-only record files (see segments.py, record.py)
+    <dir>/HOST              the host serving it (see host.py: replicated layouts' readers)
 
 The single-owner lock is an ``flock`` on the store directory's own descriptor, held for the
 store's life: unlike a lock file, the directory cannot be unlinked and recreated under a
@@ -42,7 +43,7 @@ from kvtier.tiers.disk.segments import SegmentFiles, open_dir
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.layout import BlockGeometry
 
-_OURS = {"LOCK", "index.lmdb", "segments"}
+_OURS = {"LOCK", "HOST", "HOST.tmp", "index.lmdb", "segments"}
 _MAX_SEQ = 1 << 62  # record headers hold 64-bit sequence numbers, index locations 32-bit segments
 _MAX_SEGMENT = 1 << 31
 
@@ -55,7 +56,7 @@ class Opened(NamedTuple):
     segments_fd: int
 
 
-def _check_owner_mode(st: os.stat_result, path: Path) -> None:
+def check_owner_mode(st: os.stat_result, path: Path) -> None:
     uid = os.geteuid()
     if st.st_uid != uid:
         raise UnsafeDiskDirectory(
@@ -81,7 +82,7 @@ def check_private(path: Path, follow: bool) -> None:
     st = os.stat(path) if follow else os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise _link_error(path)
-    _check_owner_mode(st, path)
+    check_owner_mode(st, path)
 
 
 def _link_error(path: Path) -> UnsafeDiskDirectory:
@@ -175,7 +176,7 @@ def _open_sub(root_fd: int, root: Path, name: str) -> int:
     try:
         if created:
             os.fchmod(fd, 0o700)
-        _check_owner_mode(os.fstat(fd), root / name)
+        check_owner_mode(os.fstat(fd), root / name)
     except BaseException:
         os.close(fd)
         raise
@@ -194,7 +195,7 @@ def prepare(root: Path) -> Opened:
     fd = _open_root(root)
     subs: list[int] = []
     try:
-        _check_owner_mode(os.fstat(fd), root)
+        check_owner_mode(os.fstat(fd), root)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import lmdb
 
-from kvtier.tiers.disk import directory, lmdb_check
+from kvtier.tiers.disk import directory, host, lmdb_check, replica
 from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.compaction import Compactor
 from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskWriteError, describe_os_error
@@ -134,6 +134,12 @@ class DiskStore:
         self._compactor = Compactor(self._writer, compact_threshold, max(0, budget))
         self._writer.compactor = self._compactor
         self._closed = False
+        replica.note_owner(self._dir.index_fd, self._index)  # see replica.py: one env a process
+        try:  # lets ranks on this host read this store (replicated layouts, see host.py)
+            host.record(self._dir.root_fd)
+        except OSError as exc:
+            log.warning("kvtier disk tier: cannot record the host in %s (other ranks will keep "
+                        "their own copies): %s", self.root, describe_os_error(exc))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -141,6 +147,7 @@ class DiskStore:
             if self._closed:
                 return
             self._closed = self._writer.closed = True
+            replica.note_owner(self._dir.index_fd, None)
             self._files.close()
             self._index.close()
             if self.fsync:  # every commit was synced: the file at rest is consistent
