@@ -247,6 +247,25 @@ def ab_switch(a):
     return lambda on: setattr(side, "whole_tail_max_bytes", float("inf") if on else 0)
 
 
+def mark_gc_pauses(min_ms: float = 1.0) -> None:
+    """Timeline marks for garbage-collector passes longer than ``min_ms`` (a pause of the
+    engine thread that would look like a slow hit)."""
+    import gc
+
+    from kvtier.connectors.timeline import timeline
+
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif (ms := (time.perf_counter() - started[0]) * 1e3) >= min_ms:
+            timeline().mark("python", "gc", generation=info.get("generation"), ms=round(ms, 2),
+                            collected=info.get("collected"))
+
+    gc.callbacks.append(on_gc)
+
+
 def progress(msg: str) -> None:
     print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -371,6 +390,8 @@ def main(argv=None) -> None:
             import vllm_marks
 
             progress("vLLM phases marked: " + ", ".join(vllm_marks.install()))
+    if a.timeline:
+        mark_gc_pauses()
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
     if a.connector == "kvtier_staged":  # the A/B: whole-load copies through the staging ring
