@@ -316,3 +316,29 @@ def test_layered_loads_need_a_pinned_pool_and_auto_falls_back_to_staged():
         CudaCpuToGpuHandler(view, pool, loads="layered")
     with pytest.raises(ValueError, match="load mode"):
         CudaCpuToGpuHandler(view, pool, loads="sideways")
+
+
+@pytest.mark.parametrize("loads", ["layered", "staged"])
+def test_a_load_queued_behind_compute_reports_the_copy_time_not_the_wait(loads):
+    """The seconds a load reports feed the cost model's bandwidth; a load queued behind a long
+    forward must not report the forward's time (the model would then find CPU hits slower
+    than recomputing them and skip them: the trace replay saw 27k blocks skipped)."""
+    gen = torch.Generator(device=DEV).manual_seed(23)
+    view = GpuKvView(make_caches("kv_first", 2, 16, 8 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=4)
+    pool.wait_ready()
+    load = CudaCpuToGpuHandler(view, pool, loads=loads)
+    compute = torch.cuda.Stream(DEV)
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(compute):
+        before.record(compute)
+        torch.cuda._sleep(400_000_000)  # the "forward" the load is ordered after
+        after.record(compute)
+        pending = load.start(LoadStoreSpec.cpu(range(4)), LoadStoreSpec.gpu([2, 4, 6, 8]))
+    out = load.finish(pending)
+    compute.synchronize()
+    wait_s = before.elapsed_time(after) / 1e3
+    assert out.bytes == 4 * pool.geometry.block_bytes
+    assert 0 < out.seconds < wait_s / 4, (out.seconds, wait_s)

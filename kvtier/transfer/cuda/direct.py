@@ -33,6 +33,7 @@ import torch
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer.cuda.page_movers import _THREADS, _UNROLL, compile_kernel, default_max_ctas
+from kvtier.transfer.cuda.pipeline import EnqueuedJob
 from kvtier.transfer.cuda.plan import LayerAddressing, host_runs, validate_job
 
 _KERNEL_SRC = r"""
@@ -98,15 +99,11 @@ def slot_pointers(pool: CpuBlockPool, slots: Sequence[int]) -> np.ndarray:
 
 
 @dataclass
-class LayeredJob:
+class LayeredJob(EnqueuedJob):
     """A load enqueued layer by layer: ``layer_done[l]`` fires once layer ``l`` is in place,
     ``done`` once all are. Everything in ``keepalive`` lives until ``done`` fired."""
 
-    done: torch.cuda.Event
-    nbytes: int
-    started: torch.cuda.Event
-    layer_done: list[torch.cuda.Event]
-    keepalive: list[Any] = field(default_factory=list)
+    layer_done: list[torch.cuda.Event] = field(default_factory=list)
     uva: bool = False  # read through UVA addresses (no copy2d, or slots scattered)
 
 
@@ -216,6 +213,8 @@ class DirectLayerLoader:
                 self.stream.wait_event(wait)
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.stream if uva else self.dma_stream)
+            gate = torch.cuda.Event(enable_timing=True)  # the waits met (EnqueuedJob.seconds)
+            gate.record(self.stream)
             with torch.cuda.stream(self.stream):
                 ids = host_ids.to(self.view.device, non_blocking=True)
                 keep.append(ids)
@@ -235,7 +234,7 @@ class DirectLayerLoader:
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         return LayeredJob(done=done, nbytes=n * block_bytes, started=started,
-                          layer_done=layer_done, keepalive=keep, uva=uva)
+                          layer_done=layer_done, keepalive=keep, uva=uva, gate=gate)
 
     def _staged_layer(self, ids_ptr: int, runs: list[tuple[int, int, int]], layer: int,
                       n: int, per: int) -> None:

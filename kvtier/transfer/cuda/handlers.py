@@ -128,7 +128,7 @@ class _CudaHandler(ImmediateHandler):
             return TransferOutcome(bytes=0, seconds=0.0)
         if not job.done.query():
             return None
-        return TransferOutcome(bytes=job.nbytes, seconds=job.started.elapsed_time(job.done) / 1e3)
+        return TransferOutcome(bytes=job.nbytes, seconds=job.seconds())
 
     def fence(self, pending: _Pending) -> None:
         if pending.job is not None:

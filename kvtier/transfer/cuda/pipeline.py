@@ -93,6 +93,17 @@ class EnqueuedJob:
     nbytes: int
     started: torch.cuda.Event  # timing pair with ``done``: the copy's device time
     keepalive: list[Any] = field(default_factory=list)
+    gate: torch.cuda.Event | None = None  # the waits met (a load's pages may be written)
+
+    def seconds(self) -> float:
+        """The copy's device time: from when it began *and* its waits were met (a load
+        queued behind a long forward would otherwise teach the cost model a bandwidth of a
+        few GB/s, and cost-aware loading would then skip CPU hits as slower than
+        recomputing them) to ``done``."""
+        ms = self.started.elapsed_time(self.done)
+        if self.gate is not None:
+            ms = min(ms, self.gate.elapsed_time(self.done))
+        return ms / 1e3
 
 
 class PagedCopier:
@@ -137,6 +148,8 @@ class PagedCopier:
                 self.kernel_stream.wait_event(wait)
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.dma_stream if self.to_gpu else self.kernel_stream)
+            gate = torch.cuda.Event(enable_timing=True)
+            gate.record(self.kernel_stream)
             job = self.mover.prepare(np.asarray(engine_ids, dtype=np.int64), per,
                                      self.kernel_stream)
             runs = host_runs(self.pool, slots)
@@ -151,7 +164,8 @@ class PagedCopier:
                     self._store_chunk(job, i, p0, p1, segs)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.kernel_stream if self.to_gpu else self.dma_stream)
-        return EnqueuedJob(done=done, nbytes=nbytes, started=started, keepalive=[job, runs])
+        return EnqueuedJob(done=done, nbytes=nbytes, started=started, keepalive=[job, runs],
+                           gate=gate)
 
     def _store_chunk(self, job: Any, i: int, p0: int, p1: int, segs: list[Segment]) -> None:
         buf = self.ring.buffers[i]
