@@ -133,9 +133,12 @@ class ReuseGate(AdmissionPolicy):
         self._expire_refused()
         if self.shadow is not None:
             self.shadow.observe(keys, refuse_from)
-            self.gating = self.shadow.gating_pays(self.gating)
+            self.gating = (self.shadow.within_budget(self.gating)
+                           and self.shadow.gating_pays(self.gating))
 
     def on_hit(self, key: BlockKey) -> None:
+        if self.shadow is not None:
+            self.shadow.note_real_hit(key)
         cls = self._pending.pop(key)
         if cls is not None and not cls & UNGATED:
             self._outcome(cls, 1.0)

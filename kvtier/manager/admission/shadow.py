@@ -31,10 +31,11 @@ from kvtier.manager.keyed_list import KeyedList
 MINI_BLOCKS = 4096  # slots of each miniature cache (a tier up to this size is simulated whole)
 TOLERANCE = 0.005  # gating stops once it trails by this share of lookups (0.5 point)
 ON_MARGIN = 0.002  # gating starts once it leads by this share of lookups (0.2 point)
-SIGMAS = 1.0  # ... and by this many standard deviations of the per-lookup differences
+SIGMAS = 3.0  # ... and by this many standard deviations of the per-lookup differences
 WARMUP = 2  # no gating before this many miniature capacities of sampled lookups were compared
 FAST_WINDOW = 16  # a second, short comparison that only ever stops gating ...
 FAST_TOLERANCE = 0.02  # ... once gating trails by this share of its lookups (2 points)
+BUDGET = 0.0005  # the real tier may trail LRU by this share of all sampled lookups (0.05 point)
 WINDOW = 256  # decay: the comparison spans about WINDOW miniature capacities of sampled lookups
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -61,6 +62,21 @@ class ShadowCaches:
         self.fast_diff = 0.0
         self.fast_looked_up = 0.0
         self.spread = 0.0  # decayed sum of squared per-lookup differences (noise of the lead)
+        # The loss budget, never decayed: the target is the hit rate over the whole run.
+        self.lru_hits = 0  # hits of the admit-all cache (LRU's hits on the sample)
+        self.real_hits = 0  # sampled blocks the real tier hit
+        self.lookups = 0  # sampled blocks looked up
+        self._lru_pending = self._lookups_pending = 0  # the lookup whose hits are not in yet
+        self._balance_at_start = 0  # real - LRU hits when the current gating period began
+        self.strikes = 0  # gating periods stopped for losing their budget
+
+    def sampled(self, key: Hashable) -> bool:
+        return ((hash(key) * _MIX) & _MASK64) >> 48 < self._threshold
+
+    def note_real_hit(self, key: Hashable) -> None:
+        """The real tier hit ``key`` (the gate's ``on_hit``)."""
+        if ((hash(key) * _MIX) & _MASK64) >> 48 < self._threshold:
+            self.real_hits += 1
 
     def observe(self, keys: Sequence[Hashable], refuse_from: int) -> None:
         """One lookup: ``keys[refuse_from:]`` are not stored by the gated cache when missed.
@@ -73,6 +89,10 @@ class ShadowCaches:
             return
         hits_all = self._replay(self._all, sample, len(keys))
         hits_gated = self._replay(self._gated, sample, refuse_from)
+        # The real tier reports this lookup's hits after it: compare through the last one.
+        self.lru_hits += self._lru_pending
+        self.lookups += self._lookups_pending
+        self._lru_pending, self._lookups_pending = hits_all, len(sample)
         decay = self._keep ** len(sample)
         self.hits_all = self.hits_all * decay + hits_all
         self.hits_gated = self.hits_gated * decay + hits_gated
@@ -94,6 +114,25 @@ class ShadowCaches:
                 cache.push_bounded(key)
         return k
 
+    def within_budget(self, gating: bool) -> bool:
+        """May the real tier (still) gate without losing more than ``BUDGET`` of the lookups
+        so far against LRU? The real tier's own hits on the sample are compared with the
+        admit-all cache's (an exact LRU when the tier is simulated whole), so every cost of
+        gating counts: refused blocks that came back, the lag after a switch, a shadow that
+        models the tier imperfectly. Each period of gating starts from the balance it finds
+        and is stopped once it lost ``BUDGET`` of all lookups so far (the tier then admits
+        everything, i.e. becomes LRU, and stops losing); each such stop doubles the lead the
+        shadow must show before gating again, so a tie costs a few budgets, not a steady
+        loss."""
+        balance = self.real_hits - self.lru_hits
+        if not gating:
+            self._balance_at_start = balance
+            return True
+        if balance - self._balance_at_start >= -BUDGET * self.lookups:
+            return True
+        self.strikes += 1
+        return False
+
     def gating_pays(self, gating: bool) -> bool:
         """Hysteresis: start admitting all (LRU's hits are the floor to protect); gate once the
         gated cache leads by ``ON_MARGIN`` of the lookups, stop once it trails by
@@ -106,5 +145,5 @@ class ShadowCaches:
             return (diff >= -TOLERANCE * self.looked_up
                     and self.fast_diff >= -FAST_TOLERANCE * self.fast_looked_up)
         # A lead right after the first fill is a handful of hits: wait for evidence.
-        return (diff >= ON_MARGIN * self.looked_up and diff >= SIGMAS * self.spread ** 0.5
+        return (diff >= ON_MARGIN * 2 ** self.strikes * self.looked_up and diff >= SIGMAS * self.spread ** 0.5
                 and self.looked_up >= WARMUP * self.mini_blocks)
