@@ -11,11 +11,17 @@ side on the same lookups,
 - ``gated``: stores missed blocks up to the first one the gate would refuse (what the gate
   would do),
 
-and gating is on while ``gated`` leads in (decayed) hits, with hysteresis: it starts once the
-lead is ``ON_MARGIN`` of the blocks looked up and one standard deviation of the noise, and stops
-once ``gated`` trails by ``TOLERANCE`` (over ``WINDOW``) or by ``FAST_TOLERANCE`` over the last
-``FAST_WINDOW`` miniature capacities (a gate that paid while the tier first filled and stopped
-paying is caught early). Both see a spatial sample of the keys (a fixed
+and gating may start once ``gated`` leads in (decayed) hits by ``ON_MARGIN`` of the blocks
+looked up and by ``SIGMAS`` standard deviations of the per-lookup differences (a lead made of a
+few lumps, e.g. one long document that came back, is not evidence yet). It stops once ``gated``
+trails by ``TOLERANCE`` (over ``WINDOW``) or by ``FAST_TOLERANCE`` over the last ``FAST_WINDOW``
+miniature capacities, or once the *real* tier has lost its budget: the tier's own hits on the
+sample are compared with the admit-all cache's (LRU's), and a gating period that has lost
+``BUDGET`` of all sampled lookups so far against them ends (the tier admits everything, i.e.
+becomes LRU); each such stop doubles the lead the next period needs. This bounds what gating
+can cost against LRU over a run by what was measured on the real tier, including what the
+shadows cannot see (the lag after a switch, a tier whose content differs from the gated
+shadow's). Both see a spatial sample of the keys (a fixed
 hash subset, as in miniature simulation / SHARDS) scaled to ``MINI_BLOCKS`` slots, so the cost
 per block is O(1) and the memory is bounded whatever the tier's size; small tiers are simulated
 in full. A sampled block counts as a hit only while every earlier sampled block of its lookup
@@ -69,9 +75,6 @@ class ShadowCaches:
         self._lru_pending = self._lookups_pending = 0  # the lookup whose hits are not in yet
         self._balance_at_start = 0  # real - LRU hits when the current gating period began
         self.strikes = 0  # gating periods stopped for losing their budget
-
-    def sampled(self, key: Hashable) -> bool:
-        return ((hash(key) * _MIX) & _MASK64) >> 48 < self._threshold
 
     def note_real_hit(self, key: Hashable) -> None:
         """The real tier hit ``key`` (the gate's ``on_hit``)."""
