@@ -133,3 +133,12 @@ def test_default_gate_stays_within_a_tenth_of_a_point_of_lru_on_a_tie():
     lru = simulate(trace, c, "lru")
     default = simulate(trace, c, "lru+reuse_gate")
     assert default.hit_rate >= lru.hit_rate - 0.001
+
+
+def test_the_loss_budget_spans_a_bounded_horizon_not_all_history():
+    """A server runs for ever: the budget (a share of the lookups counted) must not grow
+    without bound, or one late gating period could lose far more than 0.05 % of recent hits."""
+    shadow = ShadowCaches(100, mini_blocks=100, budget_horizon=1000)
+    for i in range(5000):
+        shadow.observe([("k", i, j) for j in range(10)], refuse_from=10)
+    assert 900 < shadow.lookups < 1100  # 50,000 sampled lookups, counted over about 1,000

@@ -42,6 +42,7 @@ WARMUP = 2  # no gating before this many miniature capacities of sampled lookups
 FAST_WINDOW = 16  # a second, short comparison that only ever stops gating ...
 FAST_TOLERANCE = 0.02  # ... once gating trails by this share of its lookups (2 points)
 BUDGET = 0.0005  # the real tier may trail LRU by this share of all sampled lookups (0.05 point)
+BUDGET_HORIZON = 1 << 22  # sampled lookups the budget's counts span (a server runs for ever)
 WINDOW = 256  # decay: the comparison spans about WINDOW miniature capacities of sampled lookups
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -52,7 +53,7 @@ class ShadowCaches:
     """The admit-all and gated miniature caches and their decayed hit counts."""
 
     def __init__(self, capacity_blocks: int, mini_blocks: int = MINI_BLOCKS,
-                 window: float = WINDOW) -> None:
+                 window: float = WINDOW, budget_horizon: float = BUDGET_HORIZON) -> None:
         capacity = max(1, capacity_blocks)
         share = min(1.0, mini_blocks / capacity)
         self._threshold = max(1, round(share * _SCALE))  # sample: hash bits below this
@@ -68,12 +69,15 @@ class ShadowCaches:
         self.fast_diff = 0.0
         self.fast_looked_up = 0.0
         self.spread = 0.0  # decayed sum of squared per-lookup differences (noise of the lead)
-        # The loss budget, never decayed: the target is the hit rate over the whole run.
-        self.lru_hits = 0  # hits of the admit-all cache (LRU's hits on the sample)
-        self.real_hits = 0  # sampled blocks the real tier hit
-        self.lookups = 0  # sampled blocks looked up
+        # The loss budget: the target is the hit rate over a whole run, so these counts decay
+        # only over ``BUDGET_HORIZON`` sampled lookups (far longer than any trace we replay),
+        # which keeps a server's budget from growing without bound.
+        self.lru_hits = 0.0  # hits of the admit-all cache (LRU's hits on the sample)
+        self.real_hits = 0.0  # sampled blocks the real tier hit
+        self.lookups = 0.0  # sampled blocks looked up
         self._lru_pending = self._lookups_pending = 0  # the lookup whose hits are not in yet
-        self._balance_at_start = 0  # real - LRU hits when the current gating period began
+        self._balance_at_start = 0.0  # real - LRU hits when the current gating period began
+        self._keep_budget = 1.0 - 1.0 / budget_horizon
         self.strikes = 0  # gating periods stopped for losing their budget
 
     def note_real_hit(self, key: Hashable) -> None:
@@ -93,8 +97,11 @@ class ShadowCaches:
         hits_all = self._replay(self._all, sample, len(keys))
         hits_gated = self._replay(self._gated, sample, refuse_from)
         # The real tier reports this lookup's hits after it: compare through the last one.
-        self.lru_hits += self._lru_pending
-        self.lookups += self._lookups_pending
+        keep = self._keep_budget ** len(sample)
+        self.lru_hits = self.lru_hits * keep + self._lru_pending
+        self.real_hits *= keep
+        self.lookups = self.lookups * keep + self._lookups_pending
+        self._balance_at_start *= keep
         self._lru_pending, self._lookups_pending = hits_all, len(sample)
         decay = self._keep ** len(sample)
         self.hits_all = self.hits_all * decay + hits_all
