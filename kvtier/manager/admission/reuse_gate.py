@@ -20,10 +20,11 @@ measured to be read before they would be evicted, and only when evictions are hu
   ``GATE_BAR * pressure``.
 - payoff: all of the above only decides *which* first-timers a gate would refuse. Whether to
   gate at all is measured by :class:`ShadowCaches`: two sampled key-only caches replay every
-  lookup, one storing every miss, one refusing as the gate would; while the gated one has
-  fewer hits (by more than 0.05 point) the gate admits everything. A tier that is nearly big
-  enough for its traffic therefore behaves like admit-all (a refused block that comes back
-  costs its hit and every block behind it), and a small one keeps the write savings.
+  lookup, one storing every miss, one refusing as the gate would; the gate refuses only
+  while the gated one leads significantly and the real tier has not lost its small budget of
+  hits against the admit-all one (LRU's hits). A tier that is nearly big enough for its traffic
+  therefore behaves like admit-all (a refused block that comes back costs its hit and every
+  block behind it), and a small one keeps the write savings.
 
 Every call is O(1) per key, with no pause proportional to the history (the maps are
 :class:`KeyedList`, values packed into ints). Memory: a two-generation bitset doorkeeper (16-32
@@ -133,9 +134,12 @@ class ReuseGate(AdmissionPolicy):
         self._expire_refused()
         if self.shadow is not None:
             self.shadow.observe(keys, refuse_from)
-            self.gating = self.shadow.gating_pays(self.gating)
+            self.gating = (self.shadow.within_budget(self.gating)
+                           and self.shadow.gating_pays(self.gating))
 
     def on_hit(self, key: BlockKey) -> None:
+        if self.shadow is not None:
+            self.shadow.note_real_hit(key)
         cls = self._pending.pop(key)
         if cls is not None and not cls & UNGATED:
             self._outcome(cls, 1.0)

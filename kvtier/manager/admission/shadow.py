@@ -11,11 +11,17 @@ side on the same lookups,
 - ``gated``: stores missed blocks up to the first one the gate would refuse (what the gate
   would do),
 
-and gating is on while ``gated`` leads in (decayed) hits, with hysteresis: it starts once the
-lead is ``ON_MARGIN`` of the blocks looked up and one standard deviation of the noise, and stops
-once ``gated`` trails by ``TOLERANCE`` (over ``WINDOW``) or by ``FAST_TOLERANCE`` over the last
-``FAST_WINDOW`` miniature capacities (a gate that paid while the tier first filled and stopped
-paying is caught early). Both see a spatial sample of the keys (a fixed
+and gating may start once ``gated`` leads in (decayed) hits by ``ON_MARGIN`` of the blocks
+looked up and by ``SIGMAS`` standard deviations of the per-lookup differences (a lead made of a
+few lumps, e.g. one long document that came back, is not evidence yet). It stops once ``gated``
+trails by ``TOLERANCE`` (over ``WINDOW``) or by ``FAST_TOLERANCE`` over the last ``FAST_WINDOW``
+miniature capacities, or once the *real* tier has lost its budget: the tier's own hits on the
+sample are compared with the admit-all cache's (LRU's), and a gating period that has lost
+``BUDGET`` of all sampled lookups so far against them ends (the tier admits everything, i.e.
+becomes LRU); each such stop doubles the lead the next period needs. This bounds what gating
+can cost against LRU over a run by what was measured on the real tier, including what the
+shadows cannot see (the lag after a switch, a tier whose content differs from the gated
+shadow's). Both see a spatial sample of the keys (a fixed
 hash subset, as in miniature simulation / SHARDS) scaled to ``MINI_BLOCKS`` slots, so the cost
 per block is O(1) and the memory is bounded whatever the tier's size; small tiers are simulated
 in full. A sampled block counts as a hit only while every earlier sampled block of its lookup
@@ -31,10 +37,12 @@ from kvtier.manager.keyed_list import KeyedList
 MINI_BLOCKS = 4096  # slots of each miniature cache (a tier up to this size is simulated whole)
 TOLERANCE = 0.005  # gating stops once it trails by this share of lookups (0.5 point)
 ON_MARGIN = 0.002  # gating starts once it leads by this share of lookups (0.2 point)
-SIGMAS = 1.0  # ... and by this many standard deviations of the per-lookup differences
+SIGMAS = 3.0  # ... and by this many standard deviations of the per-lookup differences
 WARMUP = 2  # no gating before this many miniature capacities of sampled lookups were compared
 FAST_WINDOW = 16  # a second, short comparison that only ever stops gating ...
 FAST_TOLERANCE = 0.02  # ... once gating trails by this share of its lookups (2 points)
+BUDGET = 0.0005  # the real tier may trail LRU by this share of all sampled lookups (0.05 point)
+BUDGET_HORIZON = 1 << 22  # sampled lookups the budget's counts span (a server runs for ever)
 WINDOW = 256  # decay: the comparison spans about WINDOW miniature capacities of sampled lookups
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -45,7 +53,7 @@ class ShadowCaches:
     """The admit-all and gated miniature caches and their decayed hit counts."""
 
     def __init__(self, capacity_blocks: int, mini_blocks: int = MINI_BLOCKS,
-                 window: float = WINDOW) -> None:
+                 window: float = WINDOW, budget_horizon: float = BUDGET_HORIZON) -> None:
         capacity = max(1, capacity_blocks)
         share = min(1.0, mini_blocks / capacity)
         self._threshold = max(1, round(share * _SCALE))  # sample: hash bits below this
@@ -61,6 +69,21 @@ class ShadowCaches:
         self.fast_diff = 0.0
         self.fast_looked_up = 0.0
         self.spread = 0.0  # decayed sum of squared per-lookup differences (noise of the lead)
+        # The loss budget: the target is the hit rate over a whole run, so these counts decay
+        # only over ``BUDGET_HORIZON`` sampled lookups (far longer than any trace we replay),
+        # which keeps a server's budget from growing without bound.
+        self.lru_hits = 0.0  # hits of the admit-all cache (LRU's hits on the sample)
+        self.real_hits = 0.0  # sampled blocks the real tier hit
+        self.lookups = 0.0  # sampled blocks looked up
+        self._lru_pending = self._lookups_pending = 0  # the lookup whose hits are not in yet
+        self._balance_at_start = 0.0  # real - LRU hits when the current gating period began
+        self._keep_budget = 1.0 - 1.0 / budget_horizon
+        self.strikes = 0  # gating periods stopped for losing their budget
+
+    def note_real_hit(self, key: Hashable) -> None:
+        """The real tier hit ``key`` (the gate's ``on_hit``)."""
+        if ((hash(key) * _MIX) & _MASK64) >> 48 < self._threshold:
+            self.real_hits += 1
 
     def observe(self, keys: Sequence[Hashable], refuse_from: int) -> None:
         """One lookup: ``keys[refuse_from:]`` are not stored by the gated cache when missed.
@@ -73,6 +96,13 @@ class ShadowCaches:
             return
         hits_all = self._replay(self._all, sample, len(keys))
         hits_gated = self._replay(self._gated, sample, refuse_from)
+        # The real tier reports this lookup's hits after it: compare through the last one.
+        keep = self._keep_budget ** len(sample)
+        self.lru_hits = self.lru_hits * keep + self._lru_pending
+        self.real_hits *= keep
+        self.lookups = self.lookups * keep + self._lookups_pending
+        self._balance_at_start *= keep
+        self._lru_pending, self._lookups_pending = hits_all, len(sample)
         decay = self._keep ** len(sample)
         self.hits_all = self.hits_all * decay + hits_all
         self.hits_gated = self.hits_gated * decay + hits_gated
@@ -94,6 +124,25 @@ class ShadowCaches:
                 cache.push_bounded(key)
         return k
 
+    def within_budget(self, gating: bool) -> bool:
+        """May the real tier (still) gate without losing more than ``BUDGET`` of the lookups
+        so far against LRU? The real tier's own hits on the sample are compared with the
+        admit-all cache's (an exact LRU when the tier is simulated whole), so every cost of
+        gating counts: refused blocks that came back, the lag after a switch, a shadow that
+        models the tier imperfectly. Each period of gating starts from the balance it finds
+        and is stopped once it lost ``BUDGET`` of all lookups so far (the tier then admits
+        everything, i.e. becomes LRU, and stops losing); each such stop doubles the lead the
+        shadow must show before gating again, so a tie costs a few budgets, not a steady
+        loss."""
+        balance = self.real_hits - self.lru_hits
+        if not gating:
+            self._balance_at_start = balance
+            return True
+        if balance - self._balance_at_start >= -BUDGET * self.lookups:
+            return True
+        self.strikes += 1
+        return False
+
     def gating_pays(self, gating: bool) -> bool:
         """Hysteresis: start admitting all (LRU's hits are the floor to protect); gate once the
         gated cache leads by ``ON_MARGIN`` of the lookups, stop once it trails by
@@ -106,5 +155,5 @@ class ShadowCaches:
             return (diff >= -TOLERANCE * self.looked_up
                     and self.fast_diff >= -FAST_TOLERANCE * self.fast_looked_up)
         # A lead right after the first fill is a handful of hits: wait for evidence.
-        return (diff >= ON_MARGIN * self.looked_up and diff >= SIGMAS * self.spread ** 0.5
+        return (diff >= ON_MARGIN * 2 ** self.strikes * self.looked_up and diff >= SIGMAS * self.spread ** 0.5
                 and self.looked_up >= WARMUP * self.mini_blocks)
