@@ -3,7 +3,8 @@
 Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``):
 
 * ``lookup`` (get_num_new_matched_tokens): leading run of the prompt's blocks that some tier
-  holds, block aligned, never the last prompt token. A hit held wholly in CPU memory, within
+  holds, block aligned; one that reaches the last prompt token is reported one token short
+  with its last block loaded whole (:mod:`hit_claim`). A hit held wholly in CPU memory, within
   this step's ``sync_load_budget_bytes``, loads *synchronously*: vLLM schedules the request in
   this very step, the worker enqueues the copy before the forward and orders the forward after
   it on the GPU (no extra engine step, no host wait). Disk hits and what exceeds the budget
