@@ -10,7 +10,9 @@ side by side on the same machine:
   of the step) and at ``start_load_kv``,
   alternating in one engine (the paired A/B of the early start); ``kvtier_staged``: kvtier with
   whole-load copies through the staging ring (``KVTIER_CUDA_LOADS=staged``), the A/B of
-  layer-by-layer loads; ``check``: GPU page bytes and
+  layer-by-layer loads; ``kvtier_ab_tail``: each hit timed with the last block of a hit that
+  reaches the last prompt token loaded whole and cut a block short (hit_claim.py's A/B);
+  ``check``: GPU page bytes and
   tokens/logprobs of kvtier hits against vLLM's own prefix-cache hits.
 * Random-weight models built from a config (Llama-3.1-8B shape, Llama-3.2-1B shape), bf16,
   vLLM block size 16, CUDA graphs on (vLLM's default), prefix caching on.
@@ -19,7 +21,9 @@ side by side on the same machine:
 * Trace replay (``--trace``): Mooncake-format requests, each hash_id a fixed random 512-token
   chunk (shared prefixes are real), arrivals compressed ``--trace-speedup`` times, GPU KV
   memory limited (``--gpu-kv-bytes``) so vLLM's prefix cache overflows.
-* A per-step timeline of one kvtier CPU hit (``KVTIER_TIMELINE``): where the time goes.
+* A per-step timeline of one kvtier CPU hit (``KVTIER_TIMELINE``): where the time goes
+  (``--vllm-marks``: vLLM's own step phases too; GC pauses over 1 ms are marked), and with
+  ``--profile DIR`` a torch.profiler trace of one hit per length (``profile_summary.py``).
 
 GPU:  ``python benchmarks/vllm_e2e.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl``
 CPU smoke (tiny model, vLLM's CPU engine; what CI runs): ``python benchmarks/vllm_e2e.py
