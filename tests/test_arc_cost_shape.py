@@ -5,81 +5,15 @@ OrderedDict ARC with the same rules (issue 15.3 changed the data structure, not 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvtier.manager.policies.arc import ARCPolicy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ref_arc import RefARC  # noqa: E402
 
-
-class RefARC:
-    """ARC on four OrderedDicts, one key at a time (the rules of kvtier's ARC)."""
-
-    def __init__(self, c: int) -> None:
-        self.c, self.p = c, 0.0
-        self.t1, self.t2, self.b1, self.b2 = OrderedDict(), OrderedDict(), OrderedDict(), OrderedDict()
-
-    def insert(self, key) -> None:
-        if key in self.t1 or key in self.t2:
-            self.access(key)
-            return
-        if key in self.b1:
-            del self.b1[key]
-            self.p = min(float(self.c), self.p + max(len(self.b2) / (len(self.b1) + 1), 1.0))
-            self.t2[key] = None
-        elif key in self.b2:
-            del self.b2[key]
-            self.p = max(0.0, self.p - max(len(self.b1) / (len(self.b2) + 1), 1.0))
-            self.t2[key] = None
-        else:
-            self.t1[key] = None
-        self.trim()
-
-    def access(self, key) -> None:
-        if key in self.t1:
-            del self.t1[key]
-            self.t2[key] = None
-        elif key in self.t2:
-            self.t2.move_to_end(key)
-
-    def remove(self, key) -> None:
-        if key in self.t1:
-            del self.t1[key]
-            self.b1[key] = None
-        elif key in self.t2:
-            del self.t2[key]
-            self.b2[key] = None
-        else:
-            return
-        self.trim()
-
-    def trim(self) -> None:
-        t1, t2, b1, b2, c = self.t1, self.t2, self.b1, self.b2, self.c
-        while b1 and len(t1) + len(b1) > c:
-            b1.popitem(last=False)
-        while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
-            b2.popitem(last=False)
-        while b1 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
-            b1.popitem(last=False)
-
-    def victims(self, n: int, ok) -> list:
-        out: list = []
-        it1 = (k for k in self.t1 if ok(k))
-        it2 = (k for k in self.t2 if ok(k))
-        left = len(self.t1)
-        while len(out) < n:
-            order = (it1, it2) if left > self.p else (it2, it1)
-            key = src = None
-            for src in order:
-                key = next(src, None)
-                if key is not None:
-                    break
-            if key is None:
-                break
-            if src is it1:
-                left -= 1
-            out.append(key)
-        return out
+from kvtier.manager.policies.arc import ARCPolicy  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -6,15 +6,20 @@ loop plans, and batch admission hooks reach per-key ones."""
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvtier.manager.admission.base import AdmissionPolicy, AdmitAll
-from kvtier.manager.policies import make_policy, policy_names
-from kvtier.manager.policies.base import EvictionPolicy
-from kvtier.manager.specs import Medium, RequestContext
-from kvtier.manager.tier_index import BlockState, TierIndex
-from kvtier.manager.tiered import TieredOffloadingManager
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ref_arc import RefARC  # noqa: E402
+
+from kvtier.manager.admission.base import AdmissionPolicy, AdmitAll  # noqa: E402
+from kvtier.manager.policies import make_policy, policy_names  # noqa: E402
+from kvtier.manager.policies.base import EvictionPolicy  # noqa: E402
+from kvtier.manager.specs import Medium, RequestContext  # noqa: E402
+from kvtier.manager.tier_index import BlockState, TierIndex  # noqa: E402
+from kvtier.manager.tiered import TieredOffloadingManager  # noqa: E402
 
 
 def k(i: int) -> bytes:
@@ -170,73 +175,6 @@ def test_batch_admission_hooks_reach_the_per_key_ones():
     assert isinstance(m, TieredOffloadingManager) and not isinstance(adm, AdmitAll)
 
 
-class _ReferenceARC:
-    """ARC as the paper writes it, on four OrderedDicts (kvtier's variant: the manager decides
-    when to evict; a removed key becomes a ghost), to check the pooled, inline ARC against."""
-
-    def __init__(self, c):
-        from collections import OrderedDict
-
-        self.c, self.p = c, 0.0
-        self.t1, self.t2, self.b1, self.b2 = (OrderedDict() for _ in range(4))
-
-    def _trim(self):
-        t1, t2, b1, b2, c = self.t1, self.t2, self.b1, self.b2, self.c
-        while b1 and len(t1) + len(b1) > c:
-            b1.popitem(last=False)
-        while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
-            b2.popitem(last=False)
-        while b1 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
-            b1.popitem(last=False)
-
-    def insert(self, key):
-        if key in self.t2:
-            self.t2.move_to_end(key)
-            return
-        if key in self.t1:
-            del self.t1[key]
-            self.t2[key] = None
-            return
-        if key in self.b1:
-            del self.b1[key]
-            self.p = min(float(self.c), self.p + max(len(self.b2) / (len(self.b1) + 1), 1.0))
-            self.t2[key] = None
-        elif key in self.b2:
-            del self.b2[key]
-            self.p = max(0.0, self.p - max(len(self.b1) / (len(self.b2) + 1), 1.0))
-            self.t2[key] = None
-        else:
-            self.t1[key] = None
-        self._trim()
-
-    def access(self, key):
-        if key in self.t1:
-            del self.t1[key]
-            self.t2[key] = None
-        elif key in self.t2:
-            self.t2.move_to_end(key)
-
-    def remove(self, key):
-        for live, ghosts in ((self.t1, self.b1), (self.t2, self.b2)):
-            if key in live:
-                del live[key]
-                ghosts[key] = None
-        self._trim()
-
-    def victims(self, n):
-        t1, t2, out, left = list(self.t1), list(self.t2), [], len(self.t1)
-        while len(out) < n and (t1 or t2):
-            if t1 and (left > self.p or not t2):
-                out.append(t1.pop(0))
-                left -= 1
-            else:
-                out.append(t2.pop(0))
-        return out
-
-    def lists(self):
-        return [list(x) for x in (self.t1, self.t2, self.b1, self.b2)], self.p
-
-
 def test_pooled_arc_follows_the_reference_arc():
     """Batches by handle (the tier's calls) on the pooled ARC, key by key on the reference:
     the same four lists in the same order and the same target after every step."""
@@ -244,7 +182,7 @@ def test_pooled_arc_follows_the_reference_arc():
 
     rng = random.Random(5)
     c = 24
-    arc, ref = make_policy("arc", c), _ReferenceARC(c)
+    arc, ref = make_policy("arc", c), RefARC(c)
     handle: dict[bytes, int] = {}
     free = list(range(c))
     for step in range(3000):
