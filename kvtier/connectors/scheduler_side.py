@@ -87,7 +87,7 @@ class SchedulerSide(JobSettling):
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
         self._recompute = RecomputeEstimate()
-        # _claim's bound; benchmarks/vllm_e2e.py's A/B flips it
+        # hit_claim's bound; benchmarks/vllm_e2e.py's A/B flips it
         self.whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
         self._tl = timeline()
         # token ids are needed until a block's last event (its demotion to disk at the latest,
@@ -128,7 +128,7 @@ class SchedulerSide(JobSettling):
         if t.params.skip_load or num_computed_tokens % bt:
             return 0, False
         start = num_computed_tokens // bt * per
-        # the block holding the last token counts too (see _claim: it is loaded whole)
+        # the block holding the last token counts too (hit_claim: it is loaded whole)
         stop = min(request.num_tokens // bt * per, self.keymap.num_keyed(request))
         if stop <= start:
             return 0, False
@@ -141,7 +141,6 @@ class SchedulerSide(JobSettling):
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
         hits, claimed = claim(hits, per, bt, request.num_tokens - 1 - num_computed_tokens,
                               self.settings.block_bytes, self.whole_tail_max_bytes)
-        t.whole_tail = claimed % bt != 0
         if hits == 0:
             if self._tl.enabled:
                 self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
@@ -163,10 +162,14 @@ class SchedulerSide(JobSettling):
         t = self.track(request)
         bt, bs, per = self.settings.block_tokens, self.settings.block_size, self.keymap.per_block
         start, n = t.lookup_start // bt * per, num_external_tokens // bt * per
-        whole_tail = (t.whole_tail and num_external_tokens % bt != 0
+        # A hit ending one token short of the prompt's end, off a block boundary, is a whole
+        # tail (hit_claim: a block-aligned claim never ends there unless the end is aligned):
+        # its last block is loaded whole; it ends at the prompt's end, so every engine block
+        # of it is allocated
+        whole_tail = (num_external_tokens % bt != 0
                       and t.lookup_start + num_external_tokens == request.num_tokens - 1)
-        if whole_tail:  # the hit reached the last token: its block is loaded whole (_claim);
-            n += per  # it ends at the prompt's end, so every engine block of it is allocated
+        if whole_tail:
+            n += per
         block_ids = self.keymap.table(blocks.get_block_ids())
         epb = self.keymap.engine_per_block
         # one group (per == 1): the units' engine ids are one flat slice of the block table

@@ -62,7 +62,7 @@ class ConnectorSettings:
     kv_dtype: str  # dtype of the cache pages (informational part of the geometry)
     identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
-    whole_tail_layer_bytes: int = 24 << 20  # per layer of the hit: scheduler_side._claim
+    whole_tail_layer_bytes: int = 24 << 20  # per layer of the hit: connectors/hit_claim.py
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
