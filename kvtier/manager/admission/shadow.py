@@ -155,5 +155,6 @@ class ShadowCaches:
             return (diff >= -TOLERANCE * self.looked_up
                     and self.fast_diff >= -FAST_TOLERANCE * self.fast_looked_up)
         # A lead right after the first fill is a handful of hits: wait for evidence.
-        return (diff >= ON_MARGIN * 2 ** self.strikes * self.looked_up and diff >= SIGMAS * self.spread ** 0.5
+        return (diff >= ON_MARGIN * 2 ** self.strikes * self.looked_up
+                and diff >= SIGMAS * self.spread ** 0.5
                 and self.looked_up >= WARMUP * self.mini_blocks)

@@ -148,8 +148,10 @@ class PagedCopier:
                 self.kernel_stream.wait_event(wait)
             started = torch.cuda.Event(enable_timing=True)
             started.record(self.dma_stream if self.to_gpu else self.kernel_stream)
-            gate = torch.cuda.Event(enable_timing=True)
-            gate.record(self.kernel_stream)
+            gate = None  # a store starts on the kernel stream after its waits already
+            if self.to_gpu:  # a load's DMA runs ahead: its pages wait on the kernel stream
+                gate = torch.cuda.Event(enable_timing=True)
+                gate.record(self.kernel_stream)
             job = self.mover.prepare(np.asarray(engine_ids, dtype=np.int64), per,
                                      self.kernel_stream)
             runs = host_runs(self.pool, slots)
