@@ -5,7 +5,8 @@ side by side on the same machine:
 
 * ``none``: no connector (recompute); ``kvtier``: kvtier's CPU tier; ``native``: vLLM's
   ``OffloadingConnector`` with the same CPU bytes; ``kvtier_disk``: kvtier with a small CPU
-  tier and a disk tier (prompts pushed out of CPU first); ``kvtier_ab``: each kvtier hit
+  tier and a disk tier (prompts pushed out of CPU first; ``kvtier_disk_cold``: the disk
+  files dropped from the page cache before each hit); ``kvtier_ab``: each kvtier hit
   timed with the copy started early (handed over when planned, or at vLLM's first worker hook
   of the step) and at ``start_load_kv``,
   alternating in one engine (the paired A/B of the early start); ``kvtier_staged``: kvtier with
@@ -43,11 +44,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
-           "kvtier_disk": "kvtier_disk", "kvtier_cpu_staged": "kvtier_staged",
+           "kvtier_disk": "kvtier_disk", "kvtier_disk_cold": "kvtier_disk_cold",
+           "kvtier_cpu_staged": "kvtier_staged",
            "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late",
            "kvtier_cpu_tail": "kvtier_ab_tail", "kvtier_cpu_tail_cut": "kvtier_ab_tail:late"}
 HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
-           "kvtier_disk": "kvtier disk hit", "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
+           "kvtier_disk": "kvtier disk hit", "kvtier_disk_cold": "kvtier disk hit, cold",
+           "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
            "kvtier_cpu_ab": "A/B: load started early", "kvtier_cpu_ab_late": "A/B: load at start_load",
            "kvtier_cpu_tail": "A/B: last block whole", "kvtier_cpu_tail_cut": "A/B: cut a block short"}
 
@@ -142,11 +145,13 @@ def report(results: dict, gpu: str) -> str:
                              f"{t['gpu_hit_tokens']:.0f} | {t['external_hit_tokens']:.0f} |")
         if res.get("check"):
             lines += ["", "Correctness: " + json.dumps(res["check"])]
-        if res.get("timeline"):
-            lines += ["", "Timeline of one kvtier CPU hit (ms after the client's submit):", ""]
-            lines += [f"- {r['ms']:8.3f} {r['who']:6} {r['ev']} "
-                      + json.dumps({k: v for k, v in r.items() if k not in ("ms", "who", "ev")})
-                      for r in res["timeline"]]
+        for key, what in (("timeline", "kvtier CPU hit"), ("timeline_kvtier_disk", "disk hit"),
+                          ("timeline_kvtier_disk_cold", "cold disk hit")):
+            if res.get(key):
+                lines += ["", f"Timeline of one {what} (ms after the client's submit):", ""]
+                lines += [f"- {r['ms']:8.3f} {r['who']:6} {r['ev']} "
+                          + json.dumps({k: v for k, v in r.items() if k not in ("ms", "who", "ev")})
+                          for r in res[key]]
         if res.get("errors"):
             lines += ["", "Errors: " + json.dumps(res["errors"])[:3000]]
         lines.append("")
@@ -192,12 +197,15 @@ def main(argv=None) -> int:
     for shape in shapes:
         res: dict = {"ttft": {}, "trace": {}, "errors": {}}
         for conn in connectors:
-            args = ["--shape", shape, "--connector", conn, "--lengths", lengths,
-                    "--reps", str(a.disk_reps if conn == "kvtier_disk" else reps)]
+            disk = conn.startswith("kvtier_disk")
+            args = ["--shape", shape, "--connector", "kvtier_disk" if disk else conn,
+                    "--lengths", lengths, "--reps", str(a.disk_reps if disk else reps)]
+            if conn == "kvtier_disk_cold":
+                args += ["--disk-cold"]
             if a.cpu_smoke:
                 args += ["--block-size", "32", "--cpu-bytes", str(64 << 20),
                          "--disk-cpu-bytes", str(8 << 20), "--disk-bytes", str(256 << 20),
-                         "--disk-dir", f"/tmp/kvtier-e2e-smoke-{os.getpid()}"]
+                         "--disk-dir", f"/tmp/kvtier-e2e-smoke-{os.getpid()}-{conn}"]
             if conn == "check":
                 args[args.index("--lengths") + 1] = lengths.split(",")[0] + "," + lengths.split(",")[-1] \
                     if not a.cpu_smoke else lengths
@@ -205,7 +213,7 @@ def main(argv=None) -> int:
                 args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests)]
                 if a.cpu_smoke:
                     args += ["--trace-chunks", "1"]
-            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail"):
+            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail") or disk:
                 args += ["--timeline", tl_path]
                 if a.vllm_marks:
                     args += ["--vllm-marks"]
@@ -232,9 +240,10 @@ def main(argv=None) -> int:
                 res["trace"][conn] = out["trace"]
             if out.get("kvtier_stats"):
                 res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
-            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail"):
-                res["timeline"] = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
-                                                     len(lengths.split(",")) > 1 else 0]))
+            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail") or disk:
+                hit = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
+                                          len(lengths.split(",")) > 1 else 0]))
+                res["timeline" if not disk else f"timeline_{conn}"] = hit
         results["shapes"][shape] = res
     first = results["shapes"][shapes[0]]
     results["model"] = shapes[0]

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import time
 
@@ -183,26 +184,9 @@ def ttft_sweep(llm, a) -> dict:
         gen(llm, tokens(length, 7, a.vocab))  # warm-up at this length (graphs, allocator)
         progress(f"warm-up {length} done")
     if a.connector == "kvtier_disk":
-        # All prompts must fit the CPU tier together (longer ones are left out); then small
-        # filler prompts push them out gradually, each followed by a settle, so write-back
-        # copies every prompt block to disk before it is evicted (a burst larger than the
-        # write-back window would evict some unwritten: it is a cache).
-        room = a.disk_cpu_bytes // 2 // a.kv_bytes_per_token
-        lengths = [L for L in a.lengths if L * a.reps * len(a.lengths) <= room] or a.lengths[:1]
-        prompts = {(L, r): tokens(L, 1000 * L + r, a.vocab) for L in lengths
-                   for r in range(a.reps)}
-        for p in prompts.values():
-            gen(llm, p)
-            settle(llm, a)
-        step = min(2048, a.max_len - 64)
-        for i in range(0, a.disk_cpu_bytes // a.kv_bytes_per_token + step, step):
-            gen(llm, tokens(step, 50_000 + i, a.vocab))
-            settle(llm, a)
-        settle(llm, a, quiet_s=2.0)
-        for (L, r), p in prompts.items():
-            reset(llm)
-            ms, cached = timed(llm, p)
-            out.setdefault(str(L), []).append((ms, cached))
+        for length in a.lengths:
+            for key, samples in disk_hits(llm, a, length).items():
+                out.setdefault(key, []).extend(samples)
         return out
     switch = ab_switch(a)
     for length in a.lengths:
@@ -226,6 +210,51 @@ def ttft_sweep(llm, a) -> dict:
     if switch:
         switch(True)
     return out
+
+
+def disk_hits(llm, a, length: int) -> dict:
+    """Disk hits at one length: each prompt is written (a settle lets write-back copy it to
+    disk), filler prompts push them all out of the CPU tier, then each is timed after a GPU
+    prefix-cache reset. One length at a time, so a CPU tier holding one prompt is enough.
+    ``--disk-cold``: the disk files' pages are dropped from the page cache before each timed
+    hit (the disk's own read rate; otherwise recently written records read from memory)."""
+    prompts = [tokens(length, 1000 * length + r, a.vocab) for r in range(a.reps)]
+    for p in prompts:
+        gen(llm, p)
+        settle(llm, a, quiet_s=1.0)
+    step = min(2048, a.max_len - 64)
+    for i in range(0, a.disk_cpu_bytes // a.kv_bytes_per_token + step, step):
+        gen(llm, tokens(step, 50_000 + 7 * length + i, a.vocab))
+        settle(llm, a)
+    settle(llm, a, quiet_s=2.0)
+    out: dict = {}
+    for r, p in enumerate(prompts):
+        reset(llm)
+        if a.disk_cold:
+            drop_page_cache(a.disk_dir)
+        mark(a, "client_submit", length=length, rep=r)
+        ms, cached = timed(llm, p)
+        mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
+        out.setdefault(str(length), []).append((ms, cached))
+    return out
+
+
+def drop_page_cache(root: str) -> None:
+    """Ask the kernel to drop the cached pages of every file under ``root`` (no root
+    privileges needed: POSIX_FADV_DONTNEED on clean pages)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
 
 def ab_switch(a):
@@ -356,7 +385,10 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-bytes", type=int, default=16 << 30)
-    p.add_argument("--disk-cpu-bytes", type=int, default=5 << 30)
+    p.add_argument("--disk-cpu-bytes", type=int, default=6 << 30,
+                   help="kvtier_disk's CPU tier: must hold one prompt and its write-back")
+    p.add_argument("--disk-cold", action="store_true",
+                   help="kvtier_disk: drop the disk files from the page cache before each hit")
     p.add_argument("--disk-bytes", type=int, default=40 << 30)
     p.add_argument("--disk-dir", default=None, help="default: /tmp/kvtier-e2e-disk-<shape>")
     p.add_argument("--gpu-kv-bytes", type=int, default=8 << 30)
@@ -378,7 +410,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     a.vocab = VOCAB[a.shape]
-    a.disk_dir = a.disk_dir or f"/tmp/kvtier-e2e-disk-{a.shape}"  # a geometry per directory
+    if not a.disk_dir:  # our own directory, one per geometry and mode: start it empty
+        a.disk_dir = f"/tmp/kvtier-e2e-disk-{a.shape}" + ("-cold" if a.disk_cold else "")
+        shutil.rmtree(a.disk_dir, ignore_errors=True)
     a.max_len = max(a.lengths + [a.trace_chunks * 512 if a.trace else 0]) + 64
     s = SHAPES[a.shape]
     elem = 4 if a.shape == "tiny" else 2
