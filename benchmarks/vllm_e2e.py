@@ -47,12 +47,14 @@ COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_disk": "kvtier_disk", "kvtier_disk_cold": "kvtier_disk_cold",
            "kvtier_cpu_staged": "kvtier_staged",
            "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late",
-           "kvtier_cpu_tail": "kvtier_ab_tail", "kvtier_cpu_tail_cut": "kvtier_ab_tail:late"}
+           "kvtier_cpu_tail": "kvtier_ab_tail", "kvtier_cpu_tail_cut": "kvtier_ab_tail:late",
+           "kvtier_miss": "kvtier:miss", "native_miss": "native:miss"}
 HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
            "kvtier_disk": "kvtier disk hit", "kvtier_disk_cold": "kvtier disk hit, cold",
            "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
            "kvtier_cpu_ab": "A/B: load started early", "kvtier_cpu_ab_late": "A/B: load at start_load",
-           "kvtier_cpu_tail": "A/B: last block whole", "kvtier_cpu_tail_cut": "A/B: cut a block short"}
+           "kvtier_cpu_tail": "A/B: last block whole", "kvtier_cpu_tail_cut": "A/B: cut a block short",
+           "kvtier_miss": "kvtier miss (first pass)", "native_miss": "native miss (first pass)"}
 
 
 def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:
@@ -118,9 +120,10 @@ def timeline_of_one_hit(path: str, length: int) -> list[dict]:
 def report(results: dict, gpu: str) -> str:
     lines = [f"# kvtier in real vLLM: {gpu}", ""]
     for shape, res in results["shapes"].items():
-        shown = [c for c in COLUMNS if any(c in cols for cols in res["ttft"].values())]
+        seen = {c for cols in res["ttft"].values() for c in cols}
+        shown = [c for c in COLUMNS if c in seen] + sorted(seen - set(COLUMNS))
         lines += [f"## {shape} shape", "", "TTFT (ms, median [min-max] of n); ratio = recompute / hit", "",
-                  "| prompt tokens | " + " | ".join(HEADERS[c] for c in shown)
+                  "| prompt tokens | " + " | ".join(HEADERS.get(c, c) for c in shown)
                   + " | kvtier vs recompute | kvtier vs native |",
                   "|---|" + "---|" * (len(shown) + 2)]
         for length, cols in sorted(res["ttft"].items(), key=lambda kv: int(kv[0])):
@@ -145,13 +148,13 @@ def report(results: dict, gpu: str) -> str:
                              f"{t['gpu_hit_tokens']:.0f} | {t['external_hit_tokens']:.0f} |")
         if res.get("check"):
             lines += ["", "Correctness: " + json.dumps(res["check"])]
-        for key, what in (("timeline", "kvtier CPU hit"), ("timeline_kvtier_disk", "disk hit"),
-                          ("timeline_kvtier_disk_cold", "cold disk hit")):
-            if res.get(key):
-                lines += ["", f"Timeline of one {what} (ms after the client's submit):", ""]
+        for conn, rows in res.get("timelines", {}).items():
+            if rows:
+                lines += ["", f"Timeline of one timed request, {conn} (ms after the client's "
+                          "submit):", ""]
                 lines += [f"- {r['ms']:8.3f} {r['who']:6} {r['ev']} "
                           + json.dumps({k: v for k, v in r.items() if k not in ("ms", "who", "ev")})
-                          for r in res[key]]
+                          for r in rows]
         if res.get("errors"):
             lines += ["", "Errors: " + json.dumps(res["errors"])[:3000]]
         lines.append("")
@@ -213,7 +216,9 @@ def main(argv=None) -> int:
                 args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests)]
                 if a.cpu_smoke:
                     args += ["--trace-chunks", "1"]
-            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail") or disk:
+            marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail") or disk or (
+                a.vllm_marks and conn in ("none", "native"))  # vLLM's phases: compare like with like
+            if marked:
                 args += ["--timeline", tl_path]
                 if a.vllm_marks:
                     args += ["--vllm-marks"]
@@ -234,18 +239,24 @@ def main(argv=None) -> int:
             for key, samples in out["ttft"].items():
                 length, _, variant = key.partition(":")
                 name = f"{conn}:{variant}" if variant else conn
-                col = next(k for k, v in COLUMNS.items() if v == name)
+                col = next((k for k, v in COLUMNS.items() if v == name), name)
                 res["ttft"].setdefault(length, {})[col] = summarize(samples)
             if out.get("trace"):
                 res["trace"][conn] = out["trace"]
             if out.get("kvtier_stats"):
                 res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
-            if conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail") or disk:
+            if marked:
                 hit = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
                                           len(lengths.split(",")) > 1 else 0]))
-                res["timeline" if not disk else f"timeline_{conn}"] = hit
+                res.setdefault("timelines", {})[conn] = hit
+                if conn.startswith("kvtier") and not disk:
+                    res["timeline"] = hit
         results["shapes"][shape] = res
     first = results["shapes"][shapes[0]]
+    if os.path.exists(tl_path):  # every mark of the run, for a closer look
+        import shutil
+
+        shutil.copy(tl_path, os.path.join(a.out_dir, "timeline.jsonl"))
     results["model"] = shapes[0]
     results["ttft_ms"] = {length: {c: s["median"] for c, s in cols.items()}
                           for length, cols in first["ttft"].items()}

@@ -192,8 +192,12 @@ def ttft_sweep(llm, a) -> dict:
     for length in a.lengths:
         for r in range(a.reps):
             p = tokens(length, 1000 * length + r, a.vocab)
-            if a.connector != "none":
-                gen(llm, p)  # computes and offloads it
+            if a.connector != "none":  # computes and offloads it: a miss, timed too
+                reset(llm)
+                mark(a, "client_submit", length=length, rep=r, miss=True)
+                ms, cached = timed(llm, p)
+                mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, miss=True)
+                out.setdefault(f"{length}:miss", []).append((ms, cached))
                 settle(llm, a)
             for early in ((False, True) if r % 2 == 0 else (True, False)) if switch else (None,):
                 if switch:

@@ -67,6 +67,21 @@ def test_a_shunned_tier_is_probed_now_and_then():
     assert m.cuts == 6 and m.probes == 2
 
 
+def test_a_load_too_small_to_measure_bandwidth_teaches_nothing():
+    """A one-block hit's time is the job's fixed cost: in real vLLM on an H100 a 2 MiB first
+    hit taught the model a CPU tier slower than recompute, and every later 8k and 32k CPU hit
+    of the run was recomputed."""
+    m = model(probe_every=0)
+    assert not m.record_load(CPU, BLOCK_BYTES, 2e-3)  # 2 MiB in 2 ms: ~1 GB/s
+    assert m.worth_loading([CPU] * 512) == 512
+    assert m.record_load(CPU, 1 << 30, (1 << 30) / (50 * GB))  # a real 1 GiB load is learnt
+    assert m.bandwidth[CPU].samples == 1
+    assert m.worth_loading([CPU] * 512) == 512
+    slow = model(probe_every=0)
+    assert slow.record_load(DISK, 64 << 20, (64 << 20) / (1.5 * GB))  # 64 MiB: measured
+    assert slow.worth_loading([DISK]) == 0
+
+
 def test_bandwidth_estimate_follows_change_and_ignores_nonsense():
     bw = LoadBandwidth(prior_bytes_per_s=7 * GB)
     assert bw.bytes_per_s == 7 * GB

@@ -13,9 +13,12 @@ promotion goes DISK -> CPU -> GPU), from the shared tier likewise with its own m
 bandwidth; recomputing costs ``block_tokens * t_token``. Hits are a
 prefix, so the choice is where to cut it: the cut that maximises the time saved (a slow disk
 block is still worth loading when enough fast CPU blocks follow it). An unmeasured tier gets an
-optimistic prior so that it is tried, and therefore measured; a tier found too slow is still
-probed once every ``probe_every`` cut lookups, so a disk that was slow under contention gets
-measured again instead of being shunned forever.
+optimistic prior so that it is tried, and therefore measured. Loads under ``MIN_SAMPLE_BYTES``
+teach nothing: their time is the job's fixed cost (enqueue, events), not bytes over a bus (in
+real vLLM on an H100, one 2 MiB first hit taught the model a CPU tier slower than recompute,
+and every later 8k and 32k CPU hit was recomputed). A tier found too slow is still probed
+once every ``probe_every`` cut lookups, so a disk that was slow under contention gets measured
+again instead of being shunned forever.
 
 All of it is O(hits) per lookup with no allocation proportional to the cache.
 """
@@ -30,6 +33,7 @@ from kvtier.manager.specs import Medium
 HISTORY_KEEP = 0.8  # weight left to the past per new sample (~5 samples of memory)
 PROBE_EVERY = 100  # every Nth lookup cut for cost loads in full, to re-measure the slow tier
 DEFAULT_PRIOR_BYTES_PER_S = 100e9
+MIN_SAMPLE_BYTES = 16 << 20  # smaller loads measure per-job costs, not bandwidth
 
 
 class LoadBandwidth:
@@ -37,20 +41,25 @@ class LoadBandwidth:
     transfer weighs more than a small one and the estimate follows changes within a few
     samples. Unmeasured, it reports ``prior``."""
 
-    def __init__(self, prior_bytes_per_s: float, keep: float = HISTORY_KEEP) -> None:
+    def __init__(self, prior_bytes_per_s: float, keep: float = HISTORY_KEEP,
+                 min_bytes: int = MIN_SAMPLE_BYTES) -> None:
         if not prior_bytes_per_s > 0:
             raise ValueError(f"prior bandwidth must be > 0, got {prior_bytes_per_s}")
         if not 0.0 <= keep < 1.0:
             raise ValueError(f"keep must be within [0, 1), got {keep}")
         self.prior = float(prior_bytes_per_s)
         self.keep = keep
+        self.min_bytes = min_bytes
         self.samples = 0
         self._bytes = 0.0
         self._seconds = 0.0
 
     def record(self, nbytes: float, seconds: float) -> bool:
-        """Add one finished load; nonsense (no bytes, no time, NaN) is ignored, not trusted."""
+        """Add one finished load; nonsense (no bytes, no time, NaN) and loads too small to
+        measure a bandwidth (under ``min_bytes``) are ignored, not trusted."""
         if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes) and math.isfinite(seconds)):
+            return False
+        if nbytes < self.min_bytes:
             return False
         self._bytes = self.keep * self._bytes + nbytes
         self._seconds = self.keep * self._seconds + seconds
