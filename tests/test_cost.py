@@ -82,6 +82,24 @@ def test_a_load_too_small_to_measure_bandwidth_teaches_nothing():
     assert slow.worth_loading([DISK]) == 0
 
 
+def test_small_loads_teach_a_fixed_cost_charged_once_per_load():
+    """A one-block disk hit in real vLLM read 2 MiB in 8 ms (the reader's fixed cost) and was
+    slower than recomputing its 16 tokens; the fixed cost is learnt from such small loads and
+    charged once per tier a lookup loads from, so one block is recomputed while a long hit
+    (where the cost is spread over many blocks) still loads."""
+    m = model(cpu_gbps=50, disk_gbps=10, probe_every=0)  # a disk fast enough per byte
+    assert m.worth_loading([DISK]) == 1
+    assert not m.record_load(DISK, BLOCK_BYTES, 8e-3)  # no bandwidth from it ...
+    assert m.bandwidth[DISK].fixed_s == pytest.approx(8e-3 - BLOCK_BYTES / (10 * GB))
+    assert m.worth_loading([DISK]) == 0  # ... but one block no longer pays
+    assert m.worth_loading([DISK] * 512) == 512
+    assert m.worth_loading([CPU, CPU] + [DISK]) == 2  # the CPU blocks still load
+    assert m.snapshot()["fixed_ms"]["DISK"] == pytest.approx(7.79, abs=0.01)
+    # a CPU tier whose small loads cost a little per job still loads one block
+    assert not m.record_load(CPU, BLOCK_BYTES, 1e-4)
+    assert m.worth_loading([CPU]) == 1
+
+
 def test_bandwidth_estimate_follows_change_and_ignores_nonsense():
     bw = LoadBandwidth(prior_bytes_per_s=7 * GB)
     assert bw.bytes_per_s == 7 * GB

@@ -14,9 +14,12 @@ bandwidth; recomputing costs ``block_tokens * t_token``. Hits are a
 prefix, so the choice is where to cut it: the cut that maximises the time saved (a slow disk
 block is still worth loading when enough fast CPU blocks follow it). An unmeasured tier gets an
 optimistic prior so that it is tried, and therefore measured. Loads under ``MIN_SAMPLE_BYTES``
-teach nothing: their time is the job's fixed cost (enqueue, events), not bytes over a bus (in
-real vLLM on an H100, one 2 MiB first hit taught the model a CPU tier slower than recompute,
-and every later 8k and 32k CPU hit was recomputed). A tier found too slow is still probed
+teach no bandwidth: their time is the job's fixed cost (enqueue, events, a reader thread), not
+bytes over a bus (in real vLLM on an H100, one 2 MiB first hit taught the model a CPU tier
+slower than recompute, and every later 8k and 32k CPU hit was recomputed). They teach that
+fixed cost instead, charged once per tier a lookup loads from: a one-block disk hit (8 ms to
+read 2 MiB through the disk tier's reader, 21-28 ms TTFT against 15 ms to recompute its 16
+tokens) is then recomputed, while a long one still pays. A tier found too slow is still probed
 once every ``probe_every`` cut lookups, so a disk that was slow under contention gets measured
 again instead of being shunned forever.
 
@@ -53,13 +56,19 @@ class LoadBandwidth:
         self.samples = 0
         self._bytes = 0.0
         self._seconds = 0.0
+        self.fixed_s = 0.0  # per-load cost beyond the bytes, from loads under min_bytes
+        self.fixed_samples = 0
 
     def record(self, nbytes: float, seconds: float) -> bool:
-        """Add one finished load; nonsense (no bytes, no time, NaN) and loads too small to
-        measure a bandwidth (under ``min_bytes``) are ignored, not trusted."""
+        """Add one finished load; nonsense (no bytes, no time, NaN) is ignored, not trusted.
+        A load under ``min_bytes`` updates the fixed cost only (returns False: no bandwidth)."""
         if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes) and math.isfinite(seconds)):
             return False
         if nbytes < self.min_bytes:
+            over = max(0.0, seconds - nbytes / self.bytes_per_s)
+            w = 1.0 if not self.fixed_samples else 1.0 - self.keep
+            self.fixed_s += w * (over - self.fixed_s)
+            self.fixed_samples += 1
             return False
         self._bytes = self.keep * self._bytes + nbytes
         self._seconds = self.keep * self._seconds + seconds
@@ -121,12 +130,18 @@ class LoadCostModel:
         that saves the most time against recomputing them (ties: load fewer)."""
         if not tiers:
             return 0
-        save = {m: self.recompute_block_s - self.load_block_s(m) for m in set(tiers)}
-        if all(v > 0 for v in save.values()):
+        used = set(tiers)
+        save = {m: self.recompute_block_s - self.load_block_s(m) for m in used}
+        fixed = {m: self.bandwidth[m].fixed_s for m in used}
+        if all(v > 0 for v in save.values()) and (  # then loading all of them is the best cut
+                sum(save[m] * tiers.count(m) - fixed[m] for m in used) > 0):
             return len(tiers)
-        best, best_n, acc = 0.0, 0, 0.0
+        best, best_n, acc, paid = 0.0, 0, 0.0, set()
         for n, medium in enumerate(tiers, 1):
             acc += save[medium]
+            if medium not in paid:  # a tier's fixed cost, once per load
+                paid.add(medium)
+                acc -= fixed[medium]
             if acc > best:
                 best, best_n = acc, n
         if best_n < len(tiers):
@@ -141,6 +156,7 @@ class LoadCostModel:
         return {
             "load_gbps": {m.value: round(b.bytes_per_s / 1e9, 3) for m, b in self.bandwidth.items()},
             "measured": {m.value: b.samples for m, b in self.bandwidth.items()},
+            "fixed_ms": {m.value: round(b.fixed_s * 1e3, 3) for m, b in self.bandwidth.items()},
             "break_even_gbps": round(self.block_bytes / self.recompute_block_s / 1e9, 3),
             "cuts": self.cuts,
             "probes": self.probes,
