@@ -8,55 +8,26 @@ ARC resistant to one-time scans (they only churn T1) while still following recen
 In kvtier the manager, not the policy, decides when to evict: ``victims`` only *proposes* keys
 following ARC's REPLACE rule, and a key enters a ghost list when ``remove`` is called. Every
 operation is O(1) amortised and nothing pauses in proportion to the cache size: the four lists
-share one node pool linked through fixed ``array`` columns, with ``key -> node`` in
-:class:`KeyShards` (small dicts) as in :class:`KeyedList`; ghost trimming pops each ghost at
-most once.
+share one node pool linked through fixed ``array`` columns (:class:`ARCLists`, which also holds
+the read side: walks and REPLACE's victims); ghost trimming pops each ghost at most once. This
+module holds the rules that change the lists, written out inline per batch.
 """
 
 from __future__ import annotations
 
-from array import array
 from itertools import repeat
-from typing import Iterable, Iterator
 
-from kvtier.manager.keyed_list import KeyShards
-from kvtier.manager.policies.base import Evictable, EvictionPolicy, register_policy
+from kvtier.manager.policies.arc_lists import _B1, _B2, _T1, _T2, ARCLists, _splice
+from kvtier.manager.policies.base import EvictionPolicy, register_policy
 from kvtier.manager.specs import BlockKey
 
-_T1, _T2, _B1, _B2 = 0, 1, 2, 3  # list ids, also the sentinel offsets past the node pool
+__all__ = ["ARCPolicy", "_T1", "_T2", "_B1", "_B2"]
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(ARCLists, EvictionPolicy):
+    """ARC's rules on :class:`ARCLists`: what an insert, a hit and a removal do to the lists."""
+
     name = "arc"
-
-    def __init__(self, capacity_blocks: int) -> None:
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        c = self.capacity = capacity_blocks
-        self.p = 0.0  # target size of T1
-        # One node pool for the four lists. Bounds: the manager keeps |T1|+|T2| <= c and the
-        # ghost trimming keeps |T1|+|T2|+|B1|+|B2| <= 2c once each key is handled (2c + 1
-        # in between, +1 spare). A key has one node for its whole stay in ARC's directory:
-        # moving it between lists (hit, eviction into a ghost list, ghost hit) is a relink
-        # and a byte write, not a dict delete + insert.
-        n = 2 * c + 2
-        index = KeyShards(n)  # key -> node
-        self._shards, self._kn = index.shards, index.n
-        self._nodes: list[dict] = [{} for _ in range((n >> 6) + 1)]  # node -> key, 64 a dict
-        self._list = bytearray(n + 4)  # node -> list id
-        s = self._s = n  # sentinel of list id i is node n + i (_next[s] its LRU end)
-        self._next = array("i", range(1, n + 5))  # free nodes are chained through _next
-        self._next[n - 1] = -1
-        self._prev = array("i", bytes(4 * (n + 4)))
-        for i in range(4):
-            self._next[s + i] = self._prev[s + i] = s + i
-        self._free = 0
-        # handle -> node of the key holding it, for the ``*_at`` calls of the tier (whose
-        # handles are < capacity): an array read instead of a key lookup
-        self._node_of = array("i", bytes(4 * c))
-        self._handle_of = array("i", [-1]) * n  # node -> that handle (-1: none)
-        self._no_handle = array("i", [0])  # where insert_many's "no handle" notes go
-        self._n1 = self._n2 = self._nb1 = self._nb2 = 0  # sizes of T1, T2, B1, B2
 
     # -- contract --------------------------------------------------------------------------
     # The batch methods are the request path (one call per request, not per block), with
@@ -86,34 +57,40 @@ class ARCPolicy(EvictionPolicy):
         s = self._s
         s1, s2, sb1, sb2 = s, s + 1, s + 2, s + 3
         n1, n2, nb1, nb2, free, p = self._n1, self._n2, self._nb1, self._nb2, self._free, self.p
+        # New keys that take over B1's oldest ghosts form a run from B1's LRU end: its nodes
+        # get their new key and list id, and the run is spliced onto T1's MRU end in one step
+        # (its inner links stay as they are). Any other step splices the pending run first.
+        g1 = gl = gnext = -1  # first / last node of the pending run, B1's oldest ghost past it
         for key, h in zip(keys, handles):
             if free < 0 and key not in shards[hash(key) % kn]:
+                if g1 >= 0:  # splice the taken-over ghosts from B1's LRU end onto T1's MRU end
+                    _splice(nxt, prev, g1, gl, sb1, s1)
+                    g1 = -1
                 self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = (
                     n1, n2, nb1, nb2, free, p)
                 raise OverflowError(f"ARC directory is full ({c2 + 2} keys)")
             if nb1 and n1 + nb1 >= c:  # a new key would push B1's oldest ghost out: its node
-                ghost_node = nxt[sb1]
+                ghost_node = gnext if g1 >= 0 else nxt[sb1]
                 node = shards[hash(key) % kn].setdefault(key, ghost_node)
                 ghost = nodes[ghost_node >> 6][ghost_node]
                 if node == ghost_node and ghost != key:  # new: takes the ghost's node over
-                    b = nxt[node]
-                    nxt[sb1] = b
-                    prev[b] = sb1
+                    gnext = nxt[node]
+                    if g1 < 0:
+                        g1 = node
+                    gl = node
                     del shards[hash(ghost) % kn][ghost]
                     nodes[node >> 6][node] = key
                     node_of[h] = node
                     handle_of[node] = h
                     lst[node] = _T1
-                    last = prev[s1]
-                    nxt[last] = node
-                    prev[node] = last
-                    nxt[node] = s1
-                    prev[s1] = node
                     n1 += 1
                     nb1 -= 1
                     continue  # one in, one out: both ghost bounds stay as they were
             else:
                 node = shards[hash(key) % kn].setdefault(key, free)  # find, or claim free
+            if g1 >= 0:  # the run ends here: spliced before this key's step
+                _splice(nxt, prev, g1, gl, sb1, s1)
+                g1 = -1
             node_of[h] = node
             handle_of[node] = h
             if node == free:  # new: the MRU end of T1
@@ -190,6 +167,8 @@ class ARCPolicy(EvictionPolicy):
                 nxt[node] = free
                 free = node
                 nb1 -= 1
+        if g1 >= 0:
+            _splice(nxt, prev, g1, gl, sb1, s1)
         self._n1, self._n2, self._nb1, self._nb2, self._free, self.p = n1, n2, nb1, nb2, free, p
 
     def access(self, key: BlockKey) -> None:
@@ -265,27 +244,62 @@ class ARCPolicy(EvictionPolicy):
         self._remove([node_of[h] for h in handles])
 
     def _remove(self, found) -> None:
-        """Resident nodes in ``found`` (None: an unknown key) move to their ghost list."""
+        """Resident nodes in ``found`` (None: an unknown key) move to their ghost list.
+
+        The usual batch is the tier's victims: a run from T1's LRU end and/or one from T2's,
+        in order. Such a run is not relinked node by node: its nodes are only marked, and the
+        run is spliced onto its ghost list's MRU end in one step (its inner links stay as
+        they are), so a victim costs a byte write and one link read. Any other node flushes
+        the pending runs first and is relinked on its own, which keeps every list's order
+        exactly that of one-by-one removal."""
         lst, nxt, prev = self._list, self._next, self._prev
-        sb1 = self._s + 2
-        sb2 = sb1 + 1
+        s1 = self._s
+        s2, sb1, sb2 = s1 + 1, s1 + 2, s1 + 3
         n1, n2, nb1, nb2 = self._n1, self._n2, self._nb1, self._nb2
+        f1 = r1 = f2 = r2 = -1  # first / last node of the pending T1 -> B1 and T2 -> B2 runs
+        want1, want2 = nxt[s1], nxt[s2]  # the node that would extend each run
         for node in found:
             if node is None:
                 continue
             where = lst[node]
+            if where == _T1:
+                if node == want1:  # T1's LRU end (past the run): joins the run
+                    lst[node] = _B1
+                    if f1 < 0:
+                        f1 = node
+                    r1 = node
+                    want1 = nxt[node]
+                    n1 -= 1
+                    nb1 += 1
+                    continue
+            elif where == _T2:
+                if node == want2:
+                    lst[node] = _B2
+                    if f2 < 0:
+                        f2 = node
+                    r2 = node
+                    want2 = nxt[node]
+                    n2 -= 1
+                    nb2 += 1
+                    continue
+            else:
+                continue  # a ghost is not resident
+            if f1 >= 0:  # splice the pending runs before relinking a node out of order
+                _splice(nxt, prev, f1, r1, s1, sb1)
+                f1 = -1
+            if f2 >= 0:
+                _splice(nxt, prev, f2, r2, s2, sb2)
+                f2 = -1
             if where == _T1:  # into B1
                 n1 -= 1
                 nb1 += 1
                 lst[node] = _B1
                 to = sb1
-            elif where == _T2:  # into B2
+            else:  # into B2
                 n2 -= 1
                 nb2 += 1
                 lst[node] = _B2
                 to = sb2
-            else:
-                continue  # a ghost is not resident
             a, b = prev[node], nxt[node]
             nxt[a] = b
             prev[b] = a
@@ -294,106 +308,14 @@ class ARCPolicy(EvictionPolicy):
             prev[node] = last
             nxt[node] = to
             prev[to] = node
+            want1, want2 = nxt[s1], nxt[s2]
+        if f1 >= 0:
+            _splice(nxt, prev, f1, r1, s1, sb1)
+        if f2 >= 0:
+            _splice(nxt, prev, f2, r2, s2, sb2)
         self._n1, self._n2, self._nb1, self._nb2 = n1, n2, nb1, nb2
         # A resident key turned ghost leaves |T1|+|B1| and |T1|+|T2|+|B1|+|B2| as they were,
         # so the ghost bounds that ``_insert`` keeps still hold: nothing to trim here.
-
-    def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
-        out: list[BlockKey] = []
-        if n <= 0:
-            return out
-        # REPLACE: take T1's LRU while T1 exceeds its target, else T2's LRU; when the
-        # preferred list has nothing evictable left, fall back to the other one. Each list is
-        # walked from its LRU end once (pinned keys are rare: a short walk).
-        nodes, nxt = self._nodes, self._next
-        s1 = self._s
-        s2 = s1 + 1
-        node1, node2 = nxt[s1], nxt[s2]
-        t1_left = self._n1  # T1's size as if the victims so far were already gone
-        p = self.p
-        append = out.append
-        while len(out) < n:
-            if t1_left > p:
-                while node1 != s1:  # T1 first
-                    key = nodes[node1 >> 6][node1]
-                    node1 = nxt[node1]
-                    if evictable(key):
-                        t1_left -= 1
-                        append(key)
-                        break
-                else:
-                    while node2 != s2:
-                        key = nodes[node2 >> 6][node2]
-                        node2 = nxt[node2]
-                        if evictable(key):
-                            append(key)
-                            break
-                    else:
-                        break
-            else:
-                while node2 != s2:  # T2 first
-                    key = nodes[node2 >> 6][node2]
-                    node2 = nxt[node2]
-                    if evictable(key):
-                        append(key)
-                        break
-                else:
-                    while node1 != s1:
-                        key = nodes[node1 >> 6][node1]
-                        node1 = nxt[node1]
-                        if evictable(key):
-                            t1_left -= 1
-                            append(key)
-                            break
-                    else:
-                        break
-        return out
-
-    def victims_at(self, n: int):
-        # REPLACE as in ``victims`` with every key evictable: T1's LRU while T1 exceeds
-        # its target (or T2 is empty), else T2's LRU.
-        keys: list[BlockKey] = []
-        handles: list[int] = []
-        nodes, nxt, handle_of = self._nodes, self._next, self._handle_of
-        s1 = self._s
-        s2 = s1 + 1
-        node1, node2 = nxt[s1], nxt[s2]
-        t1_left, p = self._n1, self.p
-        for _ in range(n):
-            if node1 != s1 and (t1_left > p or node2 == s2):
-                node, node1 = node1, nxt[node1]
-                t1_left -= 1
-            elif node2 != s2:
-                node, node2 = node2, nxt[node2]
-            else:
-                break
-            keys.append(nodes[node >> 6][node])
-            handles.append(handle_of[node])
-        return keys, handles
-
-    def __len__(self) -> int:
-        return self._n1 + self._n2
-
-    def __contains__(self, key: object) -> bool:
-        node = self._shards[hash(key) % self._kn].get(key)
-        return node is not None and self._list[node] <= _T2
-
-    def keys(self) -> Iterable[BlockKey]:
-        yield from self._walk(_T1)
-        yield from self._walk(_T2)
-
-    # -- internals -------------------------------------------------------------------------
-    def ghost_size(self) -> int:
-        return self._nb1 + self._nb2
-
-    def _walk(self, which: int) -> Iterator[BlockKey]:
-        """Keys of one list (T1, T2, B1, B2), LRU first."""
-        nodes, nxt = self._nodes, self._next
-        s = self._s + which
-        node = nxt[s]
-        while node != s:
-            yield nodes[node >> 6][node]
-            node = nxt[node]
 
 
 register_policy("arc", ARCPolicy)
