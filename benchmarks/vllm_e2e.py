@@ -164,10 +164,14 @@ def report(results: dict, gpu: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="8b,1b")
-    p.add_argument("--connectors", default="none,kvtier,native,kvtier_disk,check")
-    p.add_argument("--lengths", default="1024,2048,8192,32768")
+    p.add_argument("--connectors", default="none,kvtier,native,kvtier_disk,check",
+                   help="comma list of: none, kvtier, native, kvtier_disk, kvtier_disk_cold "
+                        "(page cache dropped before each disk hit), kvtier_staged, kvtier_ab, "
+                        "kvtier_ab_tail, check")
+    p.add_argument("--lengths", default="1024,2048,8192,32768",
+                   help="prompt lengths in tokens (16 = one vLLM block)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--disk-reps", type=int, default=3)
+    p.add_argument("--disk-reps", type=int, default=3, help="repetitions of the disk configs")
     p.add_argument("--trace", default=None, help="Mooncake trace to replay (per connector)")
     p.add_argument("--trace-requests", type=int, default=200)
     p.add_argument("--trace-shapes", default="8b", help="shapes that replay the trace")
