@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_cpu_smoke_produces_hits_and_passes_its_checks(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_e2e.py"), "--cpu-smoke",
-           "--connectors", "none,kvtier,check", "--out-dir", str(tmp_path), "--timeout", "400"]
+           "--connectors", "none,kvtier,kvtier_disk_cold,check", "--out-dir", str(tmp_path), "--timeout", "400"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (path,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
@@ -33,6 +33,12 @@ def test_cpu_smoke_produces_hits_and_passes_its_checks(tmp_path):
         # every kvtier repetition was a hit of the whole prompt but its last token (the
         # lengths are whole blocks: the last block is loaded whole, that token recomputed)
         assert cols["kvtier_cpu"]["cached_tokens"] == int(length) - 1
+        # each prompt's first pass is a miss in kvtier's process, timed too
+        assert cols["kvtier_miss"]["n"] == 2 and cols["kvtier_miss"]["cached_tokens"] == 0
+        # disk: every prompt written, pushed out of CPU and timed (loaded, or recomputed where
+        # the cost model says so: never more than the prompt's tokens but its last)
+        assert cols["kvtier_disk_cold"]["n"] == 3
+        assert all(0 <= c < int(length) for _, c in cols["kvtier_disk_cold"]["samples"])
     check = tiny["check"]
     assert [p["identical"] for p in check["pages"]] == [p["loaded_blocks"] for p in check["pages"]]
     assert all(p["loaded_blocks"] > 0 and p["control_clashes"] == 0 for p in check["pages"])
