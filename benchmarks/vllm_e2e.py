@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -258,8 +259,6 @@ def main(argv=None) -> int:
         results["shapes"][shape] = res
     first = results["shapes"][shapes[0]]
     if os.path.exists(tl_path):  # every mark of the run, for a closer look
-        import shutil
-
         shutil.copy(tl_path, os.path.join(a.out_dir, "timeline.jsonl"))
     results["model"] = shapes[0]
     results["ttft_ms"] = {length: {c: s["median"] for c, s in cols.items()}

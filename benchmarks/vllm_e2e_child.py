@@ -185,41 +185,41 @@ def ttft_sweep(llm, a) -> dict:
         progress(f"warm-up {length} done")
     if a.connector == "kvtier_disk":
         for length in a.lengths:
-            for key, samples in disk_hits(llm, a, length).items():
-                out.setdefault(key, []).extend(samples)
+            disk_hits(llm, a, length, out)
         return out
     switch = ab_switch(a)
     for length in a.lengths:
         for r in range(a.reps):
             p = tokens(length, 1000 * length + r, a.vocab)
             if a.connector != "none":  # computes and offloads it: a miss, timed too
-                reset(llm)
-                mark(a, "client_submit", length=length, rep=r, miss=True)
-                ms, cached = timed(llm, p)
-                mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, miss=True)
-                out.setdefault(f"{length}:miss", []).append((ms, cached))
+                timed_rep(llm, a, p, length, r, out, f"{length}:miss", miss=True)
                 settle(llm, a)
             for early in ((False, True) if r % 2 == 0 else (True, False)) if switch else (None,):
                 if switch:
                     switch(early)
-                reset(llm)
-                mark(a, "client_submit", length=length, rep=r)
-                if a.profile and r == a.reps - 1 and early in (True, None):
-                    ms, cached = profiled(llm, p, a, length)
-                else:
-                    ms, cached = timed(llm, p)
-                mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
-                key = str(length) if early in (True, None) else f"{length}:late"
-                out.setdefault(key, []).append((ms, cached))
+                timed_rep(llm, a, p, length, r, out,
+                          str(length) if early in (True, None) else f"{length}:late",
+                          profile=bool(a.profile) and r == a.reps - 1 and early in (True, None))
     if switch:
         switch(True)
     return out
 
 
-def disk_hits(llm, a, length: int) -> dict:
-    """Disk hits at one length: each prompt is written (a settle lets write-back copy it to
-    disk), filler prompts push them all out of the CPU tier, then each is timed after a GPU
-    prefix-cache reset. One length at a time, so a CPU tier holding one prompt is enough.
+def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
+              profile: bool = False, **tags) -> None:
+    """One timed request after a GPU prefix-cache reset, marked on the timeline (``tags``
+    too) and appended to ``out[key]`` as (ms, cached tokens)."""
+    reset(llm)
+    mark(a, "client_submit", length=length, rep=r, **tags)
+    ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
+    mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags)
+    out.setdefault(key, []).append((ms, cached))
+
+
+def disk_hits(llm, a, length: int, out: dict) -> None:
+    """Disk hits at one length, into ``out``: each prompt is written (a settle lets
+    write-back copy it to disk), filler prompts push them all out of the CPU tier, then each
+    is timed. One length at a time, so a CPU tier holding one prompt is enough.
     ``--disk-cold``: the disk files' pages are dropped from the page cache before each timed
     hit (the disk's own read rate; otherwise recently written records read from memory)."""
     prompts = [tokens(length, 1000 * length + r, a.vocab) for r in range(a.reps)]
@@ -231,16 +231,10 @@ def disk_hits(llm, a, length: int) -> dict:
         gen(llm, tokens(step, 50_000 + 7 * length + i, a.vocab))
         settle(llm, a)
     settle(llm, a, quiet_s=2.0)
-    out: dict = {}
     for r, p in enumerate(prompts):
-        reset(llm)
         if a.disk_cold:
             drop_page_cache(a.disk_dir)
-        mark(a, "client_submit", length=length, rep=r)
-        ms, cached = timed(llm, p)
-        mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached)
-        out.setdefault(str(length), []).append((ms, cached))
-    return out
+        timed_rep(llm, a, p, length, r, out, str(length))
 
 
 def drop_page_cache(root: str) -> None:
