@@ -33,7 +33,8 @@ _ADMISSION = "admission policy"
 
 # Allowed keys of every section; a dotted name here is a section, anything else a value.
 _LAYOUT: dict[str, tuple[str, ...]] = {
-    "": ("block_tokens", "tiers", "admission", "stats", "events", "metrics", "cost"),
+    "": ("block_tokens", "gil_switch_interval_ms", "tiers", "admission", "stats", "events",
+         "metrics", "cost"),
     "tiers": ("cpu", "disk", "remote"),
     "tiers.cpu": ("capacity", "eviction", "pin", "admission"),
     "tiers.disk": ("path", "capacity", "eviction", "compression", "zstd_level", "fsync",

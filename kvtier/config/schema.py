@@ -33,6 +33,7 @@ INDEX_BYTES_PER_BLOCK = 160
 """What the manager keeps in memory per block a tier can hold (key, maps, policy lists, slot
 state), measured on a full tier; ``check_block_bytes`` refuses tiers whose index would not fit."""
 DEFAULT_CPU_CAPACITY = 4 * GiB
+DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.2  # Python's own is 5 ms: see kvtier/runtime/gil.py
 DEFAULT_DISK_CAPACITY = 64 * GiB
 DEFAULT_SEGMENT_BYTES = 256 << 20
 STATS_FILE_NAME = "kvtier-stats.json"
@@ -179,6 +180,9 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class KvtierConfig:
     block_tokens: int = 16
+    # Python's GIL switch interval while disk or shared-tier I/O threads run (0: leave it):
+    # see kvtier/runtime/gil.py
+    gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     cpu: CpuTierConfig = field(default_factory=lambda: CpuTierConfig(DEFAULT_CPU_CAPACITY))
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import KvtierConfig
+from kvtier.runtime.gil import SwitchInterval
 from kvtier.runtime.replicated_disk import ReplicatedDisk
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
@@ -53,6 +54,7 @@ class WorkerRuntime:
     engine: TransferEngine
     remote: RemoteStore | None = None
     replica: ReplicatedDisk | None = None  # rank > 0 of a replicated layout: rank 0's disk
+    switch: SwitchInterval | None = None  # lowered GIL switch interval, put back on close
 
     @classmethod
     def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry, *,
@@ -95,7 +97,10 @@ class WorkerRuntime:
             blocks = RemoteBlocks(remote)
             handlers += [CpuToRemoteHandler(pool, blocks, write=rank == 0 or not replicated),
                          RemoteToCpuHandler(pool, blocks)]
-        return cls(geometry, pool, store, TransferEngine(handlers), remote, replica)
+        rt = cls(geometry, pool, store, TransferEngine(handlers), remote, replica)
+        if config.disk is not None or config.remote is not None:  # threads that do I/O
+            rt.switch = SwitchInterval(config.gil_switch_interval_ms)
+        return rt
 
     def disk_keys(self) -> list[bytes]:
         """Blocks already on disk, oldest first (the manager's start-up state)."""
@@ -106,6 +111,9 @@ class WorkerRuntime:
 
     def close(self) -> None:
         self.engine.close()
+        if self.switch is not None:
+            self.switch.restore()
+            self.switch = None
         if self.store is not None:
             self.store.close()
         if self.replica is not None:

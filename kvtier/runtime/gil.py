@@ -1,0 +1,49 @@
+"""The GIL switch interval while kvtier's I/O threads share the process with vLLM.
+
+vLLM's engine loop is a Python thread that rarely blocks: while a load is in flight it runs
+step after step (one every ~0.6 ms on an H100). A thread that wants the GIL back after a
+blocking call (a disk read, an fsync, a socket) gets it only when the holder blocks or when
+the interpreter's switch interval runs out: 5 ms by default. A disk read or write is a chain
+of such hand-offs (engine loop -> reader thread -> each syscall -> completion), so each one
+waits up to 5 ms. Measured (benchmarks/gil_starvation.py, this repository's 2-core CI
+machine): with a busy Python thread beside it, reading one 512 KiB block through the disk
+tier took 49 ms instead of 0.8 ms, 64 blocks 291 ms instead of 9 ms; in real vLLM on the
+lent H100 one block's DISK -> CPU hop took 7.2 ms and 32 MiB from the page cache 28 ms.
+
+A shorter interval only matters while some thread waits for the GIL (a lone thread is never
+interrupted), so it costs the engine nothing while kvtier is idle and bounds each hand-off
+while it is not. It is process-wide state: the runtime that sets it puts the previous value
+back when it closes, and never raises an interval someone else set lower.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+
+class SwitchInterval:
+    """Lowers ``sys.getswitchinterval()`` to ``ms`` (0: leave it) until :meth:`restore`."""
+
+    def __init__(self, ms: float) -> None:
+        if not 0 <= ms <= 5:
+            raise ValueError(f"GIL switch interval must be within [0, 5] ms, got {ms}")
+        self._previous: float | None = None
+        target = ms / 1000.0
+        current = sys.getswitchinterval()
+        if ms and target < current:
+            self._previous = current
+            sys.setswitchinterval(target)
+            log.info("kvtier: GIL switch interval %.2f ms (was %.2f ms) while disk or "
+                     "shared-tier I/O threads run", ms, current * 1000)
+
+    @property
+    def applied(self) -> bool:
+        return self._previous is not None
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            sys.setswitchinterval(self._previous)
+            self._previous = None

@@ -1,0 +1,68 @@
+"""The worker runtime shortens Python's GIL switch interval while it runs I/O threads (disk,
+shared tier), and puts the previous value back when it closes (kvtier/runtime/gil.py says
+why: with vLLM's busy engine loop beside them, each hand-off to a disk thread waited 5 ms)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from kvtier.config import ConfigError, load_config
+from kvtier.runtime.gil import SwitchInterval
+from kvtier.runtime.worker import WorkerRuntime
+from kvtier.tiers.gpu_view import GpuKvView
+
+
+@pytest.fixture
+def python_default():
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield
+    sys.setswitchinterval(before)
+
+
+def _runtime(data: dict) -> WorkerRuntime:
+    view = GpuKvView({f"l{i}": torch.zeros(8, 1, 128) for i in range(2)}, "block_pages")
+    return WorkerRuntime.create(load_config(data=data), view, view.geometry(1))
+
+
+def test_a_disk_tier_shortens_the_interval_until_the_runtime_closes(python_default, tmp_path):
+    rt = _runtime({"tiers": {"cpu": {"capacity": "1MiB"},
+                             "disk": {"path": str(tmp_path), "capacity": "4MiB"}}})
+    assert sys.getswitchinterval() == pytest.approx(0.0002)  # the default, 0.2 ms
+    rt.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+
+
+def test_configured_interval_and_zero_leaves_python_alone(python_default, tmp_path):
+    disk = {"path": str(tmp_path), "capacity": "4MiB"}
+    rt = _runtime({"gil_switch_interval_ms": 1, "tiers": {"cpu": {"capacity": "1MiB"}, "disk": disk}})
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    rt.close()
+    rt = _runtime({"gil_switch_interval_ms": 0, "tiers": {"cpu": {"capacity": "1MiB"}, "disk": disk}})
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    rt.close()
+
+
+def test_cpu_only_runtime_leaves_the_interval_alone(python_default):
+    rt = _runtime({"tiers": {"cpu": {"capacity": "1MiB"}}})
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    rt.close()
+
+
+def test_never_raises_an_interval_set_lower_elsewhere(python_default):
+    sys.setswitchinterval(0.0001)
+    s = SwitchInterval(0.2)
+    assert not s.applied and sys.getswitchinterval() == pytest.approx(0.0001)
+    s.restore()
+    assert sys.getswitchinterval() == pytest.approx(0.0001)
+
+
+@pytest.mark.parametrize("bad", [-1, 6, "fast", True])
+def test_bad_interval_is_a_config_error_naming_the_key(bad):
+    with pytest.raises(ConfigError, match="gil_switch_interval_ms"):
+        load_config(data={"gil_switch_interval_ms": bad})
+    with pytest.raises(ValueError):
+        SwitchInterval(-1)
