@@ -40,10 +40,11 @@ from kvtier.config.schema import (
     ADMISSION_POLICIES,
     COMPRESSIONS,
     DEFAULT_CPU_CAPACITY,
-    DEFAULT_GIL_SWITCH_INTERVAL_MS,
     DEFAULT_DISK_CAPACITY,
     DEFAULT_EVENTS_BUFFER_BATCHES,
     DEFAULT_EVENTS_ENDPOINT,
+    DEFAULT_GIL_SWITCH_INTERVAL_MS,
+    MAX_GIL_SWITCH_INTERVAL_MS,
     DEFAULT_METRICS_HOST,
     DEFAULT_METRICS_PORT,
     DEFAULT_PRIOR_LOAD_GBPS,
@@ -97,8 +98,9 @@ class _Builder(_Reader):
     def build(self) -> KvtierConfig:
         block_tokens = self.get_int("block_tokens", 16, high=MAX_BLOCK_TOKENS)
         switch_ms = self.get_float("gil_switch_interval_ms", DEFAULT_GIL_SWITCH_INTERVAL_MS,
-                                   "a number of milliseconds from 0 (leave Python's) to 5",
-                                   lambda ms: 0 <= ms <= 5)
+                                   "a number of milliseconds from 0 (leave Python's) to "
+                                   f"{MAX_GIL_SWITCH_INTERVAL_MS:g}",
+                                   lambda ms: 0 <= ms <= MAX_GIL_SWITCH_INTERVAL_MS)
         cpu = CpuTierConfig(
             capacity=self.cpu_capacity(),
             eviction=self.get_choice("tiers.cpu.eviction", "lru", EVICTION_POLICIES, _POLICY),
@@ -129,8 +131,8 @@ class _Builder(_Reader):
             key: ("<env>", None, item.env) if item.env else (self.source, item.line, key)
             for key, item in self.items.items()
         }
-        return KvtierConfig(block_tokens=block_tokens, gil_switch_interval_ms=switch_ms, cpu=cpu, disk=disk, remote=remote,
-                            admission=admission,
+        return KvtierConfig(block_tokens=block_tokens, gil_switch_interval_ms=switch_ms,
+                            cpu=cpu, disk=disk, remote=remote, admission=admission,
                             stats=stats, events=events, metrics=metrics, cost=cost,
                             source=self.source,
                             origins=origins)

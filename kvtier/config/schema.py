@@ -34,6 +34,7 @@ INDEX_BYTES_PER_BLOCK = 160
 state), measured on a full tier; ``check_block_bytes`` refuses tiers whose index would not fit."""
 DEFAULT_CPU_CAPACITY = 4 * GiB
 DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.2  # Python's own is 5 ms: see kvtier/runtime/gil.py
+MAX_GIL_SWITCH_INTERVAL_MS = 5.0  # above Python's default there is nothing to shorten
 DEFAULT_DISK_CAPACITY = 64 * GiB
 DEFAULT_SEGMENT_BYTES = 256 << 20
 STATS_FILE_NAME = "kvtier-stats.json"

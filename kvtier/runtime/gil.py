@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from kvtier.config.schema import MAX_GIL_SWITCH_INTERVAL_MS
+
 log = logging.getLogger(__name__)
 
 
@@ -28,8 +30,9 @@ class SwitchInterval:
     """Lowers ``sys.getswitchinterval()`` to ``ms`` (0: leave it) until :meth:`restore`."""
 
     def __init__(self, ms: float) -> None:
-        if not 0 <= ms <= 5:
-            raise ValueError(f"GIL switch interval must be within [0, 5] ms, got {ms}")
+        if not 0 <= ms <= MAX_GIL_SWITCH_INTERVAL_MS:
+            raise ValueError(f"GIL switch interval must be within [0, "
+                             f"{MAX_GIL_SWITCH_INTERVAL_MS:g}] ms, got {ms}")
         self._previous: float | None = None
         target = ms / 1000.0
         current = sys.getswitchinterval()
