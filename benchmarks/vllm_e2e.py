@@ -173,6 +173,11 @@ def main(argv=None) -> int:
                    help="prompt lengths in tokens (16 = one vLLM block)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--disk-reps", type=int, default=3, help="repetitions of the disk configs")
+    p.add_argument("--disk-no-fsync", action="store_true",
+                   help="disk configs without fsync (isolates fsync's share of a disk-config request)")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="kvtier's gil_switch_interval_ms for every kvtier config (0: Python's 5 ms; "
+                        "default: kvtier's default)")
     p.add_argument("--trace", default=None, help="Mooncake trace to replay (per connector)")
     p.add_argument("--trace-requests", type=int, default=200)
     p.add_argument("--trace-shapes", default="8b", help="shapes that replay the trace")
@@ -210,6 +215,10 @@ def main(argv=None) -> int:
                     "--lengths", lengths, "--reps", str(a.disk_reps if disk else reps)]
             if conn == "kvtier_disk_cold":
                 args += ["--disk-cold"]
+            if disk and a.disk_no_fsync:
+                args += ["--disk-no-fsync"]
+            if conn.startswith("kvtier") and a.gil_switch_ms is not None:
+                args += ["--gil-switch-ms", str(a.gil_switch_ms)]
             if a.cpu_smoke:
                 args += ["--block-size", "32", "--cpu-bytes", str(64 << 20),
                          "--disk-cpu-bytes", str(8 << 20), "--disk-bytes", str(256 << 20),

@@ -73,9 +73,11 @@ def transfer_config(a):
     tiers = {"cpu": {"capacity": a.cpu_bytes}}
     if a.connector == "kvtier_disk":
         tiers = {"cpu": {"capacity": a.disk_cpu_bytes},
-                 "disk": {"path": a.disk_dir, "capacity": a.disk_bytes, "fsync": True}}
+                 "disk": {"path": a.disk_dir, "capacity": a.disk_bytes, "fsync": not a.disk_no_fsync}}
     extra = {"kvtier": {"block_tokens": a.block_size, "tiers": tiers,
                         "stats": {"snapshot_path": a.snapshot, "interval_s": 0.2}}}
+    if a.gil_switch_ms is not None:
+        extra["kvtier"]["gil_switch_interval_ms"] = a.gil_switch_ms
     if a.sync_budget is not None:
         extra["sync_load_budget_bytes"] = a.sync_budget
     return KVTransferConfig(kv_connector="KVTierConnector",
@@ -213,7 +215,32 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
     mark(a, "client_submit", length=length, rep=r, **tags)
     ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
     mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags)
+    if a.timeline:
+        mark(a, "thread_cpu", s=thread_cpu_seconds())
     out.setdefault(key, []).append((ms, cached))
+
+
+def thread_cpu_seconds() -> dict:
+    """CPU seconds so far of each of this process's threads that used 10 ms or more, as
+    ``"<Python name or OS name>/<tid>"`` (Linux ``/proc``): which threads burn CPU beside the
+    engine thread (a spinning wait shows here, not in a GIL profile)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        if cpu >= 0.01:
+            name = names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+            out[f"{name}/{tid}"] = round(cpu, 2)
+    return out
 
 
 def disk_hits(llm, a, length: int, out: dict) -> None:
@@ -388,6 +415,10 @@ def main(argv=None) -> None:
     p.add_argument("--disk-cold", action="store_true",
                    help="kvtier_disk: drop the disk files from the page cache before each hit")
     p.add_argument("--disk-bytes", type=int, default=40 << 30)
+    p.add_argument("--disk-no-fsync", action="store_true",
+                   help="kvtier_disk: the disk tier without fsync (isolates fsync's share)")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="kvtier's gil_switch_interval_ms (default: kvtier's own default)")
     p.add_argument("--disk-dir", default=None, help="default: /tmp/kvtier-e2e-disk-<shape>")
     p.add_argument("--gpu-kv-bytes", type=int, default=8 << 30)
     p.add_argument("--max-num-seqs", type=int, default=64)

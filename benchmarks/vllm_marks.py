@@ -4,12 +4,14 @@ Why: kvtier's timeline (``KVTIER_TIMELINE``) shows when kvtier's hooks run; the 
 them are vLLM's or the interpreter's (another thread holding the GIL). Wrapping the step's
 phases (engine step, schedule, execute_model, forward, sampling, output update) with marks on
 the same clock shows which. Patches the in-process engine's classes; nothing is changed but
-the marks.
+the marks. Each mark carries the engine thread's CPU time (``cpu``, seconds): a phase whose wall
+time grows while its CPU time does not waited (GIL, I/O); one whose CPU time grows too ran slower.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 from kvtier.connectors.timeline import timeline
 
@@ -51,11 +53,11 @@ def install() -> list[str]:
         def wrap(fn=fn, label=f"{cls_name}.{name}"):
             @functools.wraps(fn)
             def marked(*args, **kwargs):
-                tl.mark("vllm", label + ">")
+                tl.mark("vllm", label + ">", cpu=time.thread_time())
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    tl.mark("vllm", label + "<")
+                    tl.mark("vllm", label + "<", cpu=time.thread_time())
             return marked
 
         setattr(cls, name, wrap())
