@@ -82,6 +82,14 @@ def summarize(path: str, gap_ms: float, call_ms: float) -> str:
         sorted(calls.items(), key=lambda kv: -kv[1][1])[:10]))
     for e in sorted(long_calls, key=lambda e: e["ts"])[:40]:
         lines.append(f"  host {ms(e['ts']):8.3f} +{e['dur'] / 1e3:7.3f} ms  {e['name']}")
+    ops: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops[e["name"]][0] += 1
+            ops[e["name"]][1] += e["dur"]
+    lines.append("host ops (inclusive): " + ", ".join(
+        f"{name} n={n} {dur / 1e3:.2f} ms" for name, (n, dur) in
+        sorted(ops.items(), key=lambda kv: -kv[1][1])[:14]))
     notes = sorted((e for e in events if e.get("cat") in ("user_annotation", "gpu_user_annotation")
                     and e["dur"] >= 50), key=lambda e: e["ts"])
     for e in notes[:60]:

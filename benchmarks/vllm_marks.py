@@ -11,6 +11,7 @@ time grows while its CPU time does not waited (GIL, I/O); one whose CPU time gro
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 from kvtier.connectors.timeline import timeline
@@ -53,7 +54,7 @@ def install() -> list[str]:
         def wrap(fn=fn, label=f"{cls_name}.{name}"):
             @functools.wraps(fn)
             def marked(*args, **kwargs):
-                tl.mark("vllm", label + ">", cpu=time.thread_time())
+                tl.mark("vllm", label + ">", cpu=time.thread_time(), tid=threading.get_native_id())
                 try:
                     return fn(*args, **kwargs)
                 finally:
