@@ -156,6 +156,12 @@ def report(results: dict, gpu: str) -> str:
                 lines += [f"- {r['ms']:8.3f} {r['who']:6} {r['ev']} "
                           + json.dumps({k: v for k, v in r.items() if k not in ("ms", "who", "ev")})
                           for r in rows]
+        for conn, probes in res.get("host_probe", {}).items():
+            lines += ["", f"Host probe, {conn} (host_probe.py: pure-Python and memory-copy ms, "
+                      "resident pages per NUMA node):", ""]
+            lines += [f"- {p['at']}: python {p['python_ms']} ms, memory {p['memory_ms']} ms, "
+                      f"pages {p['pages_per_node']}, CPUs {p.get('Cpus_allowed_list')}, "
+                      f"nodes {p.get('Mems_allowed_list')}, locked {p.get('VmLck')}" for p in probes]
         if res.get("errors"):
             lines += ["", "Errors: " + json.dumps(res["errors"])[:3000]]
         lines.append("")
@@ -178,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--gil-switch-ms", type=float, default=None,
                    help="kvtier's gil_switch_interval_ms for every kvtier config (0: Python's 5 ms; "
                         "default: kvtier's default)")
+    p.add_argument("--cpu-bytes", type=int, default=None,
+                   help="the kvtier and native configs' CPU bytes (default: the child's 16 GiB)")
     p.add_argument("--trace", default=None, help="Mooncake trace to replay (per connector)")
     p.add_argument("--trace-requests", type=int, default=200)
     p.add_argument("--trace-shapes", default="8b", help="shapes that replay the trace")
@@ -213,6 +221,8 @@ def main(argv=None) -> int:
             disk = conn.startswith("kvtier_disk")
             args = ["--shape", shape, "--connector", "kvtier_disk" if disk else conn,
                     "--lengths", lengths, "--reps", str(a.disk_reps if disk else reps)]
+            if a.cpu_bytes is not None and not a.cpu_smoke:
+                args += ["--cpu-bytes", str(a.cpu_bytes)]
             if conn == "kvtier_disk_cold":
                 args += ["--disk-cold"]
             if disk and a.disk_no_fsync:
@@ -247,6 +257,8 @@ def main(argv=None) -> int:
                 continue
             print(f"  {conn}: done in {out['wall_s']} s (engine start {out.get('engine_start_s', 0):.0f} s)",
                   flush=True)
+            if out.get("host_probe"):
+                res.setdefault("host_probe", {})[conn] = out["host_probe"]
             if conn == "check":
                 res["check"] = out
                 continue

@@ -466,12 +466,18 @@ def main(argv=None) -> None:
 
         print("RESULT " + json.dumps(run_check(a, model_dir)), flush=True)
         return
+    from host_probe import probe
+
+    probes = [probe("before engine")]
     t0 = time.perf_counter()
     progress(f"starting {a.connector} {a.shape}")
     llm = a.llm = make_llm(a, model_dir)
     progress(f"engine up after {time.perf_counter() - t0:.0f} s")
-    result = {"shape": a.shape, "connector": a.connector, "engine_start_s": time.perf_counter() - t0}
+    result = {"shape": a.shape, "connector": a.connector, "engine_start_s": time.perf_counter() - t0,
+              "host_probe": probes}
+    probes.append(probe("engine up"))
     result["ttft"] = ttft_sweep(llm, a)
+    probes.append(probe("after the sweep"))
     if a.trace:
         reset(llm)
         progress("trace replay")
