@@ -197,6 +197,8 @@ def main(argv=None) -> int:
                    help="kvtier's timeline also marks vLLM's own step phases (vllm_marks.py)")
     p.add_argument("--profile", default=None, help="directory for torch.profiler traces of the "
                    "last timed hit per length (benchmarks/profile_summary.py reads them)")
+    p.add_argument("--cprofile", default=None, help="directory for cProfile text of the timed "
+                   "hits per length and configuration (function-level host time)")
     a = p.parse_args(argv)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
@@ -248,6 +250,8 @@ def main(argv=None) -> int:
                     args += ["--vllm-marks"]
             if a.profile and conn in ("none", "kvtier", "native"):
                 args += ["--profile", a.profile]
+            if a.cprofile:
+                args += ["--cprofile", a.cprofile]
             os.makedirs(os.path.join(a.out_dir, "logs"), exist_ok=True)
             out = run_child(args, env, a.timeout,
                             os.path.join(a.out_dir, "logs", f"{shape}-{conn}.log"))

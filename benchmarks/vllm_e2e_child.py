@@ -178,6 +178,42 @@ def profiled(llm, prompt: list[int], a, length: int) -> tuple[float, int]:
     return result
 
 
+_CPROFILES: dict = {}
+_CPROFILE_REPS: dict = {}
+
+
+def cprofiled(llm, prompt: list[int], a, length: int) -> tuple[float, int]:
+    """``timed`` under cProfile; every timed hit of a length adds to one profile, written as
+    text (cumulative and own time, kvtier's functions and the top of all) to ``--cprofile``."""
+    import cProfile
+    import pstats
+
+    prof = _CPROFILES.setdefault(length, cProfile.Profile())
+    prof.enable()
+    try:
+        result = timed(llm, prompt)
+    finally:
+        prof.disable()
+    os.makedirs(a.cprofile, exist_ok=True)
+    n = _CPROFILE_REPS[length] = _CPROFILE_REPS.get(length, 0) + 1
+    rows = [(ct, tt, nc, fn, f"{'/'.join(fn.split('/')[-2:])}:{line}({name})")
+            for (fn, line, name), (_cc, nc, tt, ct, _callers) in pstats.Stats(prof).stats.items()]
+
+    def table(title: str, picked) -> list[str]:
+        return [title, "  cum ms/req  own ms/req  calls/req  function"] + [
+            f"  {ct * 1e3 / n:10.3f}  {tt * 1e3 / n:10.3f}  {nc / n:9.1f}  {where}"
+            for ct, tt, nc, _fn, where in picked]
+
+    lines = [f"{a.shape} {a.connector} {length} tokens: {n} timed hits under cProfile"]
+    lines += table("kvtier, by cumulative time:",
+                   sorted((r for r in rows if "/kvtier/" in r[3]), reverse=True)[:60])
+    lines += table("all, by own time:", sorted(rows, key=lambda r: -r[1])[:40])
+    lines += table("all, by cumulative time:", sorted(rows, reverse=True)[:40])
+    with open(os.path.join(a.cprofile, f"{a.shape}-{a.connector}-{length}.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return result
+
+
 def ttft_sweep(llm, a) -> dict:
     """Per prompt length: first (store or miss) then, after a GPU prefix-cache reset, the
     timed repetition; for disk, every prompt is written first and pushed out of CPU."""
@@ -213,7 +249,10 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
     too) and appended to ``out[key]`` as (ms, cached tokens)."""
     reset(llm)
     mark(a, "client_submit", length=length, rep=r, **tags)
-    ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
+    if a.cprofile and not tags.get("miss"):
+        ms, cached = cprofiled(llm, p, a, length)
+    else:
+        ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
     mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags)
     if a.timeline:
         mark(a, "thread_cpu", s=thread_cpu_seconds())
@@ -431,6 +470,8 @@ def main(argv=None) -> None:
     p.add_argument("--timeline", default=None)
     p.add_argument("--profile", default=None,
                    help="directory: torch.profiler chrome trace of the last timed rep per length")
+    p.add_argument("--cprofile", default=None,
+                   help="directory: cProfile text of the timed hits per length (not misses)")
     p.add_argument("--vllm-marks", action="store_true",
                    help="with --timeline: also mark vLLM's own step phases (vllm_marks.py)")
     p.add_argument("--switch-interval", type=float, default=None,
@@ -488,6 +529,9 @@ def main(argv=None) -> None:
         with open(a.snapshot) as f:
             result["kvtier_stats"] = json.load(f)
     print("RESULT " + json.dumps(result), flush=True)
+    from kvtier.connectors.timeline import timeline
+
+    timeline().flush()  # os._exit skips atexit
     os._exit(0)  # skip vLLM's slow teardown; the parent only needs the line above
 
 
