@@ -4,7 +4,9 @@ Runs in a fresh process per configuration (vLLM, CUDA graphs and pinned pools do
 process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Connectors:
 
 * ``none``   - no connector: recompute (vLLM's GPU prefix cache reset between repetitions);
-* ``kvtier`` - kvtier, CPU tier only: CPU hits;
+* ``kvtier`` - kvtier, CPU tier only: CPU hits, each paired with a recompute of the same
+  prompt in the same engine (``kv_transfer_params`` ``skip_load``/``skip_store``; order
+  alternating), the ratio that host-speed drift between processes cannot bend;
 * ``kvtier_disk`` - kvtier with a small CPU tier and a disk tier: every prompt is written,
   pushed out of CPU by filler prompts, then timed (cost-aware loading may recompute instead);
 * ``kvtier_ab`` - kvtier, CPU tier only, each repetition timed twice in the same engine:
@@ -100,18 +102,23 @@ def make_llm(a, model_dir: str):
     return LLM(**kw)
 
 
-def sampling(max_tokens: int = 1, logprobs: bool = False):
+BYPASS = {"kv_transfer_params": {"kvtier": {"skip_load": True, "skip_store": True}}}
+
+
+def sampling(max_tokens: int = 1, logprobs: bool = False, extra_args: dict | None = None):
     from vllm import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                          detokenize=False, logprobs=0 if logprobs else None)
+                          detokenize=False, logprobs=0 if logprobs else None,
+                          extra_args=extra_args)
 
 
-def gen(llm, prompt: list[int], max_tokens: int = 1, logprobs: bool = False):
+def gen(llm, prompt: list[int], max_tokens: int = 1, logprobs: bool = False,
+        extra_args: dict | None = None):
     from vllm.inputs import TokensPrompt
 
     return llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                        sampling(max_tokens, logprobs), use_tqdm=False)[0]
+                        sampling(max_tokens, logprobs, extra_args), use_tqdm=False)[0]
 
 
 def settle(llm, a, quiet_s: float = 0.0) -> None:
@@ -156,9 +163,9 @@ def reset(llm) -> None:
     raise RuntimeError("vLLM refused to reset its prefix cache (blocks still in use)")
 
 
-def timed(llm, prompt: list[int]) -> tuple[float, int]:
+def timed(llm, prompt: list[int], extra_args: dict | None = None) -> tuple[float, int]:
     t0 = time.perf_counter()
-    out = gen(llm, prompt)
+    out = gen(llm, prompt, extra_args=extra_args)
     return (time.perf_counter() - t0) * 1e3, int(out.num_cached_tokens or 0)
 
 
@@ -232,12 +239,17 @@ def ttft_sweep(llm, a) -> dict:
             if a.connector != "none":  # computes and offloads it: a miss, timed too
                 timed_rep(llm, a, p, length, r, out, f"{length}:miss", miss=True)
                 settle(llm, a)
+            paired = a.connector == "kvtier" and r % 2 == 1  # the recompute first on odd reps
+            if paired:
+                timed_rep(llm, a, p, length, r, out, f"{length}:recompute", recompute=True)
             for early in ((False, True) if r % 2 == 0 else (True, False)) if switch else (None,):
                 if switch:
                     switch(early)
                 timed_rep(llm, a, p, length, r, out,
                           str(length) if early in (True, None) else f"{length}:late",
                           profile=bool(a.profile) and r == a.reps - 1 and early in (True, None))
+            if a.connector == "kvtier" and not paired:
+                timed_rep(llm, a, p, length, r, out, f"{length}:recompute", recompute=True)
     if switch:
         switch(True)
     return out
@@ -249,7 +261,9 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
     too) and appended to ``out[key]`` as (ms, cached tokens)."""
     reset(llm)
     mark(a, "client_submit", length=length, rep=r, **tags)
-    if a.cprofile and not tags.get("miss"):
+    if tags.get("recompute"):  # same prompt, same process, kvtier told to stay out
+        ms, cached = timed(llm, p, BYPASS)
+    elif a.cprofile and not tags.get("miss"):
         ms, cached = cprofiled(llm, p, a, length)
     else:
         ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
