@@ -50,14 +50,15 @@ COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late",
            "kvtier_cpu_tail": "kvtier_ab_tail", "kvtier_cpu_tail_cut": "kvtier_ab_tail:late",
            "kvtier_miss": "kvtier:miss", "native_miss": "native:miss",
-           "kvtier_recompute": "kvtier:recompute"}
+           "kvtier_recompute": "kvtier:recompute", "kvtier_disk_recompute": "kvtier_disk:recompute"}
 HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
            "kvtier_disk": "kvtier disk hit", "kvtier_disk_cold": "kvtier disk hit, cold",
            "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
            "kvtier_cpu_ab": "A/B: load started early", "kvtier_cpu_ab_late": "A/B: load at start_load",
            "kvtier_cpu_tail": "A/B: last block whole", "kvtier_cpu_tail_cut": "A/B: cut a block short",
            "kvtier_miss": "kvtier miss (first pass)", "native_miss": "native miss (first pass)",
-           "kvtier_recompute": "recompute in kvtier's engine (paired)"}
+           "kvtier_recompute": "recompute in kvtier's engine (paired)",
+           "kvtier_disk_recompute": "recompute in kvtier_disk's engine (paired)"}
 
 
 def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict:
@@ -130,8 +131,9 @@ def report(results: dict, gpu: str) -> str:
                   "out, order alternating: immune to the host's speed drifting between processes)",
                   "",
                   "| prompt tokens | " + " | ".join(HEADERS.get(c, c) for c in shown)
-                  + " | kvtier vs recompute | kvtier vs paired recompute | kvtier vs native |",
-                  "|---|" + "---|" * (len(shown) + 3)]
+                  + " | kvtier vs recompute | kvtier vs paired recompute | disk vs paired recompute"
+                  " | kvtier vs native |",
+                  "|---|" + "---|" * (len(shown) + 4)]
         for length, cols in sorted(res["ttft"].items(), key=lambda kv: int(kv[0])):
             cells = []
             for c in shown:
@@ -141,10 +143,12 @@ def report(results: dict, gpu: str) -> str:
             rec, kv, nat = (cols.get(c, {}).get("median") for c in ("recompute", "kvtier_cpu",
                                                                      "native_cpu"))
             kv = kv or cols.get("kvtier_cpu_ab", {}).get("median")
-            same = cols.get("kvtier_recompute", {}).get("median")
+            same, disk, disk_same = (cols.get(c, {}).get("median") for c in (
+                "kvtier_recompute", "kvtier_disk", "kvtier_disk_recompute"))
             lines.append(f"| {length} | " + " | ".join(cells) + " | "
                          + (f"{rec / kv:.2f}x" if rec and kv else "-") + " | "
                          + (f"{same / kv:.2f}x" if same and kv else "-") + " | "
+                         + (f"{disk_same / disk:.2f}x" if disk and disk_same else "-") + " | "
                          + (f"{nat / kv:.2f}x" if nat and kv else "-") + " |")
         if res.get("trace"):
             lines += ["", "Trace replay", "", "| connector | req/s | TTFT p50 ms | TTFT p99 ms |"
@@ -163,6 +167,8 @@ def report(results: dict, gpu: str) -> str:
                 lines += [f"- {r['ms']:8.3f} {r['who']:6} {r['ev']} "
                           + json.dumps({k: v for k, v in r.items() if k not in ("ms", "who", "ev")})
                           for r in rows]
+        for conn, cost in res.get("kvtier_cost", {}).items():
+            lines += ["", f"Cost model at the end, {conn}: " + json.dumps(cost)]
         for conn, probes in res.get("host_probe", {}).items():
             lines += ["", f"Host probe, {conn} (host_probe.py: pure-Python and memory-copy ms, "
                       "resident pages per NUMA node):", ""]
@@ -282,6 +288,8 @@ def main(argv=None) -> int:
                 res["trace"][conn] = out["trace"]
             if out.get("kvtier_stats"):
                 res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
+                if out["kvtier_stats"].get("cost"):
+                    res.setdefault("kvtier_cost", {})[conn] = out["kvtier_stats"]["cost"]
             if marked:
                 hit = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
                                           len(lengths.split(",")) > 1 else 0]))

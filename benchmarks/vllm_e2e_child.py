@@ -299,7 +299,8 @@ def thread_cpu_seconds() -> dict:
 def disk_hits(llm, a, length: int, out: dict) -> None:
     """Disk hits at one length, into ``out``: each prompt is written (a settle lets
     write-back copy it to disk), filler prompts push them all out of the CPU tier, then each
-    is timed. One length at a time, so a CPU tier holding one prompt is enough.
+    is timed, right after a recompute of the same prompt with kvtier told to stay out (the
+    paired baseline). One length at a time, so a CPU tier holding one prompt is enough.
     ``--disk-cold``: the disk files' pages are dropped from the page cache before each timed
     hit (the disk's own read rate; otherwise recently written records read from memory)."""
     prompts = [tokens(length, 1000 * length + r, a.vocab) for r in range(a.reps)]
@@ -312,6 +313,8 @@ def disk_hits(llm, a, length: int, out: dict) -> None:
         settle(llm, a)
     settle(llm, a, quiet_s=2.0)
     for r, p in enumerate(prompts):
+        # the paired recompute goes first: the hit promotes the prompt into the CPU tier
+        timed_rep(llm, a, p, length, r, out, f"{length}:recompute", recompute=True)
         if a.disk_cold:
             drop_page_cache(a.disk_dir)
         timed_rep(llm, a, p, length, r, out, str(length))

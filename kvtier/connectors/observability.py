@@ -61,6 +61,9 @@ class SchedulerObservability:
             tier["capacity_bytes"] = tier["capacity_blocks"] * self.block_bytes
         out = {"manager": self.manager.stats.snapshot(), "usage": usage,
                "block_bytes": self.block_bytes}
+        cost = self.manager.cost
+        if cost is not None:  # why hits were (not) loaded: the estimates behind the decisions
+            out["cost"] = cost.snapshot()
         if self.feed is not None:
             pub = self.feed.publisher
             out["events"] = {**pub.stats().to_dict(), "endpoint": pub.endpoint,

@@ -157,6 +157,8 @@ class LoadCostModel:
             "load_gbps": {m.value: round(b.bytes_per_s / 1e9, 3) for m, b in self.bandwidth.items()},
             "measured": {m.value: b.samples for m, b in self.bandwidth.items()},
             "fixed_ms": {m.value: round(b.fixed_s * 1e3, 3) for m, b in self.bandwidth.items()},
+            "fixed_measured": {m.value: b.fixed_samples for m, b in self.bandwidth.items()},
+            "recompute_ms_per_block": round(self.recompute_block_s * 1e3, 4),
             "break_even_gbps": round(self.block_bytes / self.recompute_block_s / 1e9, 3),
             "cuts": self.cuts,
             "probes": self.probes,

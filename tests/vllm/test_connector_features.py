@@ -303,3 +303,28 @@ def test_retention_action_in_kv_hints_reaches_the_tiered_manager(model_dir):
     assert (hint.rank, hint.ttl_s, hint.session) == (KEEP, 120.0, "chat-7")
     assert bad_checks(rig) == []
     rig.close()
+
+
+def test_stats_snapshot_shows_the_cost_models_estimates(model_dir, tmp_path):
+    """An operator asking why a hit was recomputed finds the estimates behind the decision
+    (recompute time per block, measured load bandwidth and fixed cost) in the stats file."""
+    import json
+
+    snap = tmp_path / "stats.json"
+    rig = make_rig(model_dir, kvtier_config(
+        cpu_blocks=8, cost={"recompute_us_per_token": 40},
+        stats={"snapshot_path": str(snap), "interval_s": 0.1}))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=91)
+    rig.loop.add(make(prompt, max_tokens=1))
+    rig.loop.run_until_idle()
+    rig.sched.reset_prefix_cache()
+    rig.loop.add(make(prompt, max_tokens=1))
+    rig.loop.run_until_idle()
+    settle(rig)
+    rig.side.observability.snapshot.write_now()
+    cost = json.loads(snap.read_text())["cost"]
+    assert cost["recompute_ms_per_block"] == pytest.approx(40e-3 * BS, rel=1e-3)
+    assert cost["measured"]["CPU"] + cost["fixed_measured"]["CPU"] >= 1  # the hit was timed
+    rig.connector.shutdown()
+    rig.close()
