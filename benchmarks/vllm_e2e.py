@@ -19,6 +19,10 @@ side by side on the same machine:
   vLLM block size 16, CUDA graphs on (vLLM's default), prefix caching on.
 * TTFT: ``LLM.generate`` of one prompt with ``max_tokens=1`` after vLLM's GPU prefix cache
   was reset (so a hit can only come from the connector); median and spread of ``--reps``.
+  kvtier's hits are also paired with a recompute of the same prompt in the same engine
+  (``skip_load``/``skip_store``): on a host whose CPU speed drifts between processes (the lent
+  VM: up to 2x, ``host_probe.py`` prints it per configuration) only the paired ratio is
+  trustworthy for host-bound small prompts.
 * Trace replay (``--trace``): Mooncake-format requests, each hash_id a fixed random 512-token
   chunk (shared prefixes are real), arrivals compressed ``--trace-speedup`` times, GPU KV
   memory limited (``--gpu-kv-bytes``) so vLLM's prefix cache overflows.
