@@ -86,6 +86,7 @@ class WorkerSide:
         self._load_hops: list[tuple[str, int, float]] = []
         self._forward: ForwardTimer | None = None
         self._stats_before: dict = {}
+        self._stats_hops = 0
         self._tl = timeline()
         self._fences = LayerFences(settings.layer_names)
         self._ahead: set[int] = set()  # sync loads submitted before start_load
@@ -111,6 +112,7 @@ class WorkerSide:
         if self.settings.world_size == 1:
             colocated.register(self.settings.engine_id, self)
         self._stats_before = self.runtime.engine.stats()
+        self._stats_hops = self.runtime.engine.hops_done
         log.info("kvtier: worker rank %d: %d layers, %s, %d CPU slots%s", self.tp_rank,
                  view.num_layers, geometry.describe(), self.runtime.pool.num_slots,
                  f", disk {config.disk.path}" if config.disk is not None else "")
@@ -269,9 +271,17 @@ class WorkerSide:
         return meta
 
     def take_stats(self) -> KVTierStats | None:
+        """Transfer counters since the last call, or None. vLLM asks every step (decode steps
+        too): with no hop finished since, nothing is snapshotted (the busy time of hops still
+        running goes into the next delta that has one)."""
         if self.runtime is None:
             return None
-        now = self.runtime.engine.stats()
+        engine = self.runtime.engine
+        done = engine.hops_done  # read before the snapshot: a hop in between is seen next time
+        if done == self._stats_hops:
+            return None
+        self._stats_hops = done
+        now = engine.stats()
         delta = direction_delta(now, self._stats_before)
         self._stats_before = now
         if not delta:

@@ -61,6 +61,7 @@ class TransferEngine(ImmediateHops):
         self._live: set[int] = set()  # submitted and not yet handed to the caller
         self._reserved: set[int] = set()  # ids a wait() call is collecting
         self._pending = 0
+        self.hops_done = 0  # grows with every accounted hop: stats() changed only if it did
         self._next_id = 0
         self._closed = False
         self._stopped = False
@@ -172,6 +173,7 @@ class TransferEngine(ImmediateHops):
             lane.stats.bytes += outcome.bytes
             if error is not None or outcome.failed_keys:
                 lane.stats.failed_jobs += 1
+            self.hops_done += 1
         job.bytes += outcome.bytes
         job.seconds += seconds
         job.hop_stats.append((lane.route, outcome.bytes, seconds))

@@ -80,6 +80,12 @@ def test_stats_reach_vllms_stats_path(model_dir):
     assert total.data["bytes_cpu_to_gpu"] == 4 * BLOCK_BYTES
     reduced = total.reduce()
     assert reduced["store_tokens"] == 64 and "gbps_gpu_to_cpu" in reduced
+    # vLLM asks every step: with no transfer finished since, nothing is snapshotted
+    ws = rig.worker_side(0)
+    engine, snapshots = ws.runtime.engine, []
+    stats = engine.stats
+    engine.stats = lambda: (snapshots.append(1), stats())[1]
+    assert ws.take_stats() is None and ws.take_stats() is None and snapshots == []
     rig.close()
 
 
