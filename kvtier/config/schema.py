@@ -181,8 +181,8 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class KvtierConfig:
     block_tokens: int = 16
-    # Python's GIL switch interval while a load waits on disk I/O threads (with a shared tier:
-    # always); 0 leaves it: see kvtier/runtime/gil.py
+    # Python's GIL switch interval while disk or shared-tier I/O threads run (0: leave it):
+    # see kvtier/runtime/gil.py
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     cpu: CpuTierConfig = field(default_factory=lambda: CpuTierConfig(DEFAULT_CPU_CAPACITY))
     disk: DiskTierConfig | None = None
