@@ -344,8 +344,6 @@ class WorkerSide:
                                       0, 0.0, first))  # a promotion never ran: keys failed
             return
         rt = self._rt()
-        if any(job.from_disk) or any(job.from_remote):  # I/O threads the request waits on
-            rt.io_wait(job.job_id, True)
         self._submit(lambda: rt.engine.submit_chain(hops, job_id=job.job_id), job.job_id,
                      (hops[0][0].medium, hops[0][1].medium))
 
@@ -366,8 +364,6 @@ class WorkerSide:
             return
         self._done[r.job_id] = 1
         if running.kind == "load":
-            if self.runtime is not None:
-                self.runtime.io_wait(r.job_id, False)
             self._on_load(r, running)
         elif running.kind == "store":
             if not r.ok:

@@ -99,20 +99,12 @@ class WorkerRuntime:
                          RemoteToCpuHandler(pool, blocks)]
         rt = cls(geometry, pool, store, TransferEngine(handlers), remote, replica)
         if config.disk is not None or config.remote is not None:  # threads that do I/O
-            # short hand-offs while a load waits on them; always, with a shared tier (gil.py)
-            rt.switch = SwitchInterval(config.gil_switch_interval_ms,
-                                       always=config.remote is not None)
+            rt.switch = SwitchInterval(config.gil_switch_interval_ms)
         return rt
 
     def disk_keys(self) -> list[bytes]:
         """Blocks already on disk, oldest first (the manager's start-up state)."""
         return self.store.keys_by_age() if self.store is not None else []
-
-    def io_wait(self, job_id: int, waiting: bool) -> None:
-        """A load that promotes from disk or the shared tier starts (True) or ended (False):
-        the GIL switch interval is short while any such load is in flight."""
-        if self.switch is not None:
-            (self.switch.hold if waiting else self.switch.release)(job_id)
 
     def poll(self) -> list[JobResult]:
         return self.engine.get_finished()

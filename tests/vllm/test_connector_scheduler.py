@@ -150,16 +150,11 @@ def test_disk_tier_reload_after_cpu_eviction_is_byte_exact(model_dir, tmp_path):
     m = rig.side.manager
     assert m.lookup(keys_of(a, 4)).tiers == (Medium.DISK,) * 4
     assert rig.sched.reset_prefix_cache()
-    rt = rig.worker_side(0).runtime
-    waits, io_wait = [], rt.io_wait  # the short GIL interval is held while the read is waited on
-    rt.io_wait = lambda job_id, waiting: (waits.append((job_id, waiting)), io_wait(job_id, waiting))
     b = make(prompt, max_tokens=3)
     rig.loop.add(b)
     ms = metas(rig.loop.run_until_idle())
     (load,) = [j for mm in ms for j in mm.loads]
     assert load.from_disk == (True,) * 4
-    assert waits == [(load.job_id, True), (load.job_id, False)]
-    assert not rt.switch.applied  # ended with the load: write-back runs at Python's interval
     assert rig.loop.prefill[b.request_id] == (0, 64)
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
