@@ -6,11 +6,13 @@ to wall time, while the same code on a CPU-only host ran at the same speed with 
 kvtier. A process-wide slowdown of that kind (memory placed on a far NUMA node, a CPU shared with
 a busy thread, a tracing hook) shows in a fixed workload timed in the same process before and
 after the engine starts, side by side with the no-connector process: that is this probe.
+``thread_cpu_seconds`` says which of the process's threads burned CPU meanwhile.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 
@@ -72,3 +74,24 @@ def numa_pages() -> dict:
 def probe(label: str) -> dict:
     """One labelled measurement (both timings and the memory placement)."""
     return {"at": label, "python_ms": python_ms(), "memory_ms": memory_ms(), **numa_pages()}
+
+
+def thread_cpu_seconds() -> dict:
+    """CPU seconds so far of each of this process's threads that used 10 ms or more, as
+    ``"<Python name or OS name>/<tid>"`` (Linux ``/proc``): which threads burn CPU beside the
+    engine thread (a spinning wait shows here, not in a GIL profile)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        if cpu >= 0.01:
+            name = names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+            out[f"{name}/{tid}"] = round(cpu, 2)
+    return out

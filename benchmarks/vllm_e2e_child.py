@@ -185,42 +185,6 @@ def profiled(llm, prompt: list[int], a, length: int) -> tuple[float, int]:
     return result
 
 
-_CPROFILES: dict = {}
-_CPROFILE_REPS: dict = {}
-
-
-def cprofiled(llm, prompt: list[int], a, length: int) -> tuple[float, int]:
-    """``timed`` under cProfile; every timed hit of a length adds to one profile, written as
-    text (cumulative and own time, kvtier's functions and the top of all) to ``--cprofile``."""
-    import cProfile
-    import pstats
-
-    prof = _CPROFILES.setdefault(length, cProfile.Profile())
-    prof.enable()
-    try:
-        result = timed(llm, prompt)
-    finally:
-        prof.disable()
-    os.makedirs(a.cprofile, exist_ok=True)
-    n = _CPROFILE_REPS[length] = _CPROFILE_REPS.get(length, 0) + 1
-    rows = [(ct, tt, nc, fn, f"{'/'.join(fn.split('/')[-2:])}:{line}({name})")
-            for (fn, line, name), (_cc, nc, tt, ct, _callers) in pstats.Stats(prof).stats.items()]
-
-    def table(title: str, picked) -> list[str]:
-        return [title, "  cum ms/req  own ms/req  calls/req  function"] + [
-            f"  {ct * 1e3 / n:10.3f}  {tt * 1e3 / n:10.3f}  {nc / n:9.1f}  {where}"
-            for ct, tt, nc, _fn, where in picked]
-
-    lines = [f"{a.shape} {a.connector} {length} tokens: {n} timed hits under cProfile"]
-    lines += table("kvtier, by cumulative time:",
-                   sorted((r for r in rows if "/kvtier/" in r[3]), reverse=True)[:60])
-    lines += table("all, by own time:", sorted(rows, key=lambda r: -r[1])[:40])
-    lines += table("all, by cumulative time:", sorted(rows, reverse=True)[:40])
-    with open(os.path.join(a.cprofile, f"{a.shape}-{a.connector}-{length}.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return result
-
-
 def ttft_sweep(llm, a) -> dict:
     """Per prompt length: first (store or miss) then, after a GPU prefix-cache reset, the
     timed repetition; for disk, every prompt is written first and pushed out of CPU."""
@@ -264,36 +228,19 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
     if tags.get("recompute"):  # same prompt, same process, kvtier told to stay out
         ms, cached = timed(llm, p, BYPASS)
     elif a.cprofile and not tags.get("miss"):
-        ms, cached = cprofiled(llm, p, a, length)
+        from cprofile_tables import profiled_call
+
+        ms, cached = profiled_call(lambda: timed(llm, p), a.cprofile,
+                                   f"{a.shape}-{a.connector}-{length}",
+                                   f"{a.shape} {a.connector} {length} tokens")
     else:
         ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
     mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags)
     if a.timeline:
+        from host_probe import thread_cpu_seconds
+
         mark(a, "thread_cpu", s=thread_cpu_seconds())
     out.setdefault(key, []).append((ms, cached))
-
-
-def thread_cpu_seconds() -> dict:
-    """CPU seconds so far of each of this process's threads that used 10 ms or more, as
-    ``"<Python name or OS name>/<tid>"`` (Linux ``/proc``): which threads burn CPU beside the
-    engine thread (a spinning wait shows here, not in a GIL profile)."""
-    import threading
-
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        cpu = (int(fields[11]) + int(fields[12])) / tick
-        if cpu >= 0.01:
-            name = names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
-            out[f"{name}/{tid}"] = round(cpu, 2)
-    return out
 
 
 def disk_hits(llm, a, length: int, out: dict) -> None:
