@@ -101,6 +101,27 @@ def test_low_fd_limit_loses_no_block(tmp_path):
     assert ok == "OK" and int(segs) >= 300
 
 
+def test_concurrent_reads_leave_no_more_than_max_open_descriptors(tmp_path):
+    """Reads in flight at once are all busy, so the acquire that opens the last one cannot trim
+    them; the releases must, or a replica keeps descriptors on segments the owner removed (the
+    CI flake of tests/test_disk_replicated.py: 2 removed segments held open, the cap 1)."""
+    with DiskStore(tmp_path / "d", GEO, segment_bytes=REC + 1, compact_budget_bytes=0) as s:
+        keys = [key(i) for i in range(4)]
+        for k in keys:  # one segment each
+            s.put_many([(k, block(k))])
+        files = segments_mod.SegmentFiles(s.root / "segments",
+                                          segments_mod.open_dir(s.root / "segments"), max_open=1)
+        try:
+            segs = [s._index.get(k).segment for k in keys]
+            held = [files._acquire(seg) for seg in segs]  # four readers at once
+            assert files.open_count() == len(segs)
+            for h in held:
+                files._release(h)
+            assert files.open_count() == 1
+        finally:
+            files.close()
+
+
 @pytest.mark.parametrize("code", [errno.ENOMEM, errno.EIO, errno.EACCES, errno.EMFILE])
 def test_transient_read_error_is_a_miss_that_keeps_the_block(tmp_path, monkeypatch, code):
     with DiskStore(tmp_path / "d", GEO, segment_bytes=2 * REC) as s:

@@ -306,11 +306,15 @@ class SegmentFiles:
         return out
 
     def _release(self, h: _Handle) -> None:
+        """Drop one reference. Concurrent reads can leave more than ``max_open`` handles
+        cached (an acquire cannot trim busy ones), so the release trims back to the cap: an
+        idle descriptor over the cap may be holding a removed file's space."""
         with self._lock:
             h.refs -= 1
-            close = h.retired and h.refs == 0
-        if close:
-            _close_all([h.fd])
+            spare = [h.fd] if h.retired and h.refs == 0 else []
+            if len(self._handles) > self.max_open:
+                spare += self._trim(self.max_open)
+        _close_all(spare)
 
     def remove(self, seg: int) -> None:
         """Unlink ``seg``; its descriptor closes once no reader holds it. Something other than
