@@ -21,11 +21,12 @@ def k(i: int) -> bytes:
 
 
 class CountingWalk:
-    """Counts keys the eviction policy examines (calls of its ``evictable`` predicate)."""
+    """Counts keys the eviction policy examines: calls of its ``evictable`` predicate, and
+    steps of its ``order_at`` walk (the handle-checked walk LRU offers)."""
 
     def __init__(self, policy) -> None:
         self.calls = 0
-        inner = policy.victims
+        inner, inner_order = policy.victims, getattr(policy, "order_at", lambda: None)
 
         def victims(n, evictable):
             def counted(key):
@@ -33,7 +34,29 @@ class CountingWalk:
                 return evictable(key)
             return inner(n, counted)
 
+        def order_at():
+            order = inner_order()
+            if order is None:
+                return None
+
+            def counted():
+                for item in order:
+                    self.calls += 1
+                    yield item
+            return counted()
+
         policy.victims = victims
+        policy.order_at = order_at
+
+
+def fill(m, nxt: int, batch: int, queued: list) -> int:
+    """Store batches until the CPU tier is full; demotions are queued, not completed."""
+    while len(m.cpu) < m.cpu.capacity:
+        plan = m.prepare_store([k(nxt + i) for i in range(batch)])
+        m.complete_store(plan.keys)
+        queued += m.take_background_transfers()
+        nxt += batch
+    return nxt
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -42,12 +65,7 @@ def test_store_with_a_stalled_disk_walks_a_bounded_number_of_blocks(policy):
     m = TieredOffloadingManager(cpu_blocks=cpu, cpu_eviction=policy, disk_blocks=4 * cpu,
                                 flush_reserve=64)
     queued = []  # demotions handed out and never completed: a stalled disk
-    nxt = 0
-    while len(m.cpu) < cpu:
-        plan = m.prepare_store([k(nxt + i) for i in range(batch)])
-        m.complete_store(plan.keys)
-        queued += m.take_background_transfers()
-        nxt += batch
+    nxt = fill(m, 0, batch, queued)
     walk = CountingWalk(m.cpu.policy)
     per_call = []
     for _ in range(100):
@@ -106,3 +124,75 @@ def test_a_clean_block_goes_before_a_colder_dirty_one():
     plan = m.prepare_store([k(100)])
     assert plan.evicted[Medium.CPU] == (k(1),)
     assert m.lookup([k(1)]).tiers == (Medium.DISK,) and m.stats.evicted_unwritten == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_after_a_vain_search_the_next_one_looks_only_as_deep_as_what_turned_clean(policy):
+    """Once an eviction had to drop dirty blocks, blocks deeper than the flush window are
+    dirty: the next search covers only the blocks demotions made clean since, not the whole
+    budget again (a 512-block store walked ~3k blocks per request in vain, 10 ms)."""
+    cpu, batch = 4_000, 128
+    m = TieredOffloadingManager(cpu_blocks=cpu, cpu_eviction=policy, disk_blocks=4 * cpu,
+                                flush_reserve=64, max_demotions_in_flight=96)
+    queued: list = []
+    nxt = fill(m, 0, batch, queued)
+    walk = CountingWalk(m.cpu.policy)
+    plan = m.prepare_store([k(nxt + i) for i in range(batch)])  # dirty blocks must go
+    nxt += batch
+    m.complete_store(plan.keys)
+    assert m.stats.evicted_unwritten > 0 and m._write_back_behind
+    done = queued.pop(0)  # the disk finishes one demotion: its blocks are clean now
+    m.complete_background(done.id, True)
+    queued += m.take_background_transfers()
+    walk.calls = 0
+    before = m.stats.evicted_unwritten
+    plan = m.prepare_store([k(nxt + i) for i in range(batch)])
+    # the eviction: the batch, the newly clean blocks, the pinned demotions stepped over;
+    # the flush walk: its window (the batch) and the pins (the old search: + 384 more)
+    assert len(done.keys) < batch
+    pinned = m.max_demotions_in_flight
+    bound = batch + len(done.keys) + pinned + max(batch, m.flush_reserve) + pinned
+    assert walk.calls <= bound, (walk.calls, bound)
+    # and the clean blocks were still found and went first
+    assert set(done.keys) <= set(plan.evicted[Medium.CPU])
+    assert m.stats.evicted_unwritten - before == batch - len(done.keys)
+
+
+def test_a_store_bigger_than_the_flush_reserve_is_written_back_whole():
+    """Write-back looks as deep as the store just planned: with a fixed window of
+    ``flush_reserve`` (here 64), stores of 256 blocks had 3 blocks of 4 evicted unwritten
+    even though the disk finished every demotion before the next store."""
+    cpu, batch = 2_048, 256
+    m = TieredOffloadingManager(cpu_blocks=cpu, disk_blocks=8 * cpu, flush_reserve=64,
+                                max_demotions_in_flight=4 * batch)
+    nxt = 0
+    for _ in range(40):
+        plan = m.prepare_store([k(nxt + i) for i in range(batch)])
+        m.complete_store(plan.keys)
+        nxt += batch
+        for t in m.take_background_transfers():  # a disk that keeps up
+            m.complete_background(t.id, True)
+    assert m.stats.evicted_blocks["CPU"] >= 20 * batch
+    assert m.stats.evicted_unwritten == 0
+    assert m.stats.stored_blocks["DISK"] >= m.stats.evicted_blocks["CPU"]
+
+
+def test_a_disk_hit_makes_room_in_one_eviction():
+    """A load promoting many blocks from disk evicts for all of them at once: one walk and
+    one CPU removal event, not one per block."""
+    cpu = 64
+    m = TieredOffloadingManager(cpu_blocks=cpu, disk_blocks=8 * cpu, flush_reserve=cpu)
+    old = [k(i) for i in range(cpu)]
+    for keys in (old, [k(1000 + i) for i in range(cpu)]):  # the second evicts the first
+        plan = m.prepare_store(keys)
+        m.complete_store(plan.keys)
+        for t in m.take_background_transfers():
+            m.complete_background(t.id, True)
+    assert m.lookup(old).tiers == (Medium.DISK,) * cpu
+    m.take_events()
+    plan = m.prepare_load(old[:48])
+    assert plan.from_disk == (True,) * 48
+    removed = [e for e in m.take_events()
+               if type(e).__name__ == "BlockRemoved" and e.medium is Medium.CPU]
+    assert len(removed) == 1 and len(removed[0].keys) == 48
+    m.complete_load(plan.keys)

@@ -262,19 +262,54 @@ class TierIndex:
 
         return self.policy.victims(n, ok)
 
-    def victims_preferring(self, n: int, preferred, budget: int) -> list[BlockKey]:
-        """Up to ``n`` unpinned READY keys: first the *clean* ones (a copy on disk, or a failed
-        flush) and those passing ``preferred(key)``, in the policy's order, among the
-        ``budget`` coldest unpinned ones; then, if that is not enough, the others met on the
-        way, coldest first. The walk stops after ``budget`` unpinned keys, so it costs
-        O(budget + pinned keys passed), never O(tier)."""
-        if n <= 0:
-            return []
+    def _unpinned_in_order(self):
+        """Unpinned READY ``(key, handle)`` in the policy's order, lazily, checked by handle
+        (``policy.order_at``); None when the policy has no such order."""
+        order = self.policy.order_at()
+        if order is None:
+            return None
         shards, nshards = self._shards, self._nshards
         state, readers, flags = self._state, self._readers, self._flags
+
+        def walk():
+            for key, h in order:
+                if h < 0:
+                    h = shards[hash(key) % nshards].get(key, -1)
+                    if h < 0:
+                        continue
+                if state[h] == _READY and not readers[h] and not flags[h] & _FLUSHING:
+                    yield key, h
+        return walk()
+
+    def victims_preferring(self, n: int, preferred, budget: int) -> tuple[list[BlockKey], int]:
+        """Up to ``n`` unpinned READY keys: first the *clean* ones (a copy on disk, or a failed
+        flush) and those passing ``preferred(key)`` (None: no other), in the policy's order,
+        among the ``budget`` coldest unpinned ones; then, if that is not enough, the others
+        met on the way, coldest first. Returns the keys and how many of them are clean or
+        preferred. The walk stops after ``budget`` unpinned keys, so it costs
+        O(budget + pinned keys passed), never O(tier)."""
+        if n <= 0:
+            return [], 0
+        flags = self._flags
         clean = _ON_DISK | _FLUSH_FAILED
         taken: list[BlockKey] = []  # accepted by the policy walk, in its order
         others: list[BlockKey] = []
+        walk = self._unpinned_in_order()
+        if walk is not None:
+            for key, h in walk:
+                if budget <= 0:
+                    break
+                budget -= 1
+                if flags[h] & clean or preferred is not None and preferred(key):
+                    taken.append(key)
+                    if len(taken) == n:
+                        break
+                else:
+                    others.append(key)
+            return taken + others[: n - len(taken)], len(taken)
+
+        shards, nshards = self._shards, self._nshards
+        state, readers = self._state, self._readers
         seen = 0
 
         def ok(key: BlockKey) -> bool:
@@ -285,7 +320,7 @@ class TierIndex:
             if seen >= budget:
                 raise _WalkDone
             seen += 1
-            if flags[h] & clean or preferred(key):
+            if flags[h] & clean or preferred is not None and preferred(key):
                 taken.append(key)
                 return True
             others.append(key)
@@ -295,16 +330,31 @@ class TierIndex:
             self.policy.victims(n, ok)
         except _WalkDone:
             pass
-        return taken + others[: n - len(taken)]
+        return taken + others[: n - len(taken)], len(taken)
 
-    def dirty_among_coldest(self, n: int) -> list[BlockKey]:
+    def dirty_among_coldest(self, n: int) -> tuple[list[BlockKey], list[int]]:
         """Of the ``n`` coldest unpinned READY blocks (policy order), those with no copy on
-        disk and no failed flush: what write-back copies next. One walk, one lookup per key
+        disk and no failed flush, and their handles: what write-back copies next. One walk
         (it runs on every store; the walk steps over pinned blocks, which stay few)."""
-        shards, nshards = self._shards, self._nshards
-        state, readers, flags = self._state, self._readers, self._flags
+        flags = self._flags
         clean = _ON_DISK | _FLUSH_FAILED
         dirty: list[BlockKey] = []
+        handles: list[int] = []
+        if n <= 0:
+            return dirty, handles
+        walk = self._unpinned_in_order()
+        if walk is not None:
+            for key, h in walk:
+                if not flags[h] & clean:
+                    dirty.append(key)
+                    handles.append(h)
+                n -= 1
+                if n == 0:
+                    break
+            return dirty, handles
+
+        shards, nshards = self._shards, self._nshards
+        state, readers = self._state, self._readers
 
         def ok(key: BlockKey) -> bool:
             h = shards[hash(key) % nshards].get(key)
@@ -312,11 +362,36 @@ class TierIndex:
                 return False
             if not flags[h] & clean:
                 dirty.append(key)
+                handles.append(h)
             return True
 
-        if n > 0:
-            self.policy.victims(n, ok)
-        return dirty
+        self.policy.victims(n, ok)
+        return dirty, handles
+
+    def start_flushes(self, handles: Sequence[int]) -> None:
+        """Mark these READY blocks as being copied to disk (pinned: not evictable)."""
+        flags = self._flags
+        for h in handles:
+            flags[h] |= _FLUSHING
+
+    def forget_disk_copies(self, keys: Sequence[BlockKey]) -> None:
+        """The disk evicted ``keys``: those here are dirty again (no copy on disk)."""
+        shards, nshards, flags = self._shards, self._nshards, self._flags
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is not None:
+                flags[h] &= ~_ON_DISK & 0xFF
+
+    def finish_flushes(self, keys: Sequence[BlockKey], success: bool) -> None:
+        """The flushes of ``keys`` ended: unpinned, and clean (``success``: a copy on disk)
+        or marked failed (evictable without a copy: the disk would not keep it)."""
+        shards, nshards, flags = self._shards, self._nshards, self._flags
+        keep = ~(_FLUSHING | _ON_DISK | _FLUSH_FAILED) & 0xFF
+        mark = _ON_DISK if success else _FLUSH_FAILED
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is not None:
+                flags[h] = flags[h] & keep | mark
 
     def shard_count(self) -> int:
         """Number of key shards (fixed for the tier's life)."""

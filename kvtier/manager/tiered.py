@@ -86,9 +86,10 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         # How far past the batch an eviction looks for a block it can drop losslessly: the
         # flush window and the demotions in flight (write-back keeps those clean), twice.
         self.eviction_budget = 2 * (self.flush_reserve + self.max_demotions_in_flight)
-        # The last eviction had to drop dirty blocks, and no demotion finished since: the next
-        # one takes the coldest blocks straight away rather than search the budget in vain.
+        # The last eviction had to drop dirty blocks: the next one searches only as deep as
+        # the blocks demotions made clean since (none: it takes the coldest straight away).
         self._write_back_behind = False
+        self._cleaned_since_behind = 0
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self._cost_measured = False  # the cost model was made from measured recompute times
@@ -179,6 +180,8 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         from_remote: list[bool] = [False] * m
         remote_hits: list[BlockKey] = []
         self.cpu_admission.on_hits(prefix)
+        if self.disk is not None and m < len(keys):
+            self._make_room(self._disk_promotions_ahead(keys, m))  # one eviction, not one each
         for key in keys[m:]:
             entry = self.cpu.ready(key)
             if entry is not None:
@@ -234,6 +237,21 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk),
                         tuple(joined) if join else (),
                         tuple(from_remote) if remote_hits else ())
+
+    def _disk_promotions_ahead(self, keys: Sequence[BlockKey], start: int) -> int:
+        """How many of ``keys[start:]`` a load would promote from disk into new CPU slots: the
+        disk-READY ones not in the CPU tier, up to the first key it could not serve that way
+        (absent from both, or in the CPU tier but not READY). Makes room for them in one
+        eviction: a 512-block disk hit evicted block by block walked the cold end 512 times
+        and emitted 512 one-key events."""
+        cpu, disk, n = self.cpu, self.disk, 0
+        for key in keys[start:]:
+            if cpu.is_ready(key):
+                continue
+            if key in cpu or not disk.is_ready(key):
+                break
+            n += 1
+        return n
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         rest = self.cpu.access(keys)
@@ -331,7 +349,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
             for key, slot in zip(wanted, slots):
                 if self.disk.is_ready(key):
                     Entry(self.cpu, slot).on_disk = True
-        self._plan_flushes()
+        self._plan_flushes(window=len(wanted))
         return StorePlan(tuple(wanted), tuple(slots), {Medium.CPU: tuple(evicted)} if evicted else {})
 
     def _admitted(self, keys: Sequence[BlockKey]) -> list[BlockKey]:

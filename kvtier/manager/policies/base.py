@@ -9,7 +9,7 @@ request path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from kvtier.manager.specs import BlockKey
 
@@ -71,6 +71,16 @@ class EvictionPolicy(ABC):
         with the handle each got from ``insert_at`` (-1: none). The tier checks pins by
         handle, with no key lookup, and calls ``victims`` when one is pinned. None: this
         policy keeps no handles (or must see every key: a filter of its own)."""
+        return None
+
+    def order_at(self) -> Iterator[tuple[BlockKey, int]] | None:
+        """Every resident key, best victim first, with its handle from ``insert_at`` (-1:
+        none), lazily: the order ``victims`` walks when every key is evictable. The tier's
+        write-back walks (the dirty blocks at the cold end, the clean victims under a lagging
+        disk) check each step by handle, with no key lookup and no call back, which makes a
+        step ~5x cheaper. None: this policy's walk is not a plain order (or it keeps no
+        handles); the tier then walks ``victims`` with a filter. Nothing may change the
+        policy while the iterator is in use."""
         return None
 
     @abstractmethod

@@ -59,6 +59,9 @@ class HintedEviction(EvictionPolicy):
         # with kept blocks in the book, the walk must see every key
         return self.inner.victims_at(n) if not len(self.book) else None
 
+    def order_at(self):
+        return self.inner.order_at() if not len(self.book) else None
+
     def victims(self, n: int, evictable: Evictable) -> list[BlockKey]:
         book = self.book
         if not len(book):

@@ -52,6 +52,9 @@ class LRUPolicy(EvictionPolicy):
                     break
         return keys, handles
 
+    def order_at(self):
+        return self._order.items()
+
     def remove_many(self, keys) -> None:
         pop = self._order.pop
         for key in keys:
