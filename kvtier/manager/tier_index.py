@@ -33,14 +33,11 @@ from kvtier.manager.tier_entry import PROMOTED as _PROMOTED
 from kvtier.manager.tier_entry import READY as _READY
 from kvtier.manager.tier_entry import WRITING as _WRITING
 from kvtier.manager.tier_entry import BlockState, Entries, Entry  # noqa: F401 - the tier's types
+from kvtier.manager.tier_walks import TierWalks
 
 
-class _WalkDone(Exception):
-    """Ends a policy walk early (the policy's own loop has no budget)."""
-
-
-class TierIndex:
-    """Entries, eviction order and capacity of one tier."""
+class TierIndex(TierWalks):
+    """Entries, eviction order and capacity of one tier (its walks: ``TierWalks``)."""
 
     def __init__(self, medium: Medium, capacity_blocks: int, policy: EvictionPolicy,
                  with_slots: bool) -> None:
@@ -238,135 +235,6 @@ class TierIndex:
         self._len -= len(gone)
         self.policy.remove_at(gone, handles)
         return gone
-
-    def victims(self, n: int, evictable=None) -> list[BlockKey]:
-        """Up to ``n`` unpinned READY keys, in the policy's order, that also pass
-        ``evictable(key, entry)`` when given."""
-        if n <= 0:
-            return []
-        shards, nshards = self._shards, self._nshards
-        state, readers, flags = self._state, self._readers, self._flags
-        first = self.policy.victims_at(n) if evictable is None else None
-        if first is not None:  # the usual case: none of the coldest n is pinned
-            for h in first[1]:
-                if h < 0 or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
-                    break
-            else:
-                return first[0]
-
-        def ok(key: BlockKey) -> bool:
-            h = shards[hash(key) % nshards].get(key)
-            if h is None or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
-                return False
-            return evictable is None or evictable(key, Entry(self, h))
-
-        return self.policy.victims(n, ok)
-
-    def _unpinned_in_order(self):
-        """Unpinned READY ``(key, handle)`` in the policy's order, lazily, checked by handle
-        (``policy.order_at``); None when the policy has no such order."""
-        order = self.policy.order_at()
-        if order is None:
-            return None
-        shards, nshards = self._shards, self._nshards
-        state, readers, flags = self._state, self._readers, self._flags
-
-        def walk():
-            for key, h in order:
-                if h < 0:
-                    h = shards[hash(key) % nshards].get(key, -1)
-                    if h < 0:
-                        continue
-                if state[h] == _READY and not readers[h] and not flags[h] & _FLUSHING:
-                    yield key, h
-        return walk()
-
-    def victims_preferring(self, n: int, preferred, budget: int) -> tuple[list[BlockKey], int]:
-        """Up to ``n`` unpinned READY keys: first the *clean* ones (a copy on disk, or a failed
-        flush) and those passing ``preferred(key)`` (None: no other), in the policy's order,
-        among the ``budget`` coldest unpinned ones; then, if that is not enough, the others
-        met on the way, coldest first. Returns the keys and how many of them are clean or
-        preferred. The walk stops after ``budget`` unpinned keys, so it costs
-        O(budget + pinned keys passed), never O(tier)."""
-        if n <= 0:
-            return [], 0
-        flags = self._flags
-        clean = _ON_DISK | _FLUSH_FAILED
-        taken: list[BlockKey] = []  # accepted by the policy walk, in its order
-        others: list[BlockKey] = []
-        walk = self._unpinned_in_order()
-        if walk is not None:
-            for key, h in walk:
-                if budget <= 0:
-                    break
-                budget -= 1
-                if flags[h] & clean or preferred is not None and preferred(key):
-                    taken.append(key)
-                    if len(taken) == n:
-                        break
-                else:
-                    others.append(key)
-            return taken + others[: n - len(taken)], len(taken)
-
-        shards, nshards = self._shards, self._nshards
-        state, readers = self._state, self._readers
-        seen = 0
-
-        def ok(key: BlockKey) -> bool:
-            nonlocal seen
-            h = shards[hash(key) % nshards].get(key)
-            if h is None or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
-                return False
-            if seen >= budget:
-                raise _WalkDone
-            seen += 1
-            if flags[h] & clean or preferred is not None and preferred(key):
-                taken.append(key)
-                return True
-            others.append(key)
-            return False
-
-        try:
-            self.policy.victims(n, ok)
-        except _WalkDone:
-            pass
-        return taken + others[: n - len(taken)], len(taken)
-
-    def dirty_among_coldest(self, n: int) -> tuple[list[BlockKey], list[int]]:
-        """Of the ``n`` coldest unpinned READY blocks (policy order), those with no copy on
-        disk and no failed flush, and their handles: what write-back copies next. One walk
-        (it runs on every store; the walk steps over pinned blocks, which stay few)."""
-        flags = self._flags
-        clean = _ON_DISK | _FLUSH_FAILED
-        dirty: list[BlockKey] = []
-        handles: list[int] = []
-        if n <= 0:
-            return dirty, handles
-        walk = self._unpinned_in_order()
-        if walk is not None:
-            for key, h in walk:
-                if not flags[h] & clean:
-                    dirty.append(key)
-                    handles.append(h)
-                n -= 1
-                if n == 0:
-                    break
-            return dirty, handles
-
-        shards, nshards = self._shards, self._nshards
-        state, readers = self._state, self._readers
-
-        def ok(key: BlockKey) -> bool:
-            h = shards[hash(key) % nshards].get(key)
-            if h is None or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
-                return False
-            if not flags[h] & clean:
-                dirty.append(key)
-                handles.append(h)
-            return True
-
-        self.policy.victims(n, ok)
-        return dirty, handles
 
     def start_flushes(self, handles: Sequence[int]) -> None:
         """Mark these READY blocks as being copied to disk (pinned: not evictable)."""
