@@ -24,6 +24,10 @@ write-back runs as in a server: every batch hands out its demotions, and each on
 ``L`` batches later (a disk slower than the stores; ``complete_background`` is timed as a step
 of its own). Without a disk tier nothing is ever being demoted, so eviction never meets the
 pinned and dirty blocks a slow disk leaves at the cold end of the CPU order (issue 14.9).
+The same batches are then run again with no disk tier, in the same run, and the ratio of the
+two is printed: what write-back adds to a scheduler step. ``--batch 512`` is one 8k-token
+prompt of 16-token blocks, the store that cost 10.5 ms of a vLLM step in the disk
+configuration (issue 11).
 
 ``--resync N`` instead times an event resync over N resident CPU blocks: the old one-shot walk
 (``resident_blocks``, one call) against the chunked walk the publisher now does, one chunk per
@@ -31,7 +35,7 @@ pinned and dirty blocks a slow disk leaves at the cold end of the CPU order (iss
 
     python benchmarks/manager_overhead.py [--sizes 10000,100000,1000000]
         [--policies lru,arc,lru+reuse_gate,arc+reuse_gate] [--churn 1.0]
-        [--disk-lag L [--disk-ratio 4]] [--json]
+        [--disk-lag L [--disk-ratio 4]] [--batch 64] [--json]
     python benchmarks/manager_overhead.py --resync 1000000
 """
 
@@ -54,7 +58,7 @@ def key(i: int) -> bytes:
 
 
 def measure(policy: str, resident: int, batches: int, disk_lag: int | None = None,
-            disk_ratio: float = 4.0) -> dict:
+            disk_ratio: float = 4.0, batch: int = BATCH) -> dict:
     baseline = {key(i): i for i in range(resident)}  # the plain-dict floor, same keys
     eviction, _, admission = policy.partition("+")
     adm = make_admission(admission, capacity_blocks=resident) if admission else None
@@ -81,9 +85,9 @@ def measure(policy: str, resident: int, batches: int, disk_lag: int | None = Non
     worst_split: dict[str, float] = {}
     for b in range(batches):
         back = min(resident // 2, nxt)  # a prefix stored half a cache ago: resident, not hot
-        hits = [key(nxt - back + j) for j in range(min(BATCH, back))]
-        new = [key(nxt + j) for j in range(BATCH)]
-        nxt += BATCH
+        hits = [key(nxt - back + j) for j in range(min(batch, back))]
+        new = [key(nxt + j) for j in range(batch)]
+        nxt += batch
         if adm is not None:
             adm.record_lookup(new)  # an earlier request's sighting (see the module docstring)
         t0 = time.perf_counter()
@@ -121,7 +125,7 @@ def measure(policy: str, resident: int, batches: int, disk_lag: int | None = Non
         batch_ms.append((t6 - t0) * 1e3)
     batch_ms.sort()
     noise_ms.sort()
-    per_block = {k: v / (batches * BATCH) * 1e6 for k, v in ops.items()}
+    per_block = {k: v / (batches * batch) * 1e6 for k, v in ops.items()}
     for _, t in in_flight:
         m.complete_background(t.id, True)
     for t in m.take_background_transfers():
@@ -135,7 +139,7 @@ def measure(policy: str, resident: int, batches: int, disk_lag: int | None = Non
             "worst_batch_ms": worst * 1e3, "worst_batch_split_ms": worst_split,
             "p99_batch_ms": batch_ms[int(0.99 * (len(batch_ms) - 1))],
             "noise_median_ms": noise_ms[len(noise_ms) // 2], "noise_worst_ms": noise_ms[-1],
-            "batches": batches, "stored_share": stored / (batches * BATCH),
+            "batches": batches, "batch": batch, "stored_share": stored / (batches * batch),
             "lookup_vs_dict": per_block["lookup"] / max(per_block["dict_baseline"], 1e-9)}
 
 
@@ -172,6 +176,8 @@ def main() -> None:
     ap.add_argument("--disk-lag", type=int, default=None,
                     help="add a disk tier whose demotions complete this many batches late")
     ap.add_argument("--disk-ratio", type=float, default=4.0, help="disk blocks per CPU block")
+    ap.add_argument("--batch", type=int, default=BATCH,
+                    help="new blocks per timed batch (a request's store; 512 = 8k tokens)")
     ap.add_argument("--resync", type=int, default=0, help="time a resync over N blocks instead")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -185,10 +191,16 @@ def main() -> None:
         return
 
     def batches(n: int) -> int:
-        return args.batches or max(300, int(args.churn * n / BATCH))
+        return args.batches or max(300, int(args.churn * n / args.batch))
 
-    rows = [measure(p, int(n), batches(int(n)), args.disk_lag, args.disk_ratio)
+    if args.batch < 1:
+        ap.error(f"--batch must be >= 1, got {args.batch}")
+    rows = [measure(p, int(n), batches(int(n)), args.disk_lag, args.disk_ratio, args.batch)
             for p in args.policies.split(",") for n in args.sizes.split(",")]
+    if args.disk_lag is not None:  # the baseline, same run: the same batches with no disk tier
+        for r in rows:
+            base = measure(r["policy"], r["resident"], r["batches"], None, batch=args.batch)
+            r["no_disk_us_per_block"] = base["us_per_block"]
     if args.json:
         print(json.dumps(rows))
         return
@@ -204,6 +216,11 @@ def main() -> None:
             print(f"{'':25}disk lag {args.disk_lag} batches: {r['stored_to_disk']} blocks demoted, "
                   f"{r['evicted_unwritten']} evicted unwritten, "
                   f"{r['store_skipped_no_space']} store blocks refused (no space)")
+            us, base = r["us_per_block"], r["no_disk_us_per_block"]
+            print(f"{'':25}vs no disk tier, same run: prepare_store {us['prepare_store']:.2f} / "
+                  f"{base['prepare_store']:.2f} us = {us['prepare_store'] / base['prepare_store']:.2f}x"
+                  f", load {us['prepare+complete_load']:.2f} / {base['prepare+complete_load']:.2f}"
+                  f" us = {us['prepare+complete_load'] / base['prepare+complete_load']:.2f}x")
         print(f"{'':25}noise floor ({NOISE_OPS} dict reads per batch): median "
               f"{r['noise_median_ms']:.3f} ms, slowest {r['noise_worst_ms']:.3f} ms")
 
