@@ -89,20 +89,25 @@ def measure(rt: WorkerRuntime, keys: list[bytes], reps: int) -> dict[str, float]
     return out
 
 
-def make_runtime(ms: float, root: str) -> WorkerRuntime:
+def make_runtime(ms: float, path: str) -> WorkerRuntime:
     """The production worker runtime over 2 x BLOCKS host "GPU" blocks of 512 KiB, a CPU tier
-    and an fsync'd disk tier in a fresh directory under ``root``."""
+    and an fsync'd disk tier in ``path`` (the caller removes it)."""
     layers = {f"l{i}": torch.zeros(2 * BLOCKS, 2, 8192, dtype=torch.bfloat16) for i in range(16)}
     view = GpuKvView(layers, "block_pages")
     cfg = load_config(data={"gil_switch_interval_ms": ms,
                             "tiers": {"cpu": {"capacity": "256MiB"},
-                                      "disk": {"path": tempfile.mkdtemp(dir=root),
+                                      "disk": {"path": path,
                                                "capacity": "8GiB", "fsync": True}}})
     return WorkerRuntime.create(cfg, view, view.geometry(1))
 
 
 def run_setting(ms: float, reps: int, root: str) -> dict:
-    rt = make_runtime(ms, root)
+    with tempfile.TemporaryDirectory(dir=root) as path:  # GBs of records: never left behind
+        return _run_setting(ms, reps, path)
+
+
+def _run_setting(ms: float, reps: int, path: str) -> dict:
+    rt = make_runtime(ms, path)
     try:
         keys = [f"b-{j}".encode() for j in range(BLOCKS)]
         rt.engine.wait([rt.engine.submit(LoadStoreSpec.cpu(range(BLOCKS)), LoadStoreSpec.disk(keys))])

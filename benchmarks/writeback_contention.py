@@ -91,12 +91,12 @@ class ThreadWriter:
 class ProcessWriter:
     """The same writer in another process (no GIL shared); paused with SIGSTOP."""
 
-    def __init__(self, ms: float, root: str) -> None:
+    def __init__(self, ms: float, path: str) -> None:
         here = os.path.dirname(os.path.abspath(__file__))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
-                                      str(ms), root], stdin=subprocess.PIPE,
+                                      str(ms), path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         if self.proc.stdout.readline().strip() != "writing":
             raise RuntimeError("writer process did not start")
@@ -115,9 +115,9 @@ class ProcessWriter:
         return float(out.split()[-1])
 
 
-def child(ms: float, root: str) -> None:
+def child(ms: float, path: str) -> None:
     """The writer alone in this process until a line on stdin; prints the blocks written."""
-    rt = make_runtime(ms, root)
+    rt = make_runtime(ms, path)
     w = ThreadWriter(rt)
     print("writing", flush=True)
     sys.stdin.readline()
@@ -141,11 +141,17 @@ def paired(writer, rounds: int) -> tuple[float, float, float]:
 
 
 def run_setting(ms: float, root: str, rounds: int) -> dict:
-    rt = make_runtime(ms, root)  # sets the process's switch interval while it is open
+    with tempfile.TemporaryDirectory(dir=root) as path:  # GBs of records: never left behind
+        return _run_setting(ms, path, rounds)
+
+
+def _run_setting(ms: float, path: str, rounds: int) -> dict:
+    own, other = os.path.join(path, "thread"), os.path.join(path, "process")
+    rt = make_runtime(ms, own)  # sets the process's switch interval while it is open
     try:
         out: dict = {"ms": ms}
         for name, make in (("thread", lambda: ThreadWriter(rt)),
-                           ("process", lambda: ProcessWriter(ms, root))):
+                           ("process", lambda: ProcessWriter(ms, other))):
             w = make()
             try:
                 a, b, running = paired(w, rounds)
