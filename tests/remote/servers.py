@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 SLOTS = 16384
 
@@ -58,16 +60,26 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port pair found")
 
 
+class PortTaken(RuntimeError):
+    """Another process bound the port between ``free_port`` and the server's own bind."""
+
+
 class Server:
     """One server process; ``stop`` / ``kill`` / ``pause`` act on its PID only."""
 
     def __init__(self, workdir: Path, *args: str, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.dir = workdir / f"server-{self.port}"
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.args = args
         self.proc: subprocess.Popen | None = None
-        self.start()
+        for attempt in range(5):  # a free port can be taken before the server binds it
+            self.port = port or free_port()
+            self.dir = workdir / f"server-{self.port}"
+            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.start()
+                return
+            except PortTaken:
+                if port is not None or attempt == 4:
+                    raise
 
     @property
     def url(self) -> str:
@@ -85,16 +97,29 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
-            try:
-                if self.client().ping():
-                    return
-            except redis.exceptions.RedisError:
-                pass
+            if self._answers():
+                return
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"server on port {self.port} did not start: "
-                                   f"{(self.dir / 'server.log').read_text()[-2000:]}")
+                log = (self.dir / "server.log").read_text()
+                kind = PortTaken if "Address already in use" in log else RuntimeError
+                raise kind(f"server on port {self.port} did not start: {log[-2000:]}")
             time.sleep(0.02)
+
+    def _answers(self) -> bool:
+        """Our process answers on the port: PING, and INFO names our PID. Whatever else may
+        listen there (a port taken meanwhile: CI saw a non-Redis peer's reply break the
+        client's handshake) is not our server, and no test may talk to it."""
+        if self.proc.poll() is not None:
+            return False
+        c = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5,
+                        socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        try:  # one short try per poll: a silent foreign listener must not stall the start
+            return bool(c.ping()) and int(c.info("server")["process_id"]) == self.proc.pid
+        except Exception:  # noqa: BLE001 - not up yet, or not our server
+            return False
+        finally:
+            c.close()
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
