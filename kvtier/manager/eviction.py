@@ -2,8 +2,7 @@
 
 A mixin of :class:`~kvtier.manager.tiered.TieredOffloadingManager` (its state: ``cpu``,
 ``disk``, ``disk_health``, admission, ``_pending_drops``, ``_write_back_behind``,
-``_cleaned_since_behind``,
-``eviction_budget``, ``stats``, ``events``). Kept apart because the rule is the subtle part:
+``_cleaned_since_behind``, ``eviction_budget``, ``stats``, ``events``). Kept apart because the rule is the subtle part:
 clean blocks first, dirty ones only when write-back is behind, never a pinned one.
 """
 
@@ -13,15 +12,9 @@ from typing import Sequence
 
 from kvtier.manager.events import BlockRemoved
 from kvtier.manager.specs import BlockKey, Medium
-from kvtier.manager.tier_index import Entry
 
 
 class CpuEviction:
-    def _cpu_evictable(self, key: BlockKey, entry: Entry) -> bool:
-        """Evicting it loses nothing the disk would keep: a copy is on disk, or the disk
-        refused or failed it, or it is being dropped there."""
-        return entry.on_disk or entry.flush_failed or self._disk_declines(key)
-
     def _disk_declines(self, key: BlockKey) -> bool:
         """A dirty CPU block the disk would not keep anyway (refused, or being dropped)."""
         return key in self._pending_drops or not self.disk_admission.would_admit(key)
@@ -38,12 +31,13 @@ class CpuEviction:
         """Evict up to ``n`` unpinned CPU blocks; a block being read (a load, a demotion) or
         written is never evicted.
 
-        Blocks whose eviction loses nothing (``_cpu_evictable``: write-back keeps the coldest
-        ones so) go first, in the policy's order. They are looked for among the coldest
-        ``eviction_budget`` unpinned blocks only; if too few are there, write-back is behind
-        (the disk is slower than the stores, or one store needs more than the flush window
-        holds) and the coldest dirty blocks are dropped unwritten (``evicted_unwritten``),
-        without another search until a demotion finishes (``_write_back_behind``):
+        Blocks whose eviction loses nothing (a copy on disk, a failed flush, or
+        ``_disk_declines``: write-back keeps the coldest ones so) go first, in the policy's
+        order. They are looked for among the coldest ``eviction_budget`` unpinned blocks
+        only; if too few are there, write-back is behind (the disk is slower than the
+        stores, or one store needs more than the flush window holds) and the coldest dirty
+        blocks are dropped unwritten (``evicted_unwritten``); the next search then looks
+        only as deep as the blocks demotions made clean since (``_write_back_behind``):
         this is a cache, and the coldest block is the one worth least, so losing its disk copy
         beats refusing the new blocks. The old rule never dropped a dirty block the disk
         would take: with demotions in flight every eviction walked the whole tier looking

@@ -112,8 +112,7 @@ class Server:
         client's handshake) is not our server, and no test may talk to it."""
         if self.proc.poll() is not None:
             return False
-        c = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5,
-                        socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+        c = self.client(timeout=0.5, retry=Retry(NoBackoff(), 0))
         try:  # one short try per poll: a silent foreign listener must not stall the start
             return bool(c.ping()) and int(c.info("server")["process_id"]) == self.proc.pid
         except Exception:  # noqa: BLE001 - not up yet, or not our server
@@ -121,9 +120,9 @@ class Server:
         finally:
             c.close()
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
-                           socket_connect_timeout=2)
+    def client(self, timeout: float = 2, **kw) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=timeout,
+                           socket_connect_timeout=timeout, **kw)
 
     def pause(self) -> None:
         os.kill(self.proc.pid, signal.SIGSTOP)
