@@ -22,6 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from disk_records import holds  # noqa: E402
 from reliability.corrupt import flip_payload  # noqa: E402
 from replica_common import (BLOCK, DISK_BLOCKS, PAGE, geometry, pattern,  # noqa: E402
                             rank_config, view_for)
@@ -133,7 +134,7 @@ def test_replicated_blocks_are_written_once_and_rank1_reads_rank0s_bytes(tmp_pat
         got = r1("load", keys)
         assert got["ok"] and got["equal"] == [True] * 5  # rank 0's records, byte for byte
         assert r1("drop", keys[:1])["ok"]  # rank 0 deletes the one copy, not rank 1
-        assert rt0.store.contains(keys[0])
+        assert holds(rt0.store, keys[0])
     finally:
         rt0.close()
     r1.close()
@@ -163,7 +164,7 @@ def test_rank1_never_writes_drops_or_locks_rank0s_store(tmp_path, rank1):
     assert got["failed"] == [keys[1].hex()] and got["transient"] == []  # a miss, not a drop
     assert got["equal"][0] and got["equal"][2:] == [True, True]
     assert _snapshot(root) == before  # no drop, no counter, no file, no segment
-    assert rt0.store.contains(keys[1])  # left for rank 0 (the scheduler deletes it on all)
+    assert holds(rt0.store, keys[1])  # left for rank 0 (the scheduler deletes it on all)
     assert rt0.store.stats().checksum_failures == 0
     rt0.close()
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)

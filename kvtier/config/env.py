@@ -40,6 +40,7 @@ ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVTIER_DISK_EVICTION": ("tiers.disk.eviction", str),
     "KVTIER_DISK_COMPRESSION": ("tiers.disk.compression", str),
     "KVTIER_DISK_FSYNC": ("tiers.disk.fsync", _env_bool),
+    "KVTIER_DISK_IO_PROCESS": ("tiers.disk.io_process", _env_bool),
     "KVTIER_DISK_ADMISSION": ("tiers.disk.admission", str),
     "KVTIER_REMOTE_URL": ("tiers.remote.url", str),
     "KVTIER_REMOTE_NODES": ("tiers.remote.nodes", str),

@@ -217,6 +217,7 @@ class _Builder(_Reader):
             segment_bytes=self.get_size("tiers.disk.segment_bytes", DEFAULT_SEGMENT_BYTES),
             store_threshold=threshold,
             admission=self.disk_admission(threshold),
+            io_process=self.get_bool("tiers.disk.io_process", True),
         )
 
 

@@ -38,7 +38,7 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
     "tiers": ("cpu", "disk", "remote"),
     "tiers.cpu": ("capacity", "eviction", "pin", "admission"),
     "tiers.disk": ("path", "capacity", "eviction", "compression", "zstd_level", "fsync",
-                   "segment_bytes", "store_threshold", "admission"),
+                   "segment_bytes", "store_threshold", "admission", "io_process"),
     "tiers.remote": REMOTE_KEYS,
     "admission": ("store_threshold", "offload_ratio", "max_offload_tokens"),
     "stats": ("snapshot_path", "interval_s"),

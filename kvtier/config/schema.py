@@ -68,6 +68,7 @@ class DiskTierConfig:
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     store_threshold: int = 1  # demote a block to disk only once it was seen this many times
     admission: str = "all"  # all | threshold (store_threshold sightings, at least 2) | reuse_gate
+    io_process: bool = True  # serve the store from a child process (runtime/disk_process.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))

@@ -50,6 +50,7 @@ from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
                                      transient_load_keys)
 from kvtier.runtime.worker import WorkerRuntime
+from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer import JobResult
 
@@ -107,7 +108,7 @@ class WorkerSide:
             config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
             rank0_geometry=self.settings.geometry(0) if replicated else None,
             replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0])
-        if self.runtime.store is not None:
+        if isinstance(self.runtime.store, DiskStore):  # a child's store: LMDB opens it here too
             register_open_store(config.disk.path, self.runtime.store)
         if self.settings.world_size == 1:
             colocated.register(self.settings.engine_id, self)
@@ -126,7 +127,7 @@ class WorkerSide:
         try:
             rt.close()
         finally:
-            if store is not None:
+            if isinstance(store, DiskStore):
                 unregister_open_store(store.root, store)
 
     def _rt(self) -> WorkerRuntime:

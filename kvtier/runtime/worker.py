@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import KvtierConfig
+from kvtier.runtime.disk_process import DiskProcess
 from kvtier.runtime.gil import SwitchInterval
 from kvtier.runtime.replicated_disk import ReplicatedDisk
 from kvtier.tiers.cpu_pool import CpuBlockPool
@@ -50,7 +51,7 @@ def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
 class WorkerRuntime:
     geometry: BlockGeometry
     pool: CpuBlockPool
-    store: DiskStore | None
+    store: DiskStore | DiskProcess | None  # DiskProcess: served by a child (disk_process.py)
     engine: TransferEngine
     remote: RemoteStore | None = None
     replica: ReplicatedDisk | None = None  # rank > 0 of a replicated layout: rank 0's disk
@@ -65,11 +66,14 @@ class WorkerRuntime:
         reads it. The disk tier too, when ``rank0_disk`` (rank 0's directory) is given: a rank
         > 0 reads rank 0's records and writes none (see replicated_disk.py)."""
         config.check_block_bytes(geometry.block_bytes)
-        pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin)
+        d = config.disk
+        own_process = d is not None and d.io_process and not (replicated and rank > 0
+                                                              and rank0_disk is not None)
+        pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin,
+                            shared=own_process)
         store = replica = None
         handlers = gpu_handlers(view, pool)
-        if config.disk is not None:
-            d = config.disk
+        if d is not None:
 
             def open_store() -> DiskStore:
                 return DiskStore(d.path, geometry, compression=d.compression,
@@ -82,7 +86,9 @@ class WorkerRuntime:
                                                 open_store, rank=rank)
             else:
                 try:
-                    disk = store = open_store()
+                    disk = store = (DiskProcess(pool, d, geometry,
+                                                gil_switch_interval_ms=config.gil_switch_interval_ms)
+                                    if own_process else open_store())
                 except DiskIndexUnreadable as exc:
                     # a damaged index or a full file system: serve from CPU memory; demotions
                     # to the missing tier fail and mark it degraded, loads never come from it

@@ -6,6 +6,11 @@ into a slot whose chunk is not ready yet waits for that chunk (on the transfer t
 on the engine thread), and the log reports allocation progress. The manager hands out the
 lowest free slot ids first, so early traffic lands in the first chunks.
 
+With ``shared=True`` the pool's memory is one ``memfd`` mapped shared, so the disk I/O
+process (kvtier.runtime.disk_process) can map the very same bytes and move them to and from
+disk without a copy and without this process's GIL; pinning then registers each chunk with
+CUDA (``cudaHostRegister``) instead of allocating pinned memory.
+
 This module owns bytes only. Which slot holds which block is the manager's business; the
 slot lifecycle (free -> writing -> ready -> loading) lives there too.
 """
@@ -13,6 +18,8 @@ slot lifecycle (free -> writing -> ready -> loading) lives there too.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 import time
 
@@ -34,6 +41,7 @@ class CpuBlockPool:
         pin: bool | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         background: bool = True,
+        shared: bool = False,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"CPU pool needs at least one slot, got {num_slots}")
@@ -41,6 +49,13 @@ class CpuBlockPool:
         self.num_slots = num_slots
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.slots_per_chunk = max(1, chunk_bytes // geometry.block_bytes)
+        self.shared_fd: int | None = None  # the memfd another process maps (shared=True)
+        self._map: mmap.mmap | None = None
+        if shared:
+            self.shared_fd = os.memfd_create("kvtier-cpu-pool", os.MFD_CLOEXEC)
+            os.ftruncate(self.shared_fd, self.capacity_bytes)  # pages come on first touch
+            self._map = mmap.mmap(self.shared_fd, self.capacity_bytes, mmap.MAP_SHARED,
+                                  mmap.PROT_READ | mmap.PROT_WRITE)
         n_chunks = -(-num_slots // self.slots_per_chunk)
         self._chunks: list[torch.Tensor | None] = [None] * n_chunks
         self._ready = [threading.Event() for _ in range(n_chunks)]
@@ -65,7 +80,14 @@ class CpuBlockPool:
 
     def _allocate_chunk(self, index: int) -> None:
         n = self._chunk_slots(index)
-        t = torch.empty((n, self.geometry.block_bytes), dtype=torch.uint8, pin_memory=self.pin)
+        bb = self.geometry.block_bytes
+        if self._map is None:
+            t = torch.empty((n, bb), dtype=torch.uint8, pin_memory=self.pin)
+        else:
+            t = torch.frombuffer(self._map, dtype=torch.uint8, count=n * bb,
+                                 offset=index * self.slots_per_chunk * bb).view(n, bb)
+            if self.pin:
+                _register_pinned(t)
         self._chunks[index] = t
         self.allocated_bytes += t.numel()
         self._ready[index].set()
@@ -128,3 +150,13 @@ class CpuBlockPool:
             g[0].append(pos)
             g[1].append(i)
         return [(self._chunk(c), pos, rows) for c, (pos, rows) in sorted(groups.items())]
+
+
+def _register_pinned(t: torch.Tensor) -> None:
+    """Page-lock ``t``'s memory for CUDA DMA, mapped for kernels (UVA reads of host slots)."""
+    flags = 1 | 2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), flags)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.numel()} bytes of the shared CPU pool "
+                           f"failed (CUDA error {code})")

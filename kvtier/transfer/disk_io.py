@@ -1,43 +1,30 @@
-"""CPU <-> disk block moves and disk deletions, executed against a disk store.
+"""CPU <-> disk block moves and disk deletions, executed against a disk tier.
 
-The store owns the on-disk format, integrity checks and I/O; these handlers only connect it to
-CPU pool slots. Slot bytes are handed over as zero-copy memoryviews of the pool. A block that
-cannot be read back (missing, corrupt, unreadable) is an expected event on disk, so it is
-reported in ``failed_keys`` instead of failing the job: the manager then forgets those keys (and
-deletes them on every rank) and the engine recomputes them. Reads that failed for a reason that
-says nothing about the record (EIO, EMFILE ...) are also in ``transient_keys``, so they are not
-counted as corruption. Writes are all-or-nothing per job (``put_many`` raises), because a
-store that half-failed cannot tell the manager which keys it may publish.
+The disk side is a ``SlotDisk`` (kvtier.tiers.disk.slot_io): a store in this process wrapped
+in ``SlotIO``, or the disk I/O process (kvtier.runtime.disk_process), which maps the same pool
+memory. These handlers check the job and split reads across threads; only slot ids and keys
+cross into the disk side. A block that cannot be read back (missing, corrupt, unreadable) is
+an expected event on disk, so it is reported in ``failed_keys`` instead of failing the job:
+the manager then forgets those keys (and deletes them on every rank) and the engine recomputes
+them. Reads that failed for a reason that says nothing about the record (EIO, EMFILE ...) are
+also in ``transient_keys``, so they are not counted as corruption. Writes are all-or-nothing
+per job (``put_slots`` raises), because a store that half-failed cannot tell the manager which
+keys it may publish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Iterable, Protocol, Sequence
+from typing import Sequence
 
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
-from kvtier.tiers.disk import ReadStatus
-from kvtier.tiers.disk.segments import is_transient
+from kvtier.tiers.disk.slot_io import RecordStore, SlotDisk, SlotIO
 from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import TransferOutcome
 
 log = logging.getLogger(__name__)
-
-
-class DiskStoreLike(Protocol):
-    """What these handlers need from the disk store (kvtier.tiers.disk)."""
-
-    def put_many(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
-        """Write every item or raise."""
-
-    def fetch_into(self, key: bytes, out: memoryview) -> ReadStatus:
-        """Fill ``out`` with the block (HIT); MISS on a miss or corruption (never wrong
-        bytes); TRANSIENT when the read failed but the record may be intact (kept)."""
-
-    def delete_many(self, keys: Iterable[bytes]) -> int:
-        """Delete keys (unknown ones ignored); returns how many were deleted."""
 
 
 def _check_pairs(name: str, pool: CpuBlockPool, slots: Sequence[int], keys: Sequence[BlockKey]) -> None:
@@ -64,14 +51,23 @@ def _slot_buffer(pool: CpuBlockPool, slot: int) -> memoryview:
     return memoryview(pool.slot(slot).numpy())
 
 
+def slot_disk(pool: CpuBlockPool, disk: SlotDisk | RecordStore) -> SlotDisk:
+    """``disk`` itself when it works by slot (the disk I/O process), else a store of this
+    process wrapped to read and write the pool's slots."""
+    if hasattr(disk, "put_slots"):
+        return disk  # type: ignore[return-value]
+    return SlotIO(disk, lambda s: _slot_buffer(pool, s))  # type: ignore[arg-type]
+
+
 class CpuToDiskHandler(TransferHandler):
     """Demotion: CPU slots (src) -> disk records under ``keys`` (dst), one batch per job."""
 
     direction = (Medium.CPU, Medium.DISK)
 
-    def __init__(self, pool: CpuBlockPool, store: DiskStoreLike, *, concurrency: int = 1) -> None:
+    def __init__(self, pool: CpuBlockPool, disk: SlotDisk | RecordStore, *,
+                 concurrency: int = 1) -> None:
         self.pool = pool
-        self.store = store
+        self.disk = slot_disk(pool, disk)
         self.concurrency = concurrency
 
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
@@ -79,11 +75,8 @@ class CpuToDiskHandler(TransferHandler):
         _check_pairs(self.name, self.pool, src.ids, dst.keys)
         if not src.ids:
             return TransferOutcome()
-        await self.run_blocking(self._write, src.ids, dst.keys)
+        await self.run_blocking(self.disk.put_slots, list(src.ids), list(dst.keys))
         return TransferOutcome(bytes=len(src.ids) * self.pool.geometry.block_bytes)
-
-    def _write(self, slots: Sequence[int], keys: Sequence[BlockKey]) -> None:
-        self.store.put_many([(k, _slot_buffer(self.pool, s)) for k, s in zip(keys, slots)])
 
 
 class DiskToCpuHandler(TransferHandler):
@@ -93,12 +86,13 @@ class DiskToCpuHandler(TransferHandler):
     direction = (Medium.DISK, Medium.CPU)
 
     def __init__(
-        self, pool: CpuBlockPool, store: DiskStoreLike, *, concurrency: int = 4, read_threads: int = 4
+        self, pool: CpuBlockPool, disk: SlotDisk | RecordStore, *, concurrency: int = 4,
+        read_threads: int = 4
     ) -> None:
         if not isinstance(read_threads, int) or read_threads < 1:
             raise ValueError(f"read_threads must be an int >= 1, got {read_threads!r}")
         self.pool = pool
-        self.store = store
+        self.disk = slot_disk(pool, disk)
         self.concurrency = concurrency
         self.threads_per_job = read_threads
 
@@ -112,32 +106,16 @@ class DiskToCpuHandler(TransferHandler):
         step = -(-n // min(self.threads_per_job, n))
         parts = [range(i, min(n, i + step)) for i in range(0, n, step)]
         parts_failed = await asyncio.gather(
-            *(self.run_blocking(self._read, keys, slots, part) for part in parts)
+            *(self.run_blocking(self.disk.fetch_slots, keys[p.start:p.stop], slots[p.start:p.stop])
+              for p in parts)
         )
-        failed = sorted(i for part, _ in parts_failed for i in part)
-        transient = sorted(i for _, part in parts_failed for i in part)
+        failed = sorted(p.start + i for p, (part, _) in zip(parts, parts_failed) for i in part)
+        transient = sorted(p.start + i for p, (_, part) in zip(parts, parts_failed) for i in part)
         return TransferOutcome(
             bytes=(n - len(failed)) * self.pool.geometry.block_bytes,
             failed_keys=tuple(keys[i] for i in failed),
             transient_keys=tuple(keys[i] for i in transient),
         )
-
-    def _read(self, keys: Sequence[BlockKey], slots: Sequence[int], part: range
-              ) -> tuple[list[int], list[int]]:
-        """Read ``part`` of the pairs; returns the positions that could not be read, and
-        those of them whose read failed transiently (the record may be intact)."""
-        failed, transient = [], []
-        for i in part:
-            try:
-                status = self.store.fetch_into(keys[i], _slot_buffer(self.pool, slots[i]))
-            except OSError as exc:  # an unreadable record is a miss, not a failed job
-                log.warning("%s: reading block %s failed: %s", self.name, keys[i].hex()[:16], exc)
-                status = ReadStatus.TRANSIENT if is_transient(exc) else ReadStatus.MISS
-            if status is not ReadStatus.HIT:
-                failed.append(i)
-                if status is ReadStatus.TRANSIENT:
-                    transient.append(i)
-        return failed, transient
 
 
 class DiskDropHandler(TransferHandler):
@@ -145,12 +123,12 @@ class DiskDropHandler(TransferHandler):
 
     direction = (Medium.DISK, Medium.DROP)
 
-    def __init__(self, store: DiskStoreLike, *, concurrency: int = 1) -> None:
-        self.store = store
+    def __init__(self, disk: SlotDisk | RecordStore, *, concurrency: int = 1) -> None:
+        self.disk = disk
         self.concurrency = concurrency
 
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
         self.check_media(src, dst)
         if src.keys:
-            await self.run_blocking(self.store.delete_many, list(src.keys))
+            await self.run_blocking(self.disk.delete_many, list(src.keys))
         return TransferOutcome()

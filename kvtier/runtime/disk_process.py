@@ -1,0 +1,205 @@
+"""The disk tier served by a separate process, so write-back does not tax vLLM's engine thread.
+
+Why: a disk write-back in a thread of the worker costs the engine loop GIL time for every
+block (record encoding, checksum, index entries: tens of microseconds each) plus a GIL
+hand-off after every system call. Measured on the lent H100 in real vLLM, a request while
+write-back runs took 6-22 % longer than the same request recomputed with nothing to write
+(``benchmarks/results/vllm_e2e_*.md``), and on this repository's CI machine a pure-Python loop
+ran 1.21-1.37x slower beside a writer thread but 1.02-1.07x beside a writer process
+(``benchmarks/writeback_contention.py``).
+
+How: the CPU pool lives in a memfd (``CpuBlockPool(shared=True)``) that the child maps too,
+so only slot ids and keys cross a Unix socket, never block bytes. The child owns the store
+(directory lock, LMDB index, segments); each request is one round trip on one of a few
+connections, so a whole write-back job costs this process two GIL hand-offs.
+
+Failures: a store the child cannot open raises here the same exception ``DiskStore`` would
+(busy, layout mismatch, unreadable index ...). If the child dies, every later write raises
+``DiskWriteError`` (the manager then treats the tier as failed writes) and every read is a
+transient miss: the engine recomputes, nothing wrong is ever loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import kvtier
+from kvtier.config.schema import DiskTierConfig
+from kvtier.runtime import disk_wire as wire
+from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.disk import DiskStats, errors
+from kvtier.tiers.layout import BlockGeometry
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0  # opening a large store checks its index and segments
+_RAISED_AS_IS = {c.__name__: c for c in (
+    errors.DiskLayoutMismatch, errors.NotADiskStore, errors.UnsafeDiskDirectory,
+    errors.DiskStoreBusy, errors.DiskIndexUnreadable, errors.DiskFull)}
+
+
+class DiskProcessGone(errors.DiskWriteError):
+    """The disk I/O process exited or its connection broke: no more disk reads or writes."""
+
+
+def _exception(payload: memoryview) -> Exception:
+    """The child's exception as this process raises it."""
+    try:
+        info = json.loads(bytes(payload))
+        name, code, message = str(info["type"]), info.get("errno"), str(info["message"])
+    except (ValueError, KeyError, TypeError):
+        return errors.DiskWriteError(errno.EPROTO, "kvtier disk process: unreadable error reply")
+    if name in _RAISED_AS_IS:
+        return _RAISED_AS_IS[name](message)
+    if name in ("ValueError", "IndexError"):
+        return ValueError(message)
+    return errors.DiskWriteError(code if isinstance(code, int) else None,
+                                 f"kvtier disk process: {name}: {message}")
+
+
+class DiskProcess:
+    """A worker's disk tier in a child process; implements ``SlotDisk`` for the handlers."""
+
+    def __init__(self, pool: CpuBlockPool, disk: DiskTierConfig, geometry: BlockGeometry, *,
+                 gil_switch_interval_ms: float = 0.0, connections: int = 8,
+                 start_timeout: float = START_TIMEOUT_S) -> None:
+        if pool.shared_fd is None:
+            raise ValueError("the disk I/O process needs a shared CPU pool "
+                             "(CpuBlockPool(shared=True))")
+        if geometry.block_bytes != pool.geometry.block_bytes:
+            raise ValueError(f"disk blocks of {geometry.block_bytes} B for CPU slots of "
+                             f"{pool.geometry.block_bytes} B")
+        self.root = Path(disk.path)
+        self.geometry = geometry
+        self._broken: str | None = None
+        self._closed = False
+        pairs = [socket.socketpair() for _ in range(max(1, connections))]
+        spec = {
+            "path": str(self.root), "geometry": asdict(geometry), "num_slots": pool.num_slots,
+            "store": {"compression": disk.compression, "zstd_level": disk.zstd_level,
+                      "fsync": disk.fsync, "segment_bytes": disk.segment_bytes},
+            "pool_fd": pool.shared_fd, "sockets": [b.fileno() for _, b in pairs],
+            "gil_switch_interval_ms": gil_switch_interval_ms,
+            "log_level": logging.getLogger("kvtier").getEffectiveLevel(),
+        }
+        env = dict(os.environ)
+        here = str(Path(kvtier.__file__).resolve().parent.parent)  # kvtier importable there too
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.runtime.disk_server", json.dumps(spec)],
+                pass_fds=[pool.shared_fd, *spec["sockets"]], stdin=subprocess.DEVNULL, env=env)
+        finally:
+            for _, theirs in pairs:
+                theirs.close()
+        self.pid = self._proc.pid
+        self._socks = [mine for mine, _ in pairs]
+        self._started(start_timeout)
+        self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+        for s in self._socks:
+            self._free.put(s)
+        log.info("kvtier: disk tier %s served by process %d", self.root, self.pid)
+
+    def _started(self, timeout: float) -> None:
+        first = self._socks[0]
+        first.settimeout(timeout)
+        try:
+            status, payload = wire.read_reply(first)
+        except (OSError, socket.timeout) as exc:
+            self._stop(kill=True)
+            what = (f"did not answer within {timeout:g} s" if isinstance(exc, socket.timeout)
+                    else f"exited with code {self._proc.returncode}")
+            raise errors.DiskIndexUnreadable(
+                f"kvtier: the disk I/O process for {self.root} {what} (its log is above)"
+            ) from exc
+        first.settimeout(None)
+        if status == wire.ERROR:
+            self._stop(kill=False)
+            raise _exception(payload)
+
+    # -- requests ----------------------------------------------------------------------------
+    def _call(self, op: int, slots: Sequence[int] = (), keys: Sequence[bytes] = ()
+              ) -> memoryview:
+        request = wire.encode_request(op, slots, keys)  # bad keys raise before anything is sent
+        if self._broken:
+            raise DiskProcessGone(errno.EPIPE, self._broken)
+        sock = self._free.get()
+        try:
+            sock.sendall(request)
+            status, payload = wire.read_reply(sock)
+        except OSError as exc:
+            self._lost(sock, exc)
+            raise DiskProcessGone(errno.EPIPE, self._broken or str(exc)) from exc
+        self._free.put(sock)
+        if status == wire.ERROR:
+            raise _exception(payload)
+        return payload
+
+    def _lost(self, sock: socket.socket, exc: BaseException) -> None:
+        sock.close()
+        if self._broken is None:
+            code = self._proc.poll()
+            self._broken = (f"kvtier disk tier: the disk I/O process {self.pid} for {self.root} "
+                            f"is gone ({'exit code ' + str(code) if code is not None else exc});"
+                            f" disk reads miss and writes fail from now on")
+            log.error("%s", self._broken)
+
+    def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        self._call(wire.PUT, slots, keys)
+
+    def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int]
+                    ) -> tuple[list[int], list[int]]:
+        try:
+            return wire.decode_positions(self._call(wire.FETCH, slots, keys), len(keys))
+        except DiskProcessGone:  # a miss that proves nothing about the records
+            every = list(range(len(keys)))
+            return every, list(every)
+
+    def delete_many(self, keys: Iterable[bytes]) -> int:
+        payload = self._call(wire.DELETE, (), list(keys))
+        try:
+            return int(bytes(payload))
+        except ValueError as exc:
+            raise wire.WireError("bad delete reply") from exc
+
+    def keys_by_age(self) -> list[bytes]:
+        payload = self._call(wire.KEYS)
+        if len(payload) < 8:
+            raise wire.WireError("truncated key list reply")
+        return wire.decode_keys(payload[8:], int.from_bytes(payload[:8], "little"))
+
+    def stats(self) -> DiskStats:
+        try:
+            return DiskStats(**json.loads(bytes(self._call(wire.STATS))))
+        except (ValueError, TypeError) as exc:
+            raise wire.WireError(f"bad stats reply: {exc}") from exc
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _stop(self, *, kill: bool, timeout: float = 30.0) -> None:
+        for s in self._socks:
+            s.close()  # the child's threads see EOF, it closes the store and exits
+        if kill:
+            self._proc.kill()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.error("kvtier: disk I/O process %d did not exit in %g s; killing it",
+                      self.pid, timeout)
+            self._proc.kill()
+            self._proc.wait()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._broken = f"kvtier disk tier: {self.root} is closed"
+            self._stop(kill=False)

@@ -1,0 +1,110 @@
+"""The disk I/O process: owns a worker's disk store and moves blocks between it and the
+worker's CPU pool, which it maps from the memfd the worker passed in (see disk_process.py).
+
+Run by the worker as ``python -m kvtier.runtime.disk_server SPEC_JSON``; never by hand. The
+spec names the store's settings, the pool's memfd and the socket descriptors to serve, one
+thread per socket. The first reply on the first socket says whether the store opened (or
+which error it raised). When the worker goes away its sockets close, every thread ends, and
+the store is closed cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import socket
+import sys
+import threading
+
+from kvtier.runtime import disk_wire as wire
+from kvtier.tiers.disk import DiskStore
+from kvtier.tiers.disk.slot_io import SlotIO
+from kvtier.tiers.layout import BlockGeometry
+
+log = logging.getLogger("kvtier.disk_process")
+
+
+class MappedSlots:
+    """The worker's CPU pool, mapped from its memfd: slot ``i`` is bytes [i*B, (i+1)*B)."""
+
+    def __init__(self, fd: int, num_slots: int, block_bytes: int) -> None:
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        self._map = mmap.mmap(fd, num_slots * block_bytes, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)
+        self._view = memoryview(self._map)
+
+    def buffer(self, slot: int) -> memoryview:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"CPU slot {slot} out of range [0, {self.num_slots})")
+        return self._view[slot * self.block_bytes:(slot + 1) * self.block_bytes]
+
+
+def _handle(op: int, slots: list[int], keys: list[bytes], store: DiskStore, io: SlotIO) -> bytes:
+    if op == wire.PUT:
+        io.put_slots(slots, keys)
+        return b""
+    if op == wire.FETCH:
+        return wire.encode_positions(*io.fetch_slots(keys, slots))
+    if op == wire.DELETE:
+        return str(io.delete_many(keys)).encode()
+    if op == wire.KEYS:
+        keys = store.keys_by_age()
+        return len(keys).to_bytes(8, "little") + wire.encode_keys(keys)
+    return json.dumps(store.stats().to_dict()).encode()  # STATS
+
+
+def serve(sock: socket.socket, store: DiskStore, io: SlotIO) -> None:
+    """Answer one connection's requests in order until the worker closes it."""
+    with sock:
+        while True:
+            try:
+                request = wire.read_request(sock)
+            except wire.WireError as exc:  # a damaged stream cannot be resynchronised
+                log.error("kvtier disk process: dropping a connection: %s", exc)
+                return
+            if request is None:
+                return
+            op, slots, keys = request
+            try:
+                payload, status = _handle(op, slots, keys, store, io), wire.OK
+            except Exception as exc:  # noqa: BLE001 - reported to the worker, which raises it
+                payload, status = wire.error_payload(exc), wire.ERROR
+            try:
+                wire.send_reply(sock, payload, status)
+            except OSError:
+                return
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    logging.basicConfig(level=spec.get("log_level", logging.WARNING), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [kvtier disk process] %(message)s")
+    if spec.get("gil_switch_interval_ms"):  # reads must not wait 5 ms behind the writer
+        sys.setswitchinterval(spec["gil_switch_interval_ms"] / 1000)
+    socks = [socket.socket(fileno=fd) for fd in spec["sockets"]]
+    try:
+        geometry = BlockGeometry(**spec["geometry"])
+        pool = MappedSlots(spec["pool_fd"], spec["num_slots"], geometry.block_bytes)
+        store = DiskStore(spec["path"], geometry, **spec["store"])
+    except Exception as exc:  # noqa: BLE001 - the worker raises it as its own
+        wire.send_reply(socks[0], wire.error_payload(exc), wire.ERROR)
+        return 2
+    try:
+        io = SlotIO(store, pool.buffer)
+        wire.send_reply(socks[0], json.dumps({"pid": os.getpid()}).encode())
+        threads = [threading.Thread(target=serve, args=(s, store, io), daemon=True,
+                                    name=f"kvtier-disk-io-{i}") for i, s in enumerate(socks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
