@@ -37,6 +37,7 @@ from kvtier.connectors.hit_claim import claim
 from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
 from kvtier.connectors.observability import SchedulerObservability
+from kvtier.connectors.promotion_clock import TIMED, PromotionClock
 from kvtier.connectors.metadata import (
     BackgroundJob,
     KVTierConnectorMetadata,
@@ -79,6 +80,7 @@ class SchedulerSide(JobSettling):
         self.tracks: dict[str, RequestTrack] = {}
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound after construction
         self._promoting: dict[BlockKey, int] = {}  # key -> load job promoting it from disk
+        self._promotions = PromotionClock(settings.block_bytes)  # disk-hit wall times
         self._parked: dict[int, Job] = {}  # complete loads waiting for the loads they joined
         self._sources: dict[int, set[int]] = {}  # engine block -> unsettled stores reading it
         self._step_loads: list[LoadJob] = []
@@ -206,6 +208,8 @@ class SchedulerSide(JobSettling):
                         if j and k in self._promoting})
         job = Job("load", t.req_id, tuple(plan.keys), tuple(plan.from_disk), after=tuple(after))
         job_id = self.ledger.add(job)
+        if not sync:
+            self._promotions.started(job_id, plan.from_disk, plan.from_remote)
         for key, from_disk in zip(plan.keys, plan.from_disk):
             if from_disk:
                 self._promoting[key] = job_id
@@ -353,7 +357,8 @@ class SchedulerSide(JobSettling):
         if not isinstance(meta, KVTierWorkerMetadata):
             return
         for medium, nbytes, seconds in meta.load_hops:  # the cost model learns real loads
-            self.manager.record_load(Medium(medium), nbytes, seconds)
+            if Medium(medium) not in TIMED:  # promotions: their wall time (promotion_clock.py)
+                self.manager.record_load(Medium(medium), nbytes, seconds)
         for tokens, seconds in meta.forwards:  # ... and what recomputing costs here
             per_token = self._recompute.add(tokens, seconds)
             if per_token is not None:

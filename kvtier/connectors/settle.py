@@ -1,8 +1,8 @@
 """Settling finished jobs on the scheduler side: the manager's prepare calls get their complete.
 
 A mixin of :class:`~kvtier.connectors.scheduler_side.SchedulerSide` (its state: ``manager``,
-``ledger``, ``tracks``, ``_parked``, ``_promoting``, ``_sources``, ``_step_forget``,
-``_stats``, ``_tl``). A load that joined another load's disk promotion is parked until that
+``ledger``, ``tracks``, ``_parked``, ``_promoting``, ``_promotions``, ``_sources``,
+``_step_forget``, ``_stats``, ``_tl``). A load that joined another load's disk promotion is parked until that
 load settled (the manager's ``prepare_shared_load`` contract); a settled failed load rewinds
 the request's store cursor, since vLLM recomputes from its first failed block.
 """
@@ -50,6 +50,9 @@ class JobSettling:
 
     def _settle_load(self, job_id: int, job: Job) -> None:
         failed, transient = set(job.failed), job.transient
+        sample = self._promotions.settled(job_id, ok=not failed and job.errors == 0)
+        if sample is not None:  # what the request waited for its promotion: the cost model
+            self.manager.record_load(*sample)
         self.manager.complete_load(job.keys,
                                    failed=[k for k in job.keys if k in failed] if failed else (),
                                    transient=[k for k in job.keys if k in transient]

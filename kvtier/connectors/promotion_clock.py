@@ -1,0 +1,52 @@
+"""What a disk (or shared-tier) hit really costs a request: its promotion's wall time.
+
+Why: the cost model used to learn a disk hit's cost from the worker's DISK -> CPU hop alone
+(the seconds the read took). A request whose hit is promoted asynchronously waits longer than
+that: for engine steps to see the read finish, then for the step that loads it into the GPU.
+In real vLLM on the lent H100, with the disk served by its own process (reads at 7-10 GB/s
+from the page cache), 1B-shape disk hits of 1k and 8k tokens were loaded, and took 17-20 and
+50-72 ms where recomputing took 14.5 and 43 ms: the hop said "fast", the request said
+"slower". So the scheduler times each of its own promotions from planning to settling, and
+that (bytes, seconds) sample replaces the hop's: the tier's bandwidth and fixed cost then
+hold the time a request actually waits.
+
+A promotion that reads from both the disk and the shared tier cannot split its wall time
+between them: it teaches nothing (rare: a prefix whose blocks live on both).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from kvtier.manager.specs import Medium
+
+TIMED = (Medium.DISK, Medium.REMOTE)  # tiers whose hits are promoted through the CPU tier
+
+
+class PromotionClock:
+    def __init__(self, block_bytes: int, clock=time.monotonic) -> None:
+        self.block_bytes = block_bytes
+        self._clock = clock
+        self._started: dict[int, tuple[float, Medium, int]] = {}
+
+    def started(self, job_id: int, from_disk: Sequence[bool], from_remote: Sequence[bool]
+                ) -> None:
+        """A load job was planned; times it if it promotes from exactly one timed tier."""
+        disk, remote = sum(from_disk), sum(from_remote)
+        if disk and not remote:
+            self._started[job_id] = (self._clock(), Medium.DISK, disk)
+        elif remote and not disk:
+            self._started[job_id] = (self._clock(), Medium.REMOTE, remote)
+
+    def settled(self, job_id: int, ok: bool) -> tuple[Medium, int, float] | None:
+        """The (tier, bytes promoted, seconds from plan to settle) sample of a timed job that
+        worked; None otherwise (a failed load measured nothing about the tier's speed)."""
+        start = self._started.pop(job_id, None)
+        if start is None or not ok:
+            return None
+        t0, medium, blocks = start
+        return medium, blocks * self.block_bytes, self._clock() - t0
+
+    def __len__(self) -> int:
+        return len(self._started)
