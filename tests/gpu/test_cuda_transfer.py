@@ -371,3 +371,37 @@ def test_a_load_queued_behind_compute_reports_the_copy_time_not_the_wait(loads):
     wait_s = before.elapsed_time(after) / 1e3
     assert out.bytes == 4 * pool.geometry.block_bytes
     assert 0 < out.seconds < wait_s / 4, (out.seconds, wait_s)
+
+
+@pytest.mark.parametrize("loads", ["auto", "layered", "staged"])
+def test_shared_pool_round_trip_through_the_disk_process_is_bit_exact(tmp_path, loads):
+    """The default disk configuration: the CPU pool is a memfd registered with CUDA (not
+    torch's pinned allocator) and a child process writes and reads it. GPU -> CPU -> disk
+    (child) -> other CPU slots -> GPU must land bit-exact in every load mode, and the
+    registered memory must count as pinned (else copies silently turn synchronous)."""
+    from kvtier.config.schema import DiskTierConfig
+    from kvtier.runtime.disk_process import DiskProcess
+
+    if loads != "staged" and not cupy_available():
+        pytest.skip("layered loads need CuPy")
+    gen = torch.Generator(device=DEV).manual_seed(47)
+    view = GpuKvView(make_caches("kv_first", 4, 16, 8 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=16, shared=True)
+    pool.wait_ready()
+    assert pool.pin and pool.slot(0).is_pinned() and pool.shared_fd is not None
+    want = reference_slots(view, list(range(6)), 1)
+    run(CudaGpuToCpuHandler(view, pool).run(LoadStoreSpec.gpu(range(6)),
+                                            LoadStoreSpec.cpu(range(6))))
+    disk = DiskProcess(pool, DiskTierConfig(path=tmp_path / "disk", capacity=1 << 30),
+                       view.geometry(1))
+    try:
+        keys = [bytes([i]) * 32 for i in range(6)]
+        disk.put_slots(list(range(6)), keys)
+        assert disk.fetch_slots(keys, list(range(8, 14))) == ([], [])
+    finally:
+        disk.close()
+    load = CudaCpuToGpuHandler(view, pool, loads=loads)
+    run(load.run(LoadStoreSpec.cpu(range(8, 14)), LoadStoreSpec.gpu(range(10, 16))))
+    torch.cuda.synchronize()
+    assert torch.equal(reference_slots(view, list(range(10, 16)), 1), want)
