@@ -31,20 +31,32 @@ def test_a_promotion_is_timed_from_plan_to_settle_per_tier():
     assert len(pc) == 0
 
 
-def test_wall_time_samples_make_a_slow_promotion_path_lose_to_recompute():
-    """The hop alone (32 MiB read in 3.4 ms) says a 1B-shape 1k disk hit pays; the request
-    waited 17 ms for it (both figures from the lent H100); recomputing takes 14.5 ms."""
-    block = 512 << 10
-    model = LoadCostModel(block_bytes=block, block_tokens=16,
-                          recompute_s_per_token=14.5e-3 / 1024)
-    model.record_load(Medium.CPU, 256 << 20, 256 / 44e3)
-    hop = LoadCostModel(block_bytes=block, block_tokens=16, recompute_s_per_token=14.5e-3 / 1024)
-    hop.record_load(Medium.CPU, 256 << 20, 256 / 44e3)
-    hop.record_load(Medium.DISK, 32 << 20, 3.4e-3)
-    assert hop.worth_loading([Medium.DISK] * 64) == 64
+def model(per_block_s: float, block: int) -> LoadCostModel:
+    m = LoadCostModel(block_bytes=block, block_tokens=16, recompute_s_per_token=per_block_s / 16)
+    m.record_load(Medium.CPU, 256 << 20, (256 << 20) / 44e9)  # hops as the worker reports them
+    m.record_load(Medium.DISK, 32 << 20, 3.4e-3)  # 9.9 GB/s from the page cache
+    return m
+
+
+def test_a_promotions_wait_becomes_the_tiers_fixed_cost_not_its_bandwidth():
+    """Lent H100 figures. 1B shape (512 KiB blocks, 0.076 ms to recompute one): the hop says
+    a 1k disk hit pays; the request waited 17 ms for its promotion, and the hit lost to
+    recompute. 8B shape (2 MiB blocks, 0.40 ms): with the same wait, an 8k hit still pays
+    (the bandwidth was not folded into a slower one)."""
+    small, big = model(0.076e-3, 512 << 10), model(0.40e-3, 2 << 20)
+    assert small.worth_loading([Medium.DISK] * 64) == 64  # the hop alone: load
     clock = Clock()
-    pc = PromotionClock(block_bytes=block, clock=clock)
+    pc = PromotionClock(block_bytes=512 << 10, clock=clock)
     pc.started(7, [True] * 64, [False] * 64)
     clock.now += 17e-3
-    model.record_load(*pc.settled(7, ok=True))
-    assert model.worth_loading([Medium.DISK] * 64) == 0
+    medium, nbytes, seconds = pc.settled(7, ok=True)
+    small.record_promotion(medium, nbytes, seconds)
+    big.record_promotion(medium, nbytes, seconds)
+    bw = small.bandwidth[Medium.DISK]
+    assert abs(bw.bytes_per_s - (32 << 20) / 3.4e-3) < 1  # bandwidth: still the hop's
+    assert 12e-3 < bw.fixed_s < 13.5e-3 and bw.waits == 1
+    assert small.worth_loading([Medium.DISK] * 64) == 0
+    assert small.worth_loading([Medium.DISK] * 512) == 0
+    assert big.worth_loading([Medium.DISK] * 512) == 512
+    small.record_load(Medium.DISK, 1 << 20, 1e-3)  # a small hop no longer teaches fixed_s
+    assert 12e-3 < bw.fixed_s < 13.5e-3

@@ -6,9 +6,10 @@ that: for engine steps to see the read finish, then for the step that loads it i
 In real vLLM on the lent H100, with the disk served by its own process (reads at 7-10 GB/s
 from the page cache), 1B-shape disk hits of 1k and 8k tokens were loaded, and took 17-20 and
 50-72 ms where recomputing took 14.5 and 43 ms: the hop said "fast", the request said
-"slower". So the scheduler times each of its own promotions from planning to settling, and
-that (bytes, seconds) sample replaces the hop's: the tier's bandwidth and fixed cost then
-hold the time a request actually waits.
+"slower". So the scheduler times each of its own promotions from planning to settling; the
+hops keep teaching the tier's bandwidth (a wall time would fold a fixed wait into it, and a
+1k hit's wait then made 8k hits look slower than they are), and the time beyond the hops
+becomes the tier's fixed cost per load (``LoadCostModel.record_promotion``).
 
 A promotion that reads from both the disk and the shared tier cannot split its wall time
 between them: it teaches nothing (rare: a prefix whose blocks live on both).
@@ -20,8 +21,6 @@ import time
 from typing import Sequence
 
 from kvtier.manager.specs import Medium
-
-TIMED = (Medium.DISK, Medium.REMOTE)  # tiers whose hits are promoted through the CPU tier
 
 
 class PromotionClock:

@@ -37,7 +37,7 @@ from kvtier.connectors.hit_claim import claim
 from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
 from kvtier.connectors.observability import SchedulerObservability
-from kvtier.connectors.promotion_clock import TIMED, PromotionClock
+from kvtier.connectors.promotion_clock import PromotionClock
 from kvtier.connectors.metadata import (
     BackgroundJob,
     KVTierConnectorMetadata,
@@ -357,8 +357,7 @@ class SchedulerSide(JobSettling):
         if not isinstance(meta, KVTierWorkerMetadata):
             return
         for medium, nbytes, seconds in meta.load_hops:  # the cost model learns real loads
-            if Medium(medium) not in TIMED:  # promotions: their wall time (promotion_clock.py)
-                self.manager.record_load(Medium(medium), nbytes, seconds)
+            self.manager.record_load(Medium(medium), nbytes, seconds)
         for tokens, seconds in meta.forwards:  # ... and what recomputing costs here
             per_token = self._recompute.add(tokens, seconds)
             if per_token is not None:

@@ -52,7 +52,7 @@ class JobSettling:
         failed, transient = set(job.failed), job.transient
         sample = self._promotions.settled(job_id, ok=not failed and job.errors == 0)
         if sample is not None:  # what the request waited for its promotion: the cost model
-            self.manager.record_load(*sample)
+            self.manager.record_promotion(*sample)
         self.manager.complete_load(job.keys,
                                    failed=[k for k in job.keys if k in failed] if failed else (),
                                    transient=[k for k in job.keys if k in transient]

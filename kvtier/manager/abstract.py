@@ -102,6 +102,11 @@ class OffloadingManager(ABC):
     def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
         """A load hop out of ``medium`` moved ``nbytes`` in ``seconds``. Default: ignored."""
 
+    def record_promotion(self, medium: Medium, nbytes: int, seconds: float) -> None:
+        """A load promoted ``nbytes`` out of ``medium`` (DISK, REMOTE) and the request waited
+        ``seconds`` for it, planning to settling: what the hops do not see (engine steps)
+        is the tier's fixed cost per load. Default: ignored."""
+
     def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
         """The engine's measured prefill time per token. Default: ignored."""
 

@@ -58,6 +58,7 @@ class LoadBandwidth:
         self._seconds = 0.0
         self.fixed_s = 0.0  # per-load cost beyond the bytes, from loads under min_bytes
         self.fixed_samples = 0
+        self.waits = 0  # promotions timed end to end: then they alone teach fixed_s
 
     def record(self, nbytes: float, seconds: float) -> bool:
         """Add one finished load; nonsense (no bytes, no time, NaN) is ignored, not trusted.
@@ -65,15 +66,24 @@ class LoadBandwidth:
         if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes) and math.isfinite(seconds)):
             return False
         if nbytes < self.min_bytes:
-            over = max(0.0, seconds - nbytes / self.bytes_per_s)
-            w = 1.0 if not self.fixed_samples else 1.0 - self.keep
-            self.fixed_s += w * (over - self.fixed_s)
-            self.fixed_samples += 1
+            if not self.waits:  # a promotion's wall time says more (record_wait)
+                self._learn_fixed(seconds - nbytes / self.bytes_per_s)
             return False
         self._bytes = self.keep * self._bytes + nbytes
         self._seconds = self.keep * self._seconds + seconds
         self.samples += 1
         return True
+
+    def _learn_fixed(self, over: float) -> None:
+        w = 1.0 if not self.fixed_samples else 1.0 - self.keep
+        self.fixed_s += w * (max(0.0, over) - self.fixed_s)
+        self.fixed_samples += 1
+
+    def record_wait(self, over: float) -> None:
+        """A promotion's wall time beyond its bytes (``LoadCostModel.record_promotion``)."""
+        if math.isfinite(over):
+            self.waits += 1
+            self._learn_fixed(over)
 
     @property
     def bytes_per_s(self) -> float:
@@ -117,6 +127,18 @@ class LoadCostModel:
         CPU: CPU -> GPU). Returns whether the sample was used."""
         bw = self.bandwidth.get(Medium(medium))
         return bw.record(nbytes, seconds) if bw is not None else False
+
+    def record_promotion(self, medium: Medium, nbytes: float, seconds: float) -> None:
+        """A promotion out of ``medium`` that the request waited ``seconds`` for, planning to
+        settling (connectors/promotion_clock.py). The hops teach the bandwidths; the time
+        beyond them (engine steps until the read is seen, the step that loads it) is the
+        tier's fixed cost per load: in real vLLM on an H100, reads at 7-10 GB/s made 1B-shape
+        disk hits look 4 ms cheaper than recompute while requests waited 3-14 ms longer."""
+        bw = self.bandwidth.get(Medium(medium))
+        if bw is None or medium is Medium.CPU or not (nbytes > 0 and seconds > 0):
+            return
+        bw.record_wait(seconds - nbytes / bw.bytes_per_s
+                       - nbytes / self.bandwidth[Medium.CPU].bytes_per_s)
 
     def load_block_s(self, medium: Medium) -> float:
         """Estimated seconds to bring one block from ``medium`` into the engine."""

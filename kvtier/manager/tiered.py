@@ -139,6 +139,10 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         if self.cost is not None:
             self.cost.record_load(medium, nbytes, seconds)
 
+    def record_promotion(self, medium: Medium, nbytes: int, seconds: float) -> None:
+        if self.cost is not None:
+            self.cost.record_promotion(medium, nbytes, seconds)
+
     def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
         """The engine's measured prefill time per token. Without a configured ``cost:``
         section, the first measurement turns cost-aware loading on (bandwidth priors as

@@ -22,6 +22,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 
 import torch
 
@@ -56,6 +57,10 @@ class CpuBlockPool:
             os.ftruncate(self.shared_fd, self.capacity_bytes)  # pages come on first touch
             self._map = mmap.mmap(self.shared_fd, self.capacity_bytes, mmap.MAP_SHARED,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
+            # a registration outlives its mapping unless undone: a later pool mapped at the
+            # same address would then fail with cudaErrorHostMemoryAlreadyRegistered
+            self._registered: list[int] = []
+            weakref.finalize(self, _unregister_pinned, self._registered)
         n_chunks = -(-num_slots // self.slots_per_chunk)
         self._chunks: list[torch.Tensor | None] = [None] * n_chunks
         self._ready = [threading.Event() for _ in range(n_chunks)]
@@ -88,6 +93,7 @@ class CpuBlockPool:
                                  offset=index * self.slots_per_chunk * bb).view(n, bb)
             if self.pin:
                 _register_pinned(t)
+                self._registered.append(t.data_ptr())
         self._chunks[index] = t
         self.allocated_bytes += t.numel()
         self._ready[index].set()
@@ -160,3 +166,9 @@ def _register_pinned(t: torch.Tensor) -> None:
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {t.numel()} bytes of the shared CPU pool "
                            f"failed (CUDA error {code})")
+
+
+def _unregister_pinned(pointers: list[int]) -> None:
+    for ptr in pointers:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    pointers.clear()

@@ -67,6 +67,9 @@ class ManagerWrapper(OffloadingManager):
     def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
         self.inner.record_load(medium, nbytes, seconds)
 
+    def record_promotion(self, medium: Medium, nbytes: int, seconds: float) -> None:
+        self.inner.record_promotion(medium, nbytes, seconds)
+
     def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
         self.inner.measured_recompute(s_per_token, block_tokens, block_bytes)
 
