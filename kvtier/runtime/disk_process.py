@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import queue
 import socket
 import subprocess
@@ -42,6 +41,10 @@ from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger(__name__)
 
+# appended, not put in PYTHONPATH: the directory may be a site-packages that must not shadow
+# the standard library
+_BOOT = ("import sys; sys.path.append(sys.argv[1]); "
+         "from kvtier.runtime.disk_server import main; sys.exit(main(sys.argv[1:]))")
 START_TIMEOUT_S = 120.0  # opening a large store checks its index and segments
 _RAISED_AS_IS = {c.__name__: c for c in (
     errors.DiskLayoutMismatch, errors.NotADiskStore, errors.UnsafeDiskDirectory,
@@ -92,13 +95,11 @@ class DiskProcess:
             "gil_switch_interval_ms": gil_switch_interval_ms,
             "log_level": logging.getLogger("kvtier").getEffectiveLevel(),
         }
-        env = dict(os.environ)
         here = str(Path(kvtier.__file__).resolve().parent.parent)  # kvtier importable there too
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.runtime.disk_server", json.dumps(spec)],
-                pass_fds=[pool.shared_fd, *spec["sockets"]], stdin=subprocess.DEVNULL, env=env)
+                [sys.executable, "-c", _BOOT, here, json.dumps(spec)],
+                pass_fds=[pool.shared_fd, *spec["sockets"]], stdin=subprocess.DEVNULL)
         finally:
             for _, theirs in pairs:
                 theirs.close()
@@ -147,6 +148,7 @@ class DiskProcess:
 
     def _lost(self, sock: socket.socket, exc: BaseException) -> None:
         sock.close()
+        self._free.put(sock)  # a caller waiting for a connection gets it, fails, and says so
         if self._broken is None:
             code = self._proc.poll()
             self._broken = (f"kvtier disk tier: the disk I/O process {self.pid} for {self.root} "
