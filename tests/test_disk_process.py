@@ -185,3 +185,32 @@ def test_io_process_is_read_from_yaml_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_DISK_PATH", str(tmp_path))
     monkeypatch.setenv("KVTIER_DISK_IO_PROCESS", "0")
     assert load_config().disk.io_process is False
+
+
+def test_callers_waiting_for_a_connection_fail_when_the_child_dies_not_hang(pool, tmp_path):
+    """One connection, a stopped child: one call waits for its reply, three wait for the
+    connection. When the child is killed, every one of them returns (a miss or an error)."""
+    import threading
+    import time
+
+    dp = DiskProcess(pool, DiskTierConfig(path=tmp_path / "one", capacity=1 << 30), GEO,
+                     connections=1)
+    try:
+        os.kill(dp.pid, signal.SIGSTOP)
+        results: list = []
+
+        def read() -> None:
+            results.append(dp.fetch_slots([key(1)], [3]))
+
+        threads = [threading.Thread(target=read, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        assert results == []  # all four are stuck behind the stopped child
+        os.kill(dp.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads), "a caller hangs on a dead child"
+        assert results == [([0], [0])] * 4  # transient misses, nothing read
+    finally:
+        dp.close()
