@@ -2,9 +2,10 @@
 
 A mixin of :class:`~kvtier.connectors.scheduler_side.SchedulerSide` (its state: ``manager``,
 ``ledger``, ``tracks``, ``_parked``, ``_promoting``, ``_promotions``, ``_sources``,
-``_step_forget``, ``_stats``, ``_tl``). A load that joined another load's disk promotion is parked until that
-load settled (the manager's ``prepare_shared_load`` contract); a settled failed load rewinds
-the request's store cursor, since vLLM recomputes from its first failed block.
+``_step_forget``, ``_stats``, ``_tl``). A load that joined another load's disk promotion is
+parked until that load settled (the manager's ``prepare_shared_load`` contract); a settled
+failed load rewinds the request's store cursor, since vLLM recomputes from its first failed
+block.
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ class LoadCostModel:
         beyond them (engine steps until the read is seen, the step that loads it) is the
         tier's fixed cost per load: in real vLLM on an H100, reads at 7-10 GB/s made 1B-shape
         disk hits look 4 ms cheaper than recompute while requests waited 3-14 ms longer."""
-        bw = self.bandwidth.get(Medium(medium))
+        medium = Medium(medium)
+        bw = self.bandwidth.get(medium)
         if bw is None or medium is Medium.CPU or not (nbytes > 0 and seconds > 0):
             return
         bw.record_wait(seconds - nbytes / bw.bytes_per_s

@@ -51,6 +51,13 @@ _RAISED_AS_IS = {c.__name__: c for c in (
     errors.DiskStoreBusy, errors.DiskIndexUnreadable, errors.DiskFull)}
 
 
+def store_options(disk: DiskTierConfig) -> dict:
+    """``DiskStore``'s keyword arguments from the config: the same in this process and in
+    the child."""
+    return {"compression": disk.compression, "zstd_level": disk.zstd_level,
+            "fsync": disk.fsync, "segment_bytes": disk.segment_bytes}
+
+
 class DiskProcessGone(errors.DiskWriteError):
     """The disk I/O process exited or its connection broke: no more disk reads or writes."""
 
@@ -89,8 +96,7 @@ class DiskProcess:
         pairs = [socket.socketpair() for _ in range(max(1, connections))]
         spec = {
             "path": str(self.root), "geometry": asdict(geometry), "num_slots": pool.num_slots,
-            "store": {"compression": disk.compression, "zstd_level": disk.zstd_level,
-                      "fsync": disk.fsync, "segment_bytes": disk.segment_bytes},
+            "store": store_options(disk),
             "pool_fd": pool.shared_fd, "sockets": [b.fileno() for _, b in pairs],
             "gil_switch_interval_ms": gil_switch_interval_ms,
             "log_level": logging.getLogger("kvtier").getEffectiveLevel(),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import KvtierConfig
-from kvtier.runtime.disk_process import DiskProcess
+from kvtier.runtime.disk_process import DiskProcess, store_options
 from kvtier.runtime.gil import SwitchInterval
 from kvtier.runtime.replicated_disk import ReplicatedDisk
 from kvtier.tiers.cpu_pool import CpuBlockPool
@@ -67,8 +67,8 @@ class WorkerRuntime:
         > 0 reads rank 0's records and writes none (see replicated_disk.py)."""
         config.check_block_bytes(geometry.block_bytes)
         d = config.disk
-        own_process = d is not None and d.io_process and not (replicated and rank > 0
-                                                              and rank0_disk is not None)
+        reads_rank0 = replicated and rank > 0 and rank0_disk is not None  # replicated_disk.py
+        own_process = d is not None and d.io_process and not reads_rank0
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin,
                             shared=own_process)
         store = replica = None
@@ -76,12 +76,10 @@ class WorkerRuntime:
         if d is not None:
 
             def open_store() -> DiskStore:
-                return DiskStore(d.path, geometry, compression=d.compression,
-                                 zstd_level=d.zstd_level, fsync=d.fsync,
-                                 segment_bytes=d.segment_bytes)
+                return DiskStore(d.path, geometry, **store_options(d))
 
             disk = None
-            if replicated and rank > 0 and rank0_disk is not None:
+            if reads_rank0:
                 disk = replica = ReplicatedDisk(rank0_disk, rank0_geometry or geometry,
                                                 open_store, rank=rank)
             else:
