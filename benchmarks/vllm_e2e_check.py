@@ -4,7 +4,7 @@ In-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the scheduler's pla
 worker's KV pages are both reachable from here:
 
 1. Page bytes: a prompt is computed by vLLM; the pages of its blocks (the store jobs' engine
-   blocks) are copied right after. The GPU prefix cache is reset, the prompt runs
+   blocks) are copied when the store is planned (the step after, the blocks still held). The GPU prefix cache is reset, the prompt runs
    again and kvtier loads those blocks into other pages: each loaded block's pages must equal
    the pages vLLM computed (but the prompt's last token, which the hit's step recomputes). A
    different prompt's blocks must not hash the same (control).
@@ -76,15 +76,43 @@ def torch_equal(x, y) -> bool:
     return bool(torch.equal(x, y))
 
 
-def _record_meta(side, sink: list) -> None:
+def _hash_pages(pages: dict) -> dict:
+    """``_hash_blocks`` of pages copied earlier (same order: layer, then block)."""
+    out = {}
+    for key, tensors in pages.items():
+        h = hashlib.sha256()
+        for t in tensors:
+            h.update(t.contiguous().cpu().numpy().tobytes())
+        out[key] = h.hexdigest()
+    return out
+
+
+def _record_meta(side, sink: list, view, pages: dict) -> None:
+    """Keep every step's metadata; copy the pages of each store planned after its blocks'
+    forward (the scheduler plans stores one step late) when it is planned: the request still
+    holds them then, whether or not it has finished."""
     original = side.build_meta
 
     def build_meta(so):
         meta = original(so)
         sink.append(meta)
+        pages.update(_copy_pages(view, _per_key(j for j in meta.stores if not j.this_step)))
         return meta
 
     side.build_meta = build_meta
+
+
+def _computed_pages(llm, a, view, metas: list, pages: dict, prompt) -> dict:
+    """Run ``prompt`` and settle; the pages of its stored blocks as vLLM computed them."""
+    from vllm_e2e_child import gen, settle
+
+    metas.clear()
+    pages.clear()
+    gen(llm, prompt)
+    # stores planned in the computing step itself (sliding-window models): copy them now
+    pages.update(_copy_pages(view, _per_key(j for m in metas for j in m.stores if j.this_step)))
+    settle(llm, a)
+    return dict(pages)
 
 
 def _per_key(jobs) -> dict:
@@ -116,15 +144,13 @@ def run_check(a, model_dir: str) -> dict:
     a.connector = "check"
     side = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
     metas: list = []
-    _record_meta(side, metas)
     view = _worker_view()
+    pages: dict = {}
+    _record_meta(side, metas, view, pages)
     result: dict = {"shape": a.shape, "connector": "check", "pages": [], "outputs": []}
     for length in a.lengths:
         prompt = tokens(length, 424242 + length, a.vocab)
-        metas.clear()
-        gen(llm, prompt)
-        computed = _copy_pages(view, _per_key(j for m in metas for j in m.stores))
-        settle(llm, a)
+        computed = _computed_pages(llm, a, view, metas, pages, prompt)
         reset(llm)
         metas.clear()
         out = gen(llm, prompt)
@@ -136,12 +162,12 @@ def run_check(a, model_dir: str) -> dict:
         same, tail_diff = _same_pages(view, loaded_ids, computed, tail_key, a.block_size)
         del computed
         other = tokens(length, 525252 + length, a.vocab)
-        metas.clear()
-        gen(llm, other)  # control: a different prompt's blocks hash differently
-        control = _hash_blocks(view, _per_key(j for m in metas for j in m.stores))
+        # control: a different prompt's blocks hash differently
+        control = _hash_pages(_computed_pages(llm, a, view, metas, pages, other))
         clash = len(set(control.values()) & set(loaded.values()))
         result["pages"].append({"tokens": length, "loaded_blocks": len(loaded),
                                 "identical": same, "control_clashes": clash,
+                                "control_blocks": len(control),
                                 "last_block_loaded_whole": tail_key is not None,
                                 "last_token_bytes_rewritten": tail_diff})
         settle(llm, a)

@@ -48,13 +48,17 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Copy engine blocks ``gpu_ids`` (k per key) of a request into CPU slots."""
+    """Copy engine blocks ``gpu_ids`` (k per key) of a request into CPU slots.
+
+    ``this_step``: this step's forward computes the blocks, so the copy is submitted after it
+    (``wait_for_save``); otherwise earlier steps did and it is submitted at ``bind``."""
 
     job_id: int
     req_id: str
     keys: tuple[BlockKey, ...]
     cpu_slots: tuple[int, ...]
     gpu_ids: tuple[int, ...]
+    this_step: bool = False
 
 
 @dataclass(frozen=True)

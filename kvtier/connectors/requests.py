@@ -63,6 +63,7 @@ class RequestTrack:
     load_first_index: int = 0  # kvtier block index of the load's first key
     hit_tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens of the last load
     store_jobs: set[int] = field(default_factory=set)  # unsettled stores of its blocks
+    store_due: bool = False  # computed by the last step: its new blocks are planned next step
     finished: bool = False
     sighted: bool = False  # its blocks were counted once for admission (vLLM asks every step)
     hints: tuple = ()  # the request's kv_hints (compat.hints.KvHint), for placement
@@ -73,7 +74,7 @@ class RequestTrack:
 
     @property
     def idle(self) -> bool:
-        return self.load_job is None and not self.store_jobs
+        return self.load_job is None and not self.store_jobs and not self.store_due
 
 
 class KeyMap:

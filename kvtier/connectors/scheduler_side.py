@@ -12,13 +12,22 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
 * ``plan_load`` (update_state_after_alloc): ``prepare_shared_load`` pins the blocks; a block
   whose disk promotion another request has in flight is joined, not read twice and not cut
   (vLLM #44294: concurrent requests on one prefix neither queue nor recompute).
-* ``build_meta``: stores of every block that is full and computed after this step (write-
-  through, admission and per-request ``kv_transfer_params`` applied), the manager's
-  background moves, and the fence: store jobs whose source blocks are written this step.
+* ``build_meta``: stores of every block that the *previous* steps completed (write-through,
+  admission and per-request ``kv_transfer_params`` applied), the manager's background moves,
+  and the fence: store jobs whose source blocks are written this step. Stores are planned one
+  step late on purpose: planning a 512-block store costs the scheduler ~5-10 ms and its
+  GPU -> CPU copy, queued right behind the forward, holds up the sampled tokens' own device
+  -> host copy (the copy engine serves them in order: ~4.8 ms for 256 MiB on an H100), so a
+  request that stores would pay both before its first token. One step later both run after
+  its token is out, and the copy overlaps the next step's forward instead of its output.
+  Sliding-window and hybrid models plan in the step itself: vLLM frees a running request's
+  blocks that leave the window at the next step's allocation, before a late plan could read
+  them.
 * ``on_worker_output``: counts worker reports per job; a complete job settles the manager's
   prepare call (``complete_load`` with the failed keys, ``complete_store``,
   ``complete_background``). A load that joined a promotion settles after it.
-* ``request_finished``: delay freeing a request's blocks while its stores are in flight.
+* ``request_finished``: delay freeing a request's blocks while its stores are in flight or
+  still to be planned (its last step's blocks).
 """
 
 from __future__ import annotations
@@ -84,6 +93,9 @@ class SchedulerSide(JobSettling):
         self._parked: dict[int, Job] = {}  # complete loads waiting for the loads they joined
         self._sources: dict[int, set[int]] = {}  # engine block -> unsettled stores reading it
         self._step_loads: list[LoadJob] = []
+        self._store_due: list[str] = []  # scheduled last step: their blocks are planned next
+        # plan stores one step late unless vLLM frees blocks of running requests (windows)
+        self.late_stores = settings.sliding_window is None and len(settings.groups) <= 1
         self._step_watch: list[str] = []
         self._step_forget: list[int] = []
         self._step_background: list[BackgroundJob] = []
@@ -265,15 +277,26 @@ class SchedulerSide(JobSettling):
         self._events.remember(key, self.keymap.tokens(request, index), parent,
                               getattr(lora, "lora_name", None))
 
-    def _plan_store(self, t: RequestTrack, num_scheduled: int) -> StoreJob | None:
+    def _store_stop(self, t: RequestTrack, scheduled: int = 0) -> int:
+        """Index past the last kvtier block that is full and computed once ``scheduled`` more
+        tokens are.
+
+        build_connector_meta runs before vLLM adds the current step's tokens, so with
+        ``scheduled`` 0 this counts the blocks of earlier steps only, whose forwards the worker
+        enqueued before this step's hooks; tokens not known yet (speculative drafts) are never
+        stored."""
+        request = t.request
+        computed = min(request.num_computed_tokens + scheduled, request.num_tokens)
+        return min(computed // self.settings.block_tokens * self.keymap.per_block,
+                   self.keymap.num_keyed(request))
+
+    def _plan_store(self, t: RequestTrack, scheduled: int = 0) -> StoreJob | None:
+        """The store of ``t``'s blocks completed so far (``scheduled`` > 0: and by this step)."""
         request = t.request
         if t.params.skip_store or self.kv_cache_manager is None:
             return None
         bt, per = self.settings.block_tokens, self.keymap.per_block
-        # build_connector_meta runs before vLLM adds this step's tokens to num_computed_tokens;
-        # tokens not known yet (speculative drafts) are never stored
-        computed = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
-        stop = min(computed // bt * per, self.keymap.num_keyed(request))
+        stop = self._store_stop(t, scheduled)
         first = t.next_store
         if stop <= first:
             return None
@@ -305,7 +328,8 @@ class SchedulerSide(JobSettling):
             for k in plan.keys:
                 self._remember(request, keys[k], k)
         self._stats.add("store_tokens", len(plan.keys) * bt)
-        return StoreJob(job_id, t.req_id, tuple(plan.keys), tuple(plan.cpu_slots), gpu)
+        return StoreJob(job_id, t.req_id, tuple(plan.keys), tuple(plan.cpu_slots), gpu,
+                        this_step=scheduled > 0)
 
     # ------------------------------------------------------------------ per step
     def _written_blocks(self, so: Any) -> set[int]:
@@ -327,12 +351,27 @@ class SchedulerSide(JobSettling):
         written = self._written_blocks(so)
         flush = self._stores_reading(written)
         stores = []
+        due, self._store_due = self._store_due, []
+        for req_id in due:  # blocks the last step completed (a preempted request: none)
+            t = self.tracks.get(req_id)
+            if t is None:
+                continue
+            t.store_due = False
+            job = self._plan_store(t)
+            if job is not None:
+                stores.append(job)
+            self._drop_if_done(t)
         for req_id, num_scheduled in so.num_scheduled_tokens.items():
             t = self.tracks.get(req_id)
-            if t is not None:
+            if t is None or t.params.skip_store:
+                continue
+            if not self.late_stores:
                 job = self._plan_store(t, num_scheduled)
                 if job is not None:
                     stores.append(job)
+            elif not t.store_due:
+                t.store_due = True
+                self._store_due.append(req_id)
         self._take_background()
         background, self._step_background = self._step_background, []
         self._step_sync_bytes = 0
@@ -373,19 +412,22 @@ class SchedulerSide(JobSettling):
         if t is None:
             return False
         t.finished = True
-        if t.store_jobs:
+        if t.store_due and self.kv_cache_manager is not None \
+                and self._store_stop(t) <= t.next_store:
+            t.store_due = False  # nothing new to store: free the blocks now
+        if t.store_jobs or t.store_due:
             self._step_watch.append(t.req_id)
             return True
         self._drop_if_done(t)
         return False
 
     def has_delayed_frees(self) -> bool:
-        return any(t.finished and t.store_jobs for t in self.tracks.values())
+        return any(t.finished and (t.store_jobs or t.store_due) for t in self.tracks.values())
 
     # ------------------------------------------------------------------ reporting
     def has_pending_work(self) -> bool:
         return bool(len(self.ledger) or self._parked or self._step_loads or self._step_watch
-                    or self._step_forget or self._step_background)
+                    or self._step_forget or self._step_background or self._store_due)
 
     def take_events(self) -> Iterable[Any]:
         events = list(self.manager.take_events())

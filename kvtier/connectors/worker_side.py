@@ -9,17 +9,20 @@ Per step (vLLM's model runner calls these in this order):
    for those copies on the GPU; elsewhere the host waits. Then the step's synchronous loads
    not submitted yet are: it is the step's first hook (the copy is ordered after the device
    work enqueued so far, as at ``start_load``; it needs only its pages, the request's now).
-2. ``bind(meta)``: the manager's background moves (demotions, deletions) are submitted here,
-   every step, forward or not.
+2. ``bind(meta)``: the step's stores and the manager's background moves (demotions,
+   deletions) are submitted here, every step, forward or not. A store copies blocks that
+   earlier steps computed (the scheduler plans them one step late), so it is ordered on the
+   GPU after the work enqueued so far and its device -> host copy runs beside this step's
+   forward, not between the last forward and its sampled tokens' copy to the host.
 3. ``start_load``: submit this step's other loads (before the forward for a synchronous
    load, after it otherwise) and fence the synchronous ones: the forward reading their blocks
    is ordered after the copy on the GPU, per layer when vLLM runs the per-layer hooks
    (:mod:`layer_fences`), else whole. A load that joined another load's disk promotion waits
    (here, not in the engine) until that load finished on this worker, then copies what the
    promotion read; keys it failed to read are failed here too.
-4. ``wait_for_save``: this step's forward is enqueued, so the stores of the blocks it
-   completes are submitted now; each store's copy waits on the GPU for the forward (no host
-   sync: the CPU keeps scheduling while the GPU computes).
+4. ``wait_for_save``: the forward is enqueued: per-layer fences are checked, and stores of
+   blocks this very forward computes (sliding-window models, whose windows free blocks
+   before a late plan) are submitted, their copy ordered after the forward on the GPU.
 5. ``get_finished``: collect finished jobs; asynchronous loads report their request in
    ``finished_recving`` (and the engine blocks that could not be filled as load errors, in
    the same step), watched finished requests with no store left in ``finished_sending``.
@@ -183,6 +186,11 @@ class WorkerSide:
             for job_id in meta.forget:
                 self._promotions.pop(job_id, None)
         self._watch.update(meta.watch)
+        if meta.stores:
+            rt = self._rt()
+            for job in meta.stores:
+                if not job.this_step:
+                    self._submit_store(rt, job)
         if meta.background:
             rt = self._rt()
             for bg in meta.background:
@@ -237,13 +245,12 @@ class WorkerSide:
         self._end_layer_fences()
         if self._forward is not None:
             self._forward.end()
-        if not meta.stores:
-            return
-        # Stores are ordered after this step's forward on the GPU: the CUDA copy waits for
-        # the submitting stream's position (TransferEngine immediate hops), no host sync.
-        rt = self._rt()
+        # stores of blocks this forward computes (sliding-window models): ordered after it on
+        # the GPU (the copy waits for the submitting stream's position), no host sync
+        rt = self._rt() if meta.stores else None
         for job in meta.stores:
-            self._submit_store(rt, job)
+            if job.this_step:
+                self._submit_store(rt, job)
 
     def clear(self) -> None:
         self._meta = None

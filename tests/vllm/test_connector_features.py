@@ -167,7 +167,11 @@ def test_sliding_window_group_loads_only_blocks_inside_the_window(model_dir):
     make = vh.RequestMaker(BS)
     prompt = vh.random_tokens(100, seed=87)
     loop.add(make(prompt, max_tokens=2))
-    loop.run_until_idle()
+    first = loop.run_until_idle()
+    # the window frees blocks at the next step's allocation: stores are planned in the step
+    # that computes their blocks, not a step late (their blocks would be gone by then)
+    stores = [j for r in first for j in r.scheduler_output.kv_connector_metadata.stores]
+    assert stores and all(j.this_step for j in stores)
     assert sched.reset_prefix_cache()
     b = make(prompt, max_tokens=2)
     loop.add(b)

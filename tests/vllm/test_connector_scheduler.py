@@ -243,18 +243,57 @@ def test_preemption_in_the_middle_of_stores_keeps_kv_exact(model_dir):
     rig.close()
 
 
+def test_stores_are_planned_a_step_late_and_submitted_before_that_steps_forward(model_dir):
+    """A step's stores read blocks earlier steps computed: planned after the computing step
+    (off its scheduling and its sampled tokens' path) and submitted at bind, so the copy runs
+    beside the next forward. Fails if they are planned or submitted with the computing step."""
+    phase = {"forward_done": False}
+    submitted = []
+
+    def after_forward(i, w, so):
+        phase["forward_done"] = True
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32), after_forward=after_forward)
+    ws = rig.worker_side()
+    original = ws._submit_store
+
+    def submit(rt, job):
+        submitted.append((job.job_id, job.this_step, phase["forward_done"]))
+        original(rt, job)
+
+    ws._submit_store = submit
+    make = vh.RequestMaker(BS)
+    a = make(vh.random_tokens(40, seed=21), max_tokens=3)
+    rig.loop.add(a)
+    steps = []
+    while rig.loop.busy():
+        phase["forward_done"] = False
+        steps.append(rig.loop.step())
+    planned = [(n, [(len(j.keys), j.this_step) for j in m.stores])
+               for n, m in enumerate(metas(steps)) if m.stores]
+    assert planned == [(1, [(2, False)])]  # step 0 computes the 40 tokens; step 1 stores
+    assert [(this_step, after) for _, this_step, after in submitted] == [(False, False)]
+    assert assert_cpu_tier_exact(rig, [a]) == 2
+    vh.assert_no_leaks(rig.sched)
+    rig.close()
+
+
 def test_requests_finishing_with_stores_in_flight_hold_their_blocks(model_dir):
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     make = vh.RequestMaker(BS)
     a = make(vh.random_tokens(40, seed=20), max_tokens=1)  # finishes in its first step
     rig.loop.add(a)
     rec = rig.loop.step()
-    meta = rec.scheduler_output.kv_connector_metadata
-    assert [len(j.keys) for j in meta.stores] == [2]
+    # its store is planned one step late, so it finishes with the store still to be planned
+    assert rec.scheduler_output.kv_connector_metadata.stores == []
     assert a.is_finished() and a.request_id in rig.sched.requests  # blocks held, not freed
+    assert rig.connector.has_pending_block_frees() and rig.connector.has_pending_push_work()
     records = rig.loop.run_until_idle()
+    meta = metas(records)[0]  # the next step: the store, reading the held blocks
+    assert [(len(j.keys), j.this_step) for j in meta.stores] == [(2, False)]
+    assert a.request_id in meta.watch
     sent = [r for r in records if r.kv_output and r.kv_output.finished_sending]
     assert sent and a.request_id in sent[0].kv_output.finished_sending
-    assert a.request_id in metas(records)[0].watch
+    assert assert_cpu_tier_exact(rig, [a]) == 2  # the bytes vLLM computed, read after it
     vh.assert_no_leaks(rig.sched)
     rig.close()

@@ -41,7 +41,8 @@ def test_cpu_smoke_produces_hits_and_passes_its_checks(tmp_path):
         assert all(0 <= c < int(length) for _, c in cols["kvtier_disk_cold"]["samples"])
     check = tiny["check"]
     assert [p["identical"] for p in check["pages"]] == [p["loaded_blocks"] for p in check["pages"]]
-    assert all(p["loaded_blocks"] > 0 and p["control_clashes"] == 0 for p in check["pages"])
+    assert all(p["loaded_blocks"] > 0 and p["control_clashes"] == 0 and p["control_blocks"] > 0
+               for p in check["pages"])
     # whole-block prompts: the hit reached the last token, its block was loaded whole
     assert all(p["last_block_loaded_whole"] for p in check["pages"])
     assert all(o["tokens_equal_gpu_hit"] and o["max_logprob_diff_gpu_hit"] == 0.0
