@@ -186,11 +186,7 @@ class WorkerSide:
             for job_id in meta.forget:
                 self._promotions.pop(job_id, None)
         self._watch.update(meta.watch)
-        if meta.stores:
-            rt = self._rt()
-            for job in meta.stores:
-                if not job.this_step:
-                    self._submit_store(rt, job)
+        self._submit_stores(meta.stores, this_step=False)
         if meta.background:
             rt = self._rt()
             for bg in meta.background:
@@ -247,10 +243,7 @@ class WorkerSide:
             self._forward.end()
         # stores of blocks this forward computes (sliding-window models): ordered after it on
         # the GPU (the copy waits for the submitting stream's position), no host sync
-        rt = self._rt() if meta.stores else None
-        for job in meta.stores:
-            if job.this_step:
-                self._submit_store(rt, job)
+        self._submit_stores(meta.stores, this_step=True)
 
     def clear(self) -> None:
         self._meta = None
@@ -310,6 +303,16 @@ class WorkerSide:
         except Exception as exc:  # noqa: BLE001 - reported to the scheduler as a job error
             log.error("kvtier: job %d could not be submitted: %s", job_id, exc)
             self._on_result(JobResult(job_id, False, str(exc), (), 0, 0.0, first_hop))
+
+    def _submit_stores(self, stores: tuple[StoreJob, ...] | list[StoreJob], *,
+                       this_step: bool) -> None:
+        """Submit the step's stores whose ``this_step`` is ``this_step`` (``bind``: blocks of
+        earlier steps; ``wait_for_save``: blocks this forward computes)."""
+        jobs = [job for job in stores if job.this_step == this_step]
+        if jobs:
+            rt = self._rt()
+            for job in jobs:
+                self._submit_store(rt, job)
 
     def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
         self._running[job.job_id] = _Running("store", job.req_id)
