@@ -13,6 +13,8 @@ side by side on the same machine:
   whole-load copies through the staging ring (``KVTIER_CUDA_LOADS=staged``), the A/B of
   layer-by-layer loads; ``kvtier_ab_tail``: each hit timed with the last block of a hit that
   reaches the last prompt token loaded whole and cut a block short (hit_claim.py's A/B);
+  ``kvtier_ab_prefetch``: each hit timed with its copy's first pieces prefetched at the lookup
+  and without (hit_prefetch.py's A/B);
   ``check``: GPU page bytes and
   tokens/logprobs of kvtier hits against vLLM's own prefix-cache hits.
 * Random-weight models built from a config (Llama-3.1-8B shape, Llama-3.2-1B shape), bf16,
@@ -53,6 +55,8 @@ COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_cpu_staged": "kvtier_staged",
            "kvtier_cpu_ab": "kvtier_ab", "kvtier_cpu_ab_late": "kvtier_ab:late",
            "kvtier_cpu_tail": "kvtier_ab_tail", "kvtier_cpu_tail_cut": "kvtier_ab_tail:late",
+           "kvtier_cpu_prefetch": "kvtier_ab_prefetch",
+           "kvtier_cpu_no_prefetch": "kvtier_ab_prefetch:late",
            "kvtier_miss": "kvtier:miss", "native_miss": "native:miss",
            "kvtier_recompute": "kvtier:recompute", "kvtier_disk_recompute": "kvtier_disk:recompute"}
 HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
@@ -60,6 +64,8 @@ HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu
            "kvtier_cpu_staged": "kvtier CPU hit, staged copy",
            "kvtier_cpu_ab": "A/B: load started early", "kvtier_cpu_ab_late": "A/B: load at start_load",
            "kvtier_cpu_tail": "A/B: last block whole", "kvtier_cpu_tail_cut": "A/B: cut a block short",
+           "kvtier_cpu_prefetch": "A/B: prefetched at lookup",
+           "kvtier_cpu_no_prefetch": "A/B: no prefetch",
            "kvtier_miss": "kvtier miss (first pass)", "native_miss": "native miss (first pass)",
            "kvtier_recompute": "recompute in kvtier's engine (paired)",
            "kvtier_disk_recompute": "recompute in kvtier_disk's engine (paired)"}
@@ -191,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--connectors", default="none,kvtier,native,kvtier_disk,check",
                    help="comma list of: none, kvtier, native, kvtier_disk, kvtier_disk_cold "
                         "(page cache dropped before each disk hit), kvtier_staged, kvtier_ab, "
-                        "kvtier_ab_tail, check")
+                        "kvtier_ab_tail, kvtier_ab_prefetch, check")
     p.add_argument("--lengths", default="1024,2048,8192,32768",
                    help="prompt lengths in tokens (16 = one vLLM block)")
     p.add_argument("--reps", type=int, default=5)
@@ -259,7 +265,8 @@ def main(argv=None) -> int:
                 args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests)]
                 if a.cpu_smoke:
                     args += ["--trace-chunks", "1"]
-            marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail") or disk or (
+            marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch") \
+                or disk or (
                 a.vllm_marks and conn in ("none", "native"))  # vLLM's phases: compare like with like
             if marked:
                 args += ["--timeline", tl_path]

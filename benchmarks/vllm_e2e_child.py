@@ -14,6 +14,8 @@ process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Co
   worker hook) and at ``start_load_kv`` (the paired A/B of the early start);
 * ``kvtier_ab_tail`` - the same pairing for the last block of a hit that reaches the prompt's
   last token: loaded whole (one token computed, the default) or not (a block computed);
+* ``kvtier_ab_prefetch`` - the same pairing for a hit's copy started at the lookup (its first
+  pieces prefetched, the default) or once the load is planned;
 * ``native`` - vLLM's ``OffloadingConnector`` with the same CPU bytes;
 * ``check``  - kvtier, in-process engine: GPU page bytes after a load against the bytes vLLM
   computed, and tokens/logprobs against vLLM's own prefix-cache hit.
@@ -290,7 +292,7 @@ def ab_switch(a):
     loads started early (True) or at ``start_load_kv``; ``kvtier_ab_tail``: a hit reaching the
     last prompt token loads its last block whole (True: one token computed, a full CUDA graph)
     or stops at the block before (a block of tokens computed, per-layer fences)."""
-    if a.connector not in ("kvtier_ab", "kvtier_ab_tail"):
+    if a.connector not in ("kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch"):
         return None
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -300,6 +302,8 @@ def ab_switch(a):
                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     if a.connector == "kvtier_ab":
         return lambda on: setattr(worker, "early_loads", on)
+    if a.connector == "kvtier_ab_prefetch":
+        return lambda on: setattr(worker, "prefetch_loads", on)
     side = a.llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
     return lambda on: setattr(side, "whole_tail_max_bytes", float("inf") if on else 0)
 
@@ -407,7 +411,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--connector", required=True,
-                   choices=["none", "kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_staged", "kvtier_disk", "native",
+                   choices=["none", "kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch", "kvtier_staged", "kvtier_disk", "native",
                             "check"])
     p.add_argument("--lengths", default="1024,2048,8192,32768")
     p.add_argument("--reps", type=int, default=5)

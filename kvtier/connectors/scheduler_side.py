@@ -43,6 +43,7 @@ from kvtier.connectors.remote import open_remote_directory
 from kvtier.connectors.events import VllmEventConverter
 from kvtier.connectors.group_keys import GroupKeyMap
 from kvtier.connectors.hit_claim import claim
+from kvtier.connectors.hit_prefetch import HitPrefetch
 from kvtier.connectors.forward_timer import RecomputeEstimate
 from kvtier.connectors.jobs import Job, JobLedger
 from kvtier.connectors.observability import SchedulerObservability
@@ -100,6 +101,7 @@ class SchedulerSide(JobSettling):
         self._step_forget: list[int] = []
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
+        self._prefetch = HitPrefetch(settings.engine_id)
         self._recompute = RecomputeEstimate()
         # hit_claim's bound; benchmarks/vllm_e2e.py's A/B flips it
         self.whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
@@ -135,6 +137,7 @@ class SchedulerSide(JobSettling):
 
     # ------------------------------------------------------------------ loads
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._prefetch.drop()  # one lookup -> plan pass at a time (hit_prefetch)
         t = self.track(request)
         if t.load_job is not None:  # our previous load of it has not settled yet
             return None, False
@@ -146,8 +149,8 @@ class SchedulerSide(JobSettling):
         stop = min(request.num_tokens // bt * per, self.keymap.num_keyed(request))
         if stop <= start:
             return 0, False
-        found = self.manager.lookup(self.keymap.keys(request, start, stop),
-                                    sighting=not t.sighted)
+        keys = self.keymap.keys(request, start, stop)
+        found = self.manager.lookup(keys, sighting=not t.sighted)
         t.sighted = True
         if found.pending:  # the shared tier is being asked: vLLM asks again next step
             return None, False
@@ -165,6 +168,8 @@ class SchedulerSide(JobSettling):
                        and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
         if t.sync_load:
             self._step_sync_bytes += nbytes
+            if per == 1:  # its copy may start now, while vLLM allocates (hit_prefetch)
+                self._prefetch.start(self.manager, keys[:hits], nbytes)
         if self._tl.enabled:
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
                           sync=t.sync_load)
@@ -236,6 +241,7 @@ class SchedulerSide(JobSettling):
             worker = colocated.worker_for(self.settings.engine_id)
             if worker is not None:
                 worker.submit_ahead(self._step_loads[-1], tuple(self._stores_reading(gpu_ids)))
+        self._prefetch.drop()  # used by the load submitted ahead, if its slots matched
         t.load_job = job_id
         t.load_first_index = start
         if self._tl.enabled:
@@ -348,6 +354,7 @@ class SchedulerSide(JobSettling):
         return sorted({j for b in blocks for j in self._sources.get(b, ())})
 
     def build_meta(self, so: Any) -> KVTierConnectorMetadata:
+        self._prefetch.drop()
         written = self._written_blocks(so)
         flush = self._stores_reading(written)
         stores = []

@@ -95,6 +95,7 @@ class WorkerSide:
         self._fences = LayerFences(settings.layer_names)
         self._ahead: set[int] = set()  # sync loads submitted before start_load
         self.early_loads = True  # False: submit at start_load (benchmarks/vllm_e2e.py's A/B)
+        self.prefetch_loads = True  # False: no copy starts at the lookup (the same A/B)
         self.hook_thread: int | None = None  # the thread vLLM runs this worker's hooks on
         self.asleep = False  # sleep mode: no GPU copies between unregister and restore
         self._sleep_addresses: tuple[int, ...] = ()
@@ -170,6 +171,30 @@ class WorkerSide:
         for job in sync:
             self._submit_load(job)
             self._ahead.add(job.job_id)
+        if self._tl.enabled:
+            self._tl.mark("worker", ev + "_enqueued", prefetches=self._rt().engine.prefetch_counts())
+
+    def prefetch_min_bytes(self) -> int | None:
+        """The smallest synchronous CPU hit whose copy may start at the lookup; None: none."""
+        if self.runtime is None or self.asleep or not (self.early_loads and self.prefetch_loads):
+            return None
+        return self.runtime.engine.prefetch_min_bytes(Medium.CPU, Medium.GPU)
+
+    def prefetch_load(self, slots: list[int]) -> bool:
+        """The scheduler's lookup found a synchronous CPU hit in these slots (step 0, before
+        vLLM allocates its blocks): the copy's first pieces start now
+        (:mod:`kvtier.transfer.cuda.prefetch`); its load, submitted ahead, uses them."""
+        if self.runtime is None or self.asleep:
+            return False
+        started = self.runtime.engine.prefetch(LoadStoreSpec.cpu(slots), Medium.GPU)
+        if self._tl.enabled:
+            self._tl.mark("worker", "prefetch", blocks=len(slots), started=started)
+        return started
+
+    def drop_prefetch(self) -> None:
+        """An unused prefetch is dropped before its slots could be reassigned."""
+        if self.runtime is not None:
+            self.runtime.engine.drop_prefetches()
 
     def bind(self, meta: Any) -> None:
         self.hook_thread = threading.get_ident()

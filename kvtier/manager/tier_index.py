@@ -91,6 +91,18 @@ class TierIndex(TierWalks):
             n += 1
         return n
 
+    def ready_handles(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Handles (CPU: slot ids) of the leading READY ``keys``, pinning nothing: what a
+        ``pin_ready_prefix`` right now would return (a load's prefetch hint reads them)."""
+        shards, nshards, st = self._shards, self._nshards, self._state
+        out: list[int] = []
+        for key in keys:
+            h = shards[hash(key) % nshards].get(key)
+            if h is None or st[h] != _READY:
+                break
+            out.append(h)
+        return out
+
     def pin_ready_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
         """Add one reader to each of the leading READY ``keys``; their handles, in order."""
         shards, nshards, st, readers = self._shards, self._nshards, self._state, self._readers

@@ -112,6 +112,19 @@ class ImmediateHandler(TransferHandler):
     def finish(self, pending: Any) -> TransferOutcome:
         """Block until the hop is done and return its outcome."""
 
+    #: the smallest hop ``prefetch`` starts early; None: this handler never prefetches
+    prefetch_min_bytes: int | None = None
+
+    def prefetch(self, src: LoadStoreSpec) -> bool:
+        """Hint: the next hop started here will probably read ``src``; a handler may begin
+        reading it now (the CUDA load's host -> staging half, :mod:`kvtier.transfer.cuda.
+        prefetch`). The next ``start`` uses it if its source is exactly ``src`` and drops it
+        otherwise. True if something was started. Default: nothing."""
+        return False
+
+    def drop_prefetch(self) -> None:
+        """Forget an unused prefetch (its source may be reassigned from now on)."""
+
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
         """Start the hop and await it (for direct use, e.g. tests; the engine never calls it)."""
         pending = self.start(src, dst)

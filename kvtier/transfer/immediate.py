@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Iterable
 
+from kvtier.manager.specs import LoadStoreSpec, Medium
+from kvtier.transfer.handlers import ImmediateHandler
 from kvtier.transfer.jobs import TransferOutcome
 from kvtier.transfer.lanes import Job
 
@@ -70,6 +72,42 @@ class ImmediateHops:
                 outcome = self._lane(job).handler.poll(job.pending)
                 if outcome is not None:
                     self._complete_immediate(job, outcome)
+
+    def prefetch(self, src: LoadStoreSpec, to: Medium) -> bool:
+        """Hint that ``src`` will probably be copied to ``to`` next (the handler may start
+        reading it: ``ImmediateHandler.prefetch``). A failure only logs: the hop itself will
+        run in full when submitted."""
+        handler = self._handlers.get((src.medium, to))
+        if not isinstance(handler, ImmediateHandler):
+            return False
+        with self._imm_lock:
+            try:
+                return handler.prefetch(src)
+            except Exception as exc:  # noqa: BLE001 - a hint; the load runs without it
+                log.warning("%s: prefetch of %d blocks failed: %s", self.name, len(src.ids),
+                            exc)
+                handler.drop_prefetch()
+                return False
+
+    def drop_prefetches(self) -> None:
+        """Drop every unused prefetch (before the prefetched sources may be reassigned)."""
+        with self._imm_lock:
+            for handler in self._handlers.values():
+                if isinstance(handler, ImmediateHandler):
+                    handler.drop_prefetch()
+
+    def prefetch_counts(self) -> dict[str, int]:
+        """Prefetch hints used by a hop and dropped unused, over all handlers (timelines)."""
+        out = {"used": 0, "dropped": 0}
+        for handler in self._handlers.values():
+            for k, v in getattr(handler, "prefetches", {}).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def prefetch_min_bytes(self, src: Medium, to: Medium) -> int | None:
+        """The smallest hop ``src -> to`` worth a prefetch hint; None: none is taken."""
+        handler = self._handlers.get((src, to))
+        return handler.prefetch_min_bytes if isinstance(handler, ImmediateHandler) else None
 
     def fence(self, job_ids: Iterable[int]) -> None:
         """Order device work the caller enqueues from now on after these jobs: a stream wait

@@ -405,3 +405,56 @@ def test_shared_pool_round_trip_through_the_disk_process_is_bit_exact(tmp_path, 
     run(load.run(LoadStoreSpec.cpu(range(8, 14)), LoadStoreSpec.gpu(range(10, 16))))
     torch.cuda.synchronize()
     assert torch.equal(reference_slots(view, list(range(10, 16)), 1), want)
+
+
+@pytest.mark.skipif(not cupy_available(), reason="layered loads need CuPy")
+def test_a_prefetched_load_lands_bit_exact_and_unused_prefetches_give_their_buffers_back():
+    """kvtier.transfer.cuda.prefetch: a load's first pieces DMA'd into the staging ring before
+    its engine blocks are known are scattered by the load of exactly those slots; a load of
+    other slots, a staged load or an explicit drop gives them back, and every later load still
+    lands bit-exact (the ring's buffers stay in order). Pieces are smaller than a layer here,
+    so a prefetch ends inside one and the ring wraps."""
+    from kvtier.manager.specs import Medium
+
+    gen = torch.Generator(device=DEV).manual_seed(37)
+    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=32)
+    pool.wait_ready()
+    for s in range(32):
+        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    layer_bytes = pool.geometry.block_bytes // 4
+    load = CudaCpuToGpuHandler(view, pool, loads="layered", staging_bytes=3 * layer_bytes,
+                               ring_slots=2)
+    assert load.direct._copy2d is not None and load.prefetch_min_bytes == 1
+    load.layered_min_bytes = 3 * pool.geometry.block_bytes  # 2-slot loads go staged
+    rng = random.Random(37)
+
+    def landed(slots, dst):
+        want = torch.stack([pool.slot(s) for s in slots]).view(len(slots), 4, -1)
+        for layer in range(4):
+            got = torch.stack([view.layers[layer].pages[:, b] for b in dst])
+            assert torch.equal(got.reshape(len(dst), -1).cpu(), want[:, layer]), layer
+        return True
+
+    a, b = list(range(20, 30)), list(range(2, 12))
+    cases = [("used", a, a), ("other slots", a, b), ("staged", a, [5, 6]),
+             ("dropped", a, a), ("used after drops", a, a), ("other slots", b, a)]
+    with TransferEngine([load]) as engine:
+        for name, hinted, slots in cases:
+            dst = rng.sample(range(64), len(slots))
+            for layer in view.layers:  # scrambled: a skipped piece cannot pass by luck
+                layer.pages[:, dst] = random_bytes((2, len(dst), view.page_bytes), gen)
+            before = dict(load.prefetches)
+            assert engine.prefetch(LoadStoreSpec.cpu(hinted), Medium.GPU)
+            if name == "dropped":
+                engine.drop_prefetches()
+            job = engine.submit(LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst))
+            result = engine.wait([job], timeout=60)[0]
+            assert result.ok and result.bytes == len(slots) * pool.geometry.block_bytes, name
+            assert landed(slots, dst), name
+            used = load.prefetches["used"] - before["used"]
+            dropped = load.prefetches["dropped"] - before["dropped"]
+            assert (used, dropped) == ((1, 0) if name.startswith("used") else (0, 1)), name
+    assert engine.prefetch_min_bytes(Medium.CPU, Medium.GPU) == 1
+    assert engine.prefetch_min_bytes(Medium.GPU, Medium.CPU) is None

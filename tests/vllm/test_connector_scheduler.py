@@ -297,3 +297,41 @@ def test_requests_finishing_with_stores_in_flight_hold_their_blocks(model_dir):
     assert assert_cpu_tier_exact(rig, [a]) == 2  # the bytes vLLM computed, read after it
     vh.assert_no_leaks(rig.sched)
     rig.close()
+
+
+def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dropped(
+        model_dir):
+    """hit_prefetch: the lookup of a synchronous CPU hit hands the colocated worker the slots
+    its load will read, before vLLM allocates the blocks; the load planned right after reads
+    exactly those slots, and a name the load did not use is dropped before the scheduler's
+    next lookup or build_meta (nothing may hold slots read as READY past that pass). The CPU
+    engine's handlers take no such hints, so the worker's side of it is recorded here; the
+    GPU side is tests/gpu/test_cuda_transfer.py's prefetch test."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    ws = rig.worker_side()
+    calls = []
+    submit_ahead = ws.submit_ahead
+    ws.prefetch_min_bytes = lambda: 2 * BLOCK_BYTES  # smaller hits are not named
+    ws.prefetch_load = lambda slots: calls.append(("prefetch", list(slots))) or True
+    ws.drop_prefetch = lambda: calls.append(("drop",))
+    ws.submit_ahead = lambda job, flush: (calls.append(("load", list(job.cpu_slots))),
+                                          submit_ahead(job, flush))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=31)
+    a = make(prompt, max_tokens=1)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    settle(rig)
+    assert not any(c[0] == "prefetch" for c in calls)  # a miss names nothing
+    calls.clear()
+    rig.sched.reset_prefix_cache()
+    b = make(prompt, max_tokens=1)
+    rig.loop.add(b)
+    rig.loop.run_until_idle()
+    assert [c[0] for c in calls[:3]] == ["prefetch", "load", "drop"], calls
+    assert calls[0][1] == calls[1][1] and len(calls[0][1]) == 4  # the slots the load read
+    assert all(c[0] != "prefetch" for c in calls[3:])
+    assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+    assert bad_checks(rig) == []
+    vh.assert_no_leaks(rig.sched)
+    rig.close()

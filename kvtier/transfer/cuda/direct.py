@@ -35,6 +35,7 @@ from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer.cuda.page_movers import _THREADS, _UNROLL, compile_kernel, default_max_ctas
 from kvtier.transfer.cuda.pipeline import EnqueuedJob
 from kvtier.transfer.cuda.plan import LayerAddressing, host_runs, validate_job
+from kvtier.transfer.cuda.prefetch import Prefetch
 
 _KERNEL_SRC = r"""
 typedef VEC_T vec_t;
@@ -191,19 +192,65 @@ class DirectLayerLoader:
              np.int64(a.page_bytes), np.int64(page_vecs), np.int64(tiles_per_page), np.int32(0)),
         )
 
+    def _runs(self, slots: Sequence[int]) -> list[tuple[int, int, int]]:
+        """(first block, blocks, host address) of each run of neighbouring slots."""
+        block_bytes = self.pool.geometry.block_bytes
+        return [(r.job_offset // block_bytes, r.nbytes // block_bytes,
+                 r.chunk.data_ptr() + r.chunk_offset) for r in host_runs(self.pool, slots)]
+
+    def _chunks(self, n: int, per: int) -> list[tuple[int, int, int]]:
+        """A staged job's pieces in copy order: (layer, first block, end block), each at most
+        one staging buffer."""
+        layer_bytes = self.addressing.kv_parts * per * self.addressing.page_bytes
+        step = max(1, self.ring.slot_bytes // layer_bytes)
+        return [(layer, c0, min(n, c0 + step)) for layer in range(self.addressing.num_layers)
+                for c0 in range(0, n, step)]
+
+    def prefetch(self, slots: Sequence[int]) -> Prefetch | None:
+        """Start the DMA of a likely load's first pieces into the staging ring, before its
+        engine blocks are known (:mod:`kvtier.transfer.cuda.prefetch`); None when this job
+        would not be staged (no 2-D copy, or slots too scattered)."""
+        if self._copy2d is None or not slots:
+            return None
+        per = self.pool.geometry.engine_blocks_per_block
+        runs = self._runs(slots)
+        if scattered(len(runs), len(slots)):
+            return None
+        chunks = self._chunks(len(slots), per)[:len(self.ring.buffers)]
+        with self._lock, torch.cuda.device(self.view.device), \
+                self._cupy.cuda.Device(self.device_index):
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self.dma_stream)
+            taken = [self._dma_chunk(runs, chunk, per) for chunk in chunks]
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(self.dma_stream)
+        return Prefetch(tuple(slots), tuple(zip(chunks, taken)), started, done)
+
+    def drop(self, p: Prefetch) -> None:
+        """An unused prefetch gives its staging buffers back (free once its DMAs are done)."""
+        if p.settled:
+            return
+        p.settled = True
+        with self._lock, torch.cuda.device(self.view.device):
+            for _, i in p.pieces:
+                self.ring.freed[i].record(self.dma_stream)
+
     def enqueue(self, engine_ids: Sequence[int], slots: Sequence[int],
-                waits: Sequence[torch.cuda.Event] = ()) -> LayeredJob:
+                waits: Sequence[torch.cuda.Event] = (),
+                prefetch: Prefetch | None = None) -> LayeredJob:
+        """``prefetch``: this job's first pieces, already on their way into the staging ring;
+        used when the job's slots are exactly the prefetched ones, else given back first."""
         per = validate_job(self.view, self.pool, engine_ids, slots, to_gpu=True)
         n = len(slots)
+        runs = self._runs(slots) if self._copy2d is not None else []
+        uva = self._copy2d is None or scattered(len(runs), n)
+        if prefetch is not None and (uva or not prefetch.matches(slots)):
+            self.drop(prefetch)
+            prefetch = None
         host_ids = torch.from_numpy(np.asarray(engine_ids, dtype=np.int64)).pin_memory()
         keep: list[Any] = [host_ids]
         ptrs_ptr = 0
-        runs: list[tuple[int, int, int]] = []  # (first block, blocks, host address)
         block_bytes = self.pool.geometry.block_bytes
-        if self._copy2d is not None:
-            runs = [(r.job_offset // block_bytes, r.nbytes // block_bytes,
-                     r.chunk.data_ptr() + r.chunk_offset) for r in host_runs(self.pool, slots)]
-        uva = self._copy2d is None or scattered(len(runs), n)
         if uva:
             host_ptrs = torch.from_numpy(slot_pointers(self.pool, slots)).pin_memory()
             keep.append(host_ptrs)
@@ -211,8 +258,11 @@ class DirectLayerLoader:
         with self._lock, torch.cuda.device(self.view.device):
             for wait in waits:  # only the kernel stream touches the engine's pages
                 self.stream.wait_event(wait)
-            started = torch.cuda.Event(enable_timing=True)
-            started.record(self.stream if uva else self.dma_stream)
+            if prefetch is not None:  # the copy began with the prefetched DMAs
+                started = prefetch.started
+            else:
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(self.stream if uva else self.dma_stream)
             gate = torch.cuda.Event(enable_timing=True)  # the waits met (EnqueuedJob.seconds)
             gate.record(self.stream)
             with torch.cuda.stream(self.stream):
@@ -223,40 +273,59 @@ class DirectLayerLoader:
                     keep.append(ptrs)
                     ptrs_ptr = ptrs.data_ptr()
             with self._cupy.cuda.Device(self.device_index), self._cp_stream:
-                for layer in range(self.addressing.num_layers):
-                    if uva:
+                if uva:
+                    for layer in range(self.addressing.num_layers):
                         self._launch(ids.data_ptr(), ptrs_ptr, 0, layer, n, per)
-                    else:
-                        self._staged_layer(ids.data_ptr(), runs, layer, n, per)
-                    ev = torch.cuda.Event()
-                    ev.record(self.stream)
-                    layer_done.append(ev)
+                        layer_done.append(self._record())
+                else:
+                    ready = {}
+                    if prefetch is not None:
+                        ready, prefetch.settled = dict(prefetch.pieces), True
+                    chunks = self._chunks(n, per)
+                    for k, chunk in enumerate(chunks):
+                        i = ready.pop(chunk) if chunk in ready else self._dma_chunk(runs, chunk,
+                                                                                     per)
+                        self._scatter_chunk(ids.data_ptr(), chunk, i, per)
+                        if k + 1 == len(chunks) or chunks[k + 1][0] != chunk[0]:
+                            layer_done.append(self._record())  # the layer is in place
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         return LayeredJob(done=done, nbytes=n * block_bytes, started=started,
-                          layer_done=layer_done, keepalive=keep, uva=uva, gate=gate)
+                          layer_done=layer_done, keepalive=keep, uva=uva, gate=gate,
+                          head=(prefetch.started, prefetch.done) if prefetch else None)
 
-    def _staged_layer(self, ids_ptr: int, runs: list[tuple[int, int, int]], layer: int,
-                      n: int, per: int) -> None:
-        """One layer: strided DMAs into staging buffers, each followed by its scatter."""
+    def _record(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def _dma_chunk(self, runs: list[tuple[int, int, int]], chunk: tuple[int, int, int],
+                   per: int) -> int:
+        """Strided DMAs of one piece (a layer of blocks ``c0 .. c1``) into the next staging
+        buffer, on the DMA stream; returns the buffer's ring index."""
         memcpy2d, kind = self._copy2d
+        layer, c0, c1 = chunk
         ring = self.ring
         layer_bytes = self.addressing.kv_parts * per * self.addressing.page_bytes
         block_bytes = self.pool.geometry.block_bytes
-        chunk = max(1, ring.slot_bytes // layer_bytes)
-        for c0 in range(0, n, chunk):
-            c1 = min(n, c0 + chunk)
-            i = ring.take()
-            stage = ring.buffers[i].data_ptr()
-            self.dma_stream.wait_event(ring.freed[i])
-            for first, count, host in runs:
-                lo, hi = max(first, c0), min(first + count, c1)
-                if lo < hi:
-                    memcpy2d(stage + (lo - c0) * layer_bytes, layer_bytes,
-                             host + (lo - first) * block_bytes + layer * layer_bytes,
-                             block_bytes, layer_bytes, hi - lo, kind,
-                             self.dma_stream.cuda_stream)
-            ring.filled[i].record(self.dma_stream)
-            self.stream.wait_event(ring.filled[i])
-            self._launch(ids_ptr + 8 * c0 * per, 0, stage, layer, c1 - c0, per)
-            ring.freed[i].record(self.stream)
+        i = ring.take()
+        stage = ring.buffers[i].data_ptr()
+        self.dma_stream.wait_event(ring.freed[i])
+        for first, count, host in runs:
+            lo, hi = max(first, c0), min(first + count, c1)
+            if lo < hi:
+                memcpy2d(stage + (lo - c0) * layer_bytes, layer_bytes,
+                         host + (lo - first) * block_bytes + layer * layer_bytes,
+                         block_bytes, layer_bytes, hi - lo, kind,
+                         self.dma_stream.cuda_stream)
+        ring.filled[i].record(self.dma_stream)
+        return i
+
+    def _scatter_chunk(self, ids_ptr: int, chunk: tuple[int, int, int], i: int,
+                       per: int) -> None:
+        """Scatter staging buffer ``i`` (one piece) into the engine's pages, then free it."""
+        layer, c0, c1 = chunk
+        ring = self.ring
+        self.stream.wait_event(ring.filled[i])
+        self._launch(ids_ptr + 8 * c0 * per, 0, ring.buffers[i].data_ptr(), layer, c1 - c0, per)
+        ring.freed[i].record(self.stream)

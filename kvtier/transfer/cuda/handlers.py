@@ -41,6 +41,7 @@ from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer.cuda.direct import DirectLayerLoader, LayeredJob
 from kvtier.transfer.cuda.page_movers import cupy_available, make_page_mover
+from kvtier.transfer.cuda.prefetch import Prefetch
 from kvtier.transfer.cuda.pipeline import (
     DEFAULT_RING_SLOTS,
     DEFAULT_STAGING_BYTES,
@@ -102,6 +103,28 @@ class _CudaHandler(ImmediateHandler):
             except Exception as exc:  # noqa: BLE001 - the staged path is always there
                 log.warning("kvtier: layer-by-layer loads unavailable (%s); loads are staged", exc)
 
+        self._prefetch: Prefetch | None = None
+        self.prefetches = {"used": 0, "dropped": 0}  # what became of prefetch hints
+        if self.direct is not None and self.direct._copy2d is not None:
+            self.prefetch_min_bytes = max(1, self.layered_min_bytes)
+
+    def prefetch(self, src: LoadStoreSpec) -> bool:
+        """A load's first pieces into the staging ring now (:mod:`prefetch`)."""
+        self.drop_prefetch()
+        if self.prefetch_min_bytes is None or src.medium != Medium.CPU:
+            return False
+        slots = list(src.ids)
+        if len(slots) * self.pool.geometry.block_bytes < self.prefetch_min_bytes:
+            return False
+        self._prefetch = self.direct.prefetch(slots)
+        return self._prefetch is not None
+
+    def drop_prefetch(self) -> None:
+        p, self._prefetch = self._prefetch, None
+        if p is not None:
+            self.direct.drop(p)
+            self.prefetches["dropped"] += 1
+
     def _layered(self, max_ctas: int | None) -> DirectLayerLoader:
         """Layer-by-layer loads on the copier's own streams and staging ring (a handler uses
         one of the two for all its loads, so they never share a buffer at once)."""
@@ -118,6 +141,9 @@ class _CudaHandler(ImmediateHandler):
         ids, slots = self._addresses(src, dst)
         if not slots and not ids:
             return _Pending(None)
+        if self.direct is None or len(slots) * self.pool.geometry.block_bytes < \
+                self.layered_min_bytes:
+            self.drop_prefetch()  # a staged job takes ring buffers the prefetch holds
         current = torch.cuda.current_stream(self.view.device)
         waits = [torch.cuda.Event()]
         waits[0].record(current)
@@ -126,7 +152,17 @@ class _CudaHandler(ImmediateHandler):
             waits[1].record(self.compute_stream)
         if self.direct is not None and (
                 len(slots) * self.pool.geometry.block_bytes >= self.layered_min_bytes):
-            return _Pending(self.direct.enqueue(ids, slots, waits))
+            p, self._prefetch = self._prefetch, None  # the job uses it or drops it
+            try:
+                job = self.direct.enqueue(ids, slots, waits, prefetch=p)
+            except Exception:
+                if p is not None and not p.settled:
+                    self.direct.drop(p)
+                raise
+            if p is not None:
+                self.prefetches["used" if job.head is not None else "dropped"] += 1
+            return _Pending(job)
+        self.drop_prefetch()  # the staging ring is about to be used by another job
         return _Pending(self.copier.enqueue(ids, slots, waits))
 
     def poll(self, pending: _Pending) -> TransferOutcome | None:

@@ -94,15 +94,20 @@ class EnqueuedJob:
     started: torch.cuda.Event  # timing pair with ``done``: the copy's device time
     keepalive: list[Any] = field(default_factory=list)
     gate: torch.cuda.Event | None = None  # the waits met (a load's pages may be written)
+    head: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # its prefetched DMAs
 
     def seconds(self) -> float:
         """The copy's device time: from when it began *and* its waits were met (a load
         queued behind a long forward would otherwise teach the cost model a bandwidth of a
         few GB/s, and cost-aware loading would then skip CPU hits as slower than
-        recomputing them) to ``done``."""
+        recomputing them) to ``done``. A prefetched head ran before the gate: its own DMA
+        time is added to what followed the gate."""
         ms = self.started.elapsed_time(self.done)
         if self.gate is not None:
-            ms = min(ms, self.gate.elapsed_time(self.done))
+            after = self.gate.elapsed_time(self.done)
+            if self.head is not None:
+                after += self.head[0].elapsed_time(self.head[1])
+            ms = min(ms, after)
         return ms / 1e3
 
 
