@@ -25,6 +25,13 @@ def _worker_view():
     return get_kv_transfer_group()._worker.view
 
 
+def _prefetches() -> dict:
+    """The worker's prefetch outcomes so far (a hit's first pieces copied at the lookup)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group()._worker.runtime.engine.prefetch_counts()
+
+
 def _hash_blocks(view, gpu_ids_per_key: dict) -> dict:
     out = {}
     for key, ids in gpu_ids_per_key.items():
@@ -153,7 +160,9 @@ def run_check(a, model_dir: str) -> dict:
         computed = _computed_pages(llm, a, view, metas, pages, prompt)
         reset(llm)
         metas.clear()
+        before = _prefetches()
         out = gen(llm, prompt)
+        prefetched = _prefetches()["used"] - before["used"]  # the copy started at the lookup
         loads = [j for m in metas for j in m.loads]
         loaded_ids = _per_key(loads)
         loaded = _hash_blocks(view, loaded_ids)
@@ -167,7 +176,7 @@ def run_check(a, model_dir: str) -> dict:
         clash = len(set(control.values()) & set(loaded.values()))
         result["pages"].append({"tokens": length, "loaded_blocks": len(loaded),
                                 "identical": same, "control_clashes": clash,
-                                "control_blocks": len(control),
+                                "control_blocks": len(control), "prefetched": prefetched,
                                 "last_block_loaded_whole": tail_key is not None,
                                 "last_token_bytes_rewritten": tail_diff})
         settle(llm, a)
