@@ -13,7 +13,7 @@ are used from then on.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +47,20 @@ class LayerFences:
         if self._fenced:
             fence_layer(list(self._fenced), layer)
 
-    def end_step(self, fence_whole: Callable[[list[int]], None]) -> Iterable[int]:
-        """After the forward: learn whether vLLM ran every hook; return the GPU blocks of loads
-        whose layer the forward did not wait for (their KV is not trusted)."""
+    def end_step(self, fence_whole: Callable[[list[int]], None]) -> dict[int, tuple[int, ...]]:
+        """After the forward: learn whether vLLM ran every hook; return the loads (job id ->
+        GPU blocks) whose layer the forward did not wait for (their KV is not trusted)."""
         hooked, self._hooked = self._hooked, set()
         complete = len(hooked) == len(self._layer_of) > 0
         fenced, self._fenced = self._fenced, {}
         if complete:
             self.hooks_seen = True
-            return ()
+            return {}
         if not fenced:
-            return ()
+            return {}
         self.hooks_seen = False
         log.error("kvtier: the forward skipped wait_for_layer_load for %d of %d layers; "
                   "%d loads are recomputed and loads are fenced whole from now on",
                   len(self._layer_of) - len(hooked), len(self._layer_of), len(fenced))
         fence_whole(list(fenced))
-        return [b for gpu_ids in fenced.values() for b in gpu_ids]
+        return fenced

@@ -79,6 +79,8 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     ``watch``: finished requests whose blocks vLLM keeps until their stores are done; a worker
     reports each in ``finished_sending`` once it has no store of it in flight.
     ``forget``: settled loads whose results a worker kept for loads that joined them.
+    ``untaint``: requests a worker reported ``tainted`` that the scheduler has seen since
+    (with vLLM's rewind of them): this step's stores of them were planned after it.
     """
 
     loads: list[LoadJob] = field(default_factory=list)
@@ -88,10 +90,11 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     watch: tuple[str, ...] = ()
     forget: tuple[int, ...] = ()
     step_tokens: int = 0  # tokens this step computes (workers time large forwards)
+    untaint: tuple[str, ...] = ()
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.background or self.flush or self.watch
-                    or self.forget)
+                    or self.forget or self.untaint)
 
 
 @dataclass
@@ -106,6 +109,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     published). ``load_hops``: (source medium, bytes, seconds) of each finished load hop out
     of CPU or DISK on each worker, and ``forwards``: (tokens, seconds) of large forward passes:
     the scheduler's cost model learns load bandwidth and recompute time from them.
+    ``tainted``: requests whose synchronous load failed on a worker after their forward ran on
+    it (kvtier.connectors.load_taint); the scheduler acknowledges them in ``untaint``.
     """
 
     done: dict[int, int] = field(default_factory=dict)
@@ -114,6 +119,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     load_hops: tuple[tuple[str, int, float], ...] = ()
     forwards: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of timed forwards
     transient: dict[int, tuple[BlockKey, ...]] = field(default_factory=dict)
+    tainted: tuple[str, ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         if not isinstance(other, KVTierWorkerMetadata):
@@ -135,11 +141,13 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
             if kept:
                 transient[job] = kept
         return KVTierWorkerMetadata(done, failed, errors, self.load_hops + tuple(other.load_hops),
-                                    self.forwards + tuple(other.forwards), transient)
+                                    self.forwards + tuple(other.forwards), transient,
+                                    tuple(dict.fromkeys(self.tainted + tuple(other.tainted))))
 
     def hard_failures(self, job: int) -> set[BlockKey]:
         """Keys of ``job`` that failed for a reason other than a transient read error."""
         return set(self.failed.get(job, ())) - set(self.transient.get(job, ()))
 
     def is_empty(self) -> bool:
-        return not (self.done or self.failed or self.errors or self.load_hops or self.forwards)
+        return not (self.done or self.failed or self.errors or self.load_hops or self.forwards
+                    or self.tainted)

@@ -99,6 +99,7 @@ class SchedulerSide(JobSettling):
         self.late_stores = settings.sliding_window is None and len(settings.groups) <= 1
         self._step_watch: list[str] = []
         self._step_forget: list[int] = []
+        self._step_untaint: list[str] = []
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
         self._prefetch = HitPrefetch(settings.engine_id)
@@ -389,8 +390,10 @@ class SchedulerSide(JobSettling):
             loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
             watch=tuple(self._step_watch), forget=tuple(self._step_forget),
             step_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
+            untaint=tuple(self._step_untaint),
         )
         self._step_loads, self._step_watch, self._step_forget = [], [], []
+        self._step_untaint = []
         return meta
 
     def _take_background(self) -> None:
@@ -411,6 +414,7 @@ class SchedulerSide(JobSettling):
                                                 self.settings.block_bytes)
         for job_id, job in self.ledger.record(meta):
             self._settle(job_id, job)
+        self._step_untaint.extend(meta.tainted)  # seen, with vLLM's rewind (load_taint)
         self._take_background()  # settling may plan demotions: they count as pending work
 
     def request_finished(self, request: Any) -> bool:
@@ -434,7 +438,8 @@ class SchedulerSide(JobSettling):
     # ------------------------------------------------------------------ reporting
     def has_pending_work(self) -> bool:
         return bool(len(self.ledger) or self._parked or self._step_loads or self._step_watch
-                    or self._step_forget or self._step_background or self._store_due)
+                    or self._step_forget or self._step_background or self._store_due
+                    or self._step_untaint)
 
     def take_events(self) -> Iterable[Any]:
         events = list(self.manager.take_events())

@@ -43,6 +43,7 @@ from kvtier.connectors import colocated
 from kvtier.connectors.forward_timer import ForwardTimer
 from kvtier.connectors.kv_view import engine_view
 from kvtier.connectors.layer_fences import LayerFences
+from kvtier.connectors.load_taint import LoadTaint
 from kvtier.connectors.timeline import timeline
 from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
 from kvtier.connectors.metadata import (KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob,
@@ -93,6 +94,8 @@ class WorkerSide:
         self._stats_hops = 0
         self._tl = timeline()
         self._fences = LayerFences(settings.layer_names)
+        self._sync_reqs: dict[int, str] = {}  # this step's synchronous loads: job -> request
+        self._taint = LoadTaint()
         self._ahead: set[int] = set()  # sync loads submitted before start_load
         self.early_loads = True  # False: submit at start_load (benchmarks/vllm_e2e.py's A/B)
         self.prefetch_loads = True  # False: no copy starts at the lookup (the same A/B)
@@ -211,6 +214,7 @@ class WorkerSide:
             for job_id in meta.forget:
                 self._promotions.pop(job_id, None)
         self._watch.update(meta.watch)
+        self._taint.acknowledged(meta.untaint)  # planned after the scheduler saw the failure
         self._submit_stores(meta.stores, this_step=False)
         if meta.background:
             rt = self._rt()
@@ -237,6 +241,7 @@ class WorkerSide:
                 early += 1
             else:
                 self._submit_load(job)
+        self._sync_reqs = {job.job_id: job.req_id for job in sync}
         per_layer = bool(sync) and per_layer and self._fences.arm(
             {job.job_id: job.gpu_ids for job in sync})
         if sync and not per_layer:
@@ -253,7 +258,11 @@ class WorkerSide:
     def _end_layer_fences(self) -> None:
         """After the forward: learn whether vLLM runs the hooks; catch a layer it skipped."""
         seen = self._fences.hooks_seen
-        self._load_errors.update(self._fences.end_step(self._rt().engine.fence))
+        for job_id, gpu_ids in self._fences.end_step(self._rt().engine.fence).items():
+            self._load_errors.update(gpu_ids)
+            if job_id in self._sync_reqs:
+                self._taint.taint(self._sync_reqs[job_id])
+        self._sync_reqs = {}
         if self._fences.hooks_seen and not seen and self._tl.enabled:
             self._tl.mark("worker", "layer_hooks_seen")
 
@@ -288,10 +297,12 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
         forwards = self._forward.take() if self._forward is not None else ()
-        if not (self._done or self._failed or self._errors or self._load_hops or forwards):
+        tainted = self._taint.take_report()
+        if not (self._done or self._failed or self._errors or self._load_hops or forwards
+                or tainted):
             return None
         meta = KVTierWorkerMetadata(self._done, self._failed, self._errors,
-                                    tuple(self._load_hops), forwards, self._transient)
+                                    tuple(self._load_hops), forwards, self._transient, tainted)
         self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
         self._transient = {}
         return meta
@@ -342,9 +353,12 @@ class WorkerSide:
     def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
         self._running[job.job_id] = _Running("store", job.req_id)
         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
-        if self.asleep:  # the GPU pages are suspended: the store fails (a future miss)
-            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
-                                      0, 0.0, (Medium.GPU, Medium.CPU)))
+        refused = ("KV caches unregistered (sleep)" if self.asleep  # pages suspended
+                   else "computed over a failed synchronous load (load_taint)"
+                   if self._taint.refuses(job.req_id) else None)
+        if refused:  # the store fails: a future miss, never untrusted bytes in the CPU tier
+            self._on_result(JobResult(job.job_id, False, refused, (), 0, 0.0,
+                                      (Medium.GPU, Medium.CPU)))
             return
         self._submit(lambda: rt.engine.submit(LoadStoreSpec.gpu(job.gpu_ids),
                                               LoadStoreSpec.cpu(job.cpu_slots),
@@ -438,6 +452,8 @@ class WorkerSide:
         if disk_keys:  # loads that joined its promotions need to know what it could not read
             self._promotions[r.job_id] = frozenset(failed & disk_keys)
         self._load_errors |= bad_gpu
+        if bad_gpu and job.sync:  # its forward ran on them (load_taint)
+            self._taint.taint(job.req_id)
         # what a load measured teaches the scheduler's cost model
         self._load_hops.extend((src.value, n, sec) for src, n, sec in measured_hops(r))
         if self._tl.enabled:

@@ -264,3 +264,69 @@ def test_blocks_computed_over_a_failed_sync_load_are_stored_only_once_recomputed
     assert assert_cpu_tier_exact(rig, [a, b]) == 5
     assert bad_checks(rig) == []
     rig.close()
+
+
+def test_stores_of_a_request_whose_sync_load_failed_wait_until_the_scheduler_saw_it(model_dir):
+    """load_taint: with vLLM's batch queue the step after a failed synchronous load is planned
+    before that failure is processed, so its late store would copy blocks computed on
+    untrusted KV into the CPU tier. The worker reports the request ``tainted`` and refuses its
+    stores (a failed store: a future miss) until a metadata acknowledges it (``untaint``, built
+    after the scheduler processed the report); stores of other requests run meanwhile. Fails if
+    a store planned before the acknowledgement reaches the CPU tier."""
+    import torch
+
+    from kvtier.connectors.metadata import KVTierConnectorMetadata, LoadJob, StoreJob
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    ws = rig.worker_side()
+    pool, view = ws.runtime.pool, ws.view
+    per = ws.settings.engine_blocks_per_block
+    gpu = tuple(range(1, 1 + per))
+
+    def step(meta):
+        ws.bind(meta)
+        ws.start_load()
+        ws.wait_for_save()
+        ws.get_finished()
+        ws.clear()
+        return ws.build_worker_meta()
+
+    def stored(job_id, slot):
+        ws.runtime.engine.wait([job_id], timeout=30) if job_id in ws._running else None
+        ws._poll()
+        want = torch.cat([layer.pages[:, b].reshape(-1) for b in gpu for layer in view.layers])
+        return torch.equal(pool.slot(slot).view(-1), want.view(torch.uint8).view(-1))
+
+    # a synchronous load whose submit is refused (engine block out of range): its forward ran
+    bad = LoadJob(job_id=950, req_id="r", keys=(b"k",), cpu_slots=(0,), from_disk=(False,),
+                  gpu_ids=(10 ** 6,) * per, sync=True)
+    report = step(KVTierConnectorMetadata(loads=[bad]))
+    assert ws.take_load_errors() == {10 ** 6}
+    assert report.tainted == ("r",) and report.errors.get(950) is None
+    # the next step was planned before the scheduler saw that report: "r"'s store is refused
+    for slot in (5, 6):
+        pool.slot(slot).zero_()
+    report = step(KVTierConnectorMetadata(stores=[StoreJob(951, "r", (b"s",), (5,), gpu),
+                                                  StoreJob(952, "o", (b"o",), (6,), gpu)]))
+    assert report.errors == {951: 1} and report.tainted == ()
+    assert not pool.slot(5).any()  # nothing of the untrusted blocks reached the CPU tier
+    assert stored(952, 6)  # another request's store ran
+    # the first metadata built after the scheduler processed the report: stores run again
+    step(KVTierConnectorMetadata(stores=[StoreJob(953, "r", (b"s",), (5,), gpu)],
+                                 untaint=("r",)))
+    assert stored(953, 5)
+    rig.close()
+
+
+def test_the_scheduler_acknowledges_a_tainted_request_in_its_next_metadata(model_dir):
+    from kvtier.connectors.metadata import KVTierWorkerMetadata
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    side = rig.connector._sched
+    side.on_worker_output(KVTierWorkerMetadata(tainted=("r",)))
+    assert side.has_pending_work()  # vLLM steps again to deliver it
+    assert rig.sched.schedule().kv_connector_metadata.untaint == ("r",)
+    assert rig.sched.schedule().kv_connector_metadata.untaint == ()
+    assert KVTierWorkerMetadata(tainted=("a",)).aggregate(
+        KVTierWorkerMetadata(tainted=("a", "b"))).tainted == ("a", "b")
+    rig.close()
