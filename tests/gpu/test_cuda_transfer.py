@@ -49,6 +49,17 @@ def reference_slots(view: GpuKvView, ids: list[int], per: int) -> torch.Tensor:
     return torch.stack(rows).reshape(len(rows), -1).cpu()  # [n, L, K, E, P] flattened
 
 
+def view_and_filled_pool(gen) -> tuple[GpuKvView, CpuBlockPool]:
+    """4 layers of 64 engine blocks (32 KiB pages) and a pinned pool of 32 random slots."""
+    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=32)
+    pool.wait_ready()
+    for s in range(32):
+        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    return view, pool
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -240,12 +251,7 @@ def test_fence_orders_the_callers_next_kernel_after_the_load():
     """A forward enqueued after ``fence`` reads the loaded bytes, though the host never waited
     for the copy (the copy is made slow by a long kernel the load must wait for)."""
     gen = torch.Generator(device=DEV).manual_seed(19)
-    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
-                     layout="kv_first")
-    pool = CpuBlockPool(view.geometry(1), num_slots=32)
-    pool.wait_ready()
-    for s in range(32):
-        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    view, pool = view_and_filled_pool(gen)
     ids = list(range(1, 64, 2))
     want = torch.stack([pool.slot(s) for s in range(32)])
     compute = torch.cuda.Stream(DEV)
@@ -272,12 +278,7 @@ def test_fence_layer_orders_a_kernel_after_that_layers_pages_only(uva):
     """After ``fence_layer(job, l)`` a kernel reading layer ``l`` sees the loaded bytes while the
     host never waited; each layer has its own completion event."""
     gen = torch.Generator(device=DEV).manual_seed(23)
-    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
-                     layout="kv_first")
-    pool = CpuBlockPool(view.geometry(1), num_slots=32)
-    pool.wait_ready()
-    for s in range(32):
-        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    view, pool = view_and_filled_pool(gen)
     ids = list(range(1, 64, 2))
     want = torch.stack([pool.slot(s) for s in range(32)]).view(32, 4, -1)  # [block, layer, ..]
     handler = CudaCpuToGpuHandler(view, pool, loads="layered")
@@ -417,12 +418,7 @@ def test_a_prefetched_load_lands_bit_exact_and_unused_prefetches_give_their_buff
     from kvtier.manager.specs import Medium
 
     gen = torch.Generator(device=DEV).manual_seed(37)
-    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
-                     layout="kv_first")
-    pool = CpuBlockPool(view.geometry(1), num_slots=32)
-    pool.wait_ready()
-    for s in range(32):
-        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    view, pool = view_and_filled_pool(gen)
     layer_bytes = pool.geometry.block_bytes // 4
     load = CudaCpuToGpuHandler(view, pool, loads="layered", staging_bytes=3 * layer_bytes,
                                ring_slots=2)
