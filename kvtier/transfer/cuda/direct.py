@@ -192,6 +192,11 @@ class DirectLayerLoader:
              np.int64(a.page_bytes), np.int64(page_vecs), np.int64(tiles_per_page), np.int32(0)),
         )
 
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether ``prefetch`` can start anything (the 2-D staged copy is there)."""
+        return self._copy2d is not None
+
     def _runs(self, slots: Sequence[int]) -> list[tuple[int, int, int]]:
         """(first block, blocks, host address) of each run of neighbouring slots."""
         block_bytes = self.pool.geometry.block_bytes

@@ -105,7 +105,7 @@ class _CudaHandler(ImmediateHandler):
 
         self._prefetch: Prefetch | None = None
         self.prefetches = {"used": 0, "dropped": 0}  # what became of prefetch hints
-        if self.direct is not None and self.direct._copy2d is not None:
+        if self.direct is not None and self.direct.can_prefetch:
             self.prefetch_min_bytes = max(1, self.layered_min_bytes)
 
     def prefetch(self, src: LoadStoreSpec) -> bool:
