@@ -105,14 +105,10 @@ class TierIndex(TierWalks):
 
     def pin_ready_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
         """Add one reader to each of the leading READY ``keys``; their handles, in order."""
-        shards, nshards, st, readers = self._shards, self._nshards, self._state, self._readers
-        out: list[int] = []
-        for key in keys:
-            h = shards[hash(key) % nshards].get(key)
-            if h is None or st[h] != _READY:
-                break
+        out = self.ready_handles(keys)
+        readers = self._readers
+        for h in out:
             readers[h] += 1
-            out.append(h)
         return out
 
     def unpin_ready(self, keys: Sequence[BlockKey]) -> list[BlockKey]:

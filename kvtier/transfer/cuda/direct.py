@@ -229,7 +229,7 @@ class DirectLayerLoader:
             taken = [self._dma_chunk(runs, chunk, per) for chunk in chunks]
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.dma_stream)
-        return Prefetch(tuple(slots), tuple(zip(chunks, taken)), started, done)
+        return Prefetch(tuple(slots), runs, tuple(zip(chunks, taken)), started, done)
 
     def drop(self, p: Prefetch) -> None:
         """An unused prefetch gives its staging buffers back (free once its DMAs are done)."""
@@ -247,9 +247,14 @@ class DirectLayerLoader:
         used when the job's slots are exactly the prefetched ones, else given back first."""
         per = validate_job(self.view, self.pool, engine_ids, slots, to_gpu=True)
         n = len(slots)
-        runs = self._runs(slots) if self._copy2d is not None else []
+        if prefetch is not None and not prefetch.matches(slots):
+            self.drop(prefetch)
+            prefetch = None
+        # a prefetch was staged (never UVA) from these very slots' runs
+        runs = (prefetch.runs if prefetch is not None
+                else self._runs(slots) if self._copy2d is not None else [])
         uva = self._copy2d is None or scattered(len(runs), n)
-        if prefetch is not None and (uva or not prefetch.matches(slots)):
+        if prefetch is not None and uva:  # cannot happen unless the 2-D copy went away
             self.drop(prefetch)
             prefetch = None
         host_ids = torch.from_numpy(np.asarray(engine_ids, dtype=np.int64)).pin_memory()

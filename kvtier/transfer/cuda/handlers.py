@@ -141,17 +141,15 @@ class _CudaHandler(ImmediateHandler):
         ids, slots = self._addresses(src, dst)
         if not slots and not ids:
             return _Pending(None)
-        if self.direct is None or len(slots) * self.pool.geometry.block_bytes < \
-                self.layered_min_bytes:
-            self.drop_prefetch()  # a staged job takes ring buffers the prefetch holds
+        layered = self.direct is not None and (
+            len(slots) * self.pool.geometry.block_bytes >= self.layered_min_bytes)
         current = torch.cuda.current_stream(self.view.device)
         waits = [torch.cuda.Event()]
         waits[0].record(current)
         if self.compute_stream != current:
             waits.append(torch.cuda.Event())
             waits[1].record(self.compute_stream)
-        if self.direct is not None and (
-                len(slots) * self.pool.geometry.block_bytes >= self.layered_min_bytes):
+        if layered:
             p, self._prefetch = self._prefetch, None  # the job uses it or drops it
             try:
                 job = self.direct.enqueue(ids, slots, waits, prefetch=p)
@@ -162,7 +160,7 @@ class _CudaHandler(ImmediateHandler):
             if p is not None:
                 self.prefetches["used" if job.head is not None else "dropped"] += 1
             return _Pending(job)
-        self.drop_prefetch()  # the staging ring is about to be used by another job
+        self.drop_prefetch()  # a staged job takes ring buffers the prefetch holds
         return _Pending(self.copier.enqueue(ids, slots, waits))
 
     def poll(self, pending: _Pending) -> TransferOutcome | None:

@@ -27,11 +27,12 @@ import torch
 
 @dataclass
 class Prefetch:
-    """``pieces``: ((layer, first block, end block), ring buffer index) in copy order;
+    """``runs``: the slots' runs of neighbours, as the load needs them; ``pieces``: ((layer, first block, end block), ring buffer index) in copy order;
     ``started`` / ``done``: timing events around the prefetched DMAs (the DMA stream);
     ``settled``: a load consumed it or its buffers were given back (exactly one of the two)."""
 
     slots: tuple[int, ...]
+    runs: list[tuple[int, int, int]]  # the slots' runs (DirectLayerLoader._runs): reused
     pieces: tuple[tuple[tuple[int, int, int], int], ...]
     started: torch.cuda.Event
     done: torch.cuda.Event
