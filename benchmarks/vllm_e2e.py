@@ -162,12 +162,16 @@ def report(results: dict, gpu: str) -> str:
                          + (f"{nat / kv:.2f}x" if nat and kv else "-") + " |")
         if res.get("trace"):
             lines += ["", "Trace replay", "", "| connector | req/s | TTFT p50 ms | TTFT p99 ms |"
-                      " prompt tokens | GPU-cache hit tokens | connector hit tokens |",
-                      "|---|---|---|---|---|---|---|"]
+                      " prompt tokens | GPU-cache hit tokens | connector hit tokens |"
+                      " hit tokens per tier |",
+                      "|---|---|---|---|---|---|---|---|"]
             for name, t in res["trace"].items():
+                tiers = ", ".join(f"{k} {v:.0f}" for k, v in t.get("hit_tokens_per_tier",
+                                                                   {}).items()) or "-"
                 lines.append(f"| {name} | {t['requests_per_s']:.2f} | {t['ttft_p50_ms']:.0f} | "
                              f"{t['ttft_p99_ms']:.0f} | {t['prompt_tokens']:.0f} | "
-                             f"{t['gpu_hit_tokens']:.0f} | {t['external_hit_tokens']:.0f} |")
+                             f"{t['gpu_hit_tokens']:.0f} | {t['external_hit_tokens']:.0f} | "
+                             f"{tiers} |")
         if res.get("check"):
             lines += ["", "Correctness: " + json.dumps(res["check"])]
         for conn, rows in res.get("timelines", {}).items():
@@ -211,7 +215,17 @@ def main(argv=None) -> int:
                    help="the kvtier and native configs' CPU bytes (default: the child's 16 GiB)")
     p.add_argument("--trace", default=None, help="Mooncake trace to replay (per connector)")
     p.add_argument("--trace-requests", type=int, default=200)
+    p.add_argument("--trace-offset", type=int, default=0,
+                   help="skip the trace's first N requests (the bundled trace's reuse is in its "
+                        "tail: 67%% of the last 400 requests' 512-token chunks were seen before)")
+    p.add_argument("--trace-chunks", type=int, default=32,
+                   help="512-token chunks kept per request (prompt length cap)")
+    p.add_argument("--trace-speedup", type=float, default=4.0,
+                   help="arrival times divided by this")
     p.add_argument("--trace-shapes", default="8b", help="shapes that replay the trace")
+    p.add_argument("--gpu-kv-bytes", type=int, default=None,
+                   help="vLLM's GPU KV cache bytes for every configuration (default: the child's "
+                        "8 GiB)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model on vLLM's CPU engine (no GPU): checks the harness runs")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -248,6 +262,8 @@ def main(argv=None) -> int:
                     "--lengths", lengths, "--reps", str(a.disk_reps if disk else reps)]
             if a.cpu_bytes is not None and not a.cpu_smoke:
                 args += ["--cpu-bytes", str(a.cpu_bytes)]
+            if a.gpu_kv_bytes is not None and not a.cpu_smoke:
+                args += ["--gpu-kv-bytes", str(a.gpu_kv_bytes)]
             if conn == "kvtier_disk_cold":
                 args += ["--disk-cold"]
             if disk and a.disk_no_fsync:
@@ -262,7 +278,9 @@ def main(argv=None) -> int:
                 args[args.index("--lengths") + 1] = lengths.split(",")[0] + "," + lengths.split(",")[-1] \
                     if not a.cpu_smoke else lengths
             if a.trace and shape in a.trace_shapes.split(",") and conn in ("none", "kvtier", "native"):
-                args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests)]
+                args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests),
+                         "--trace-offset", str(a.trace_offset), "--trace-speedup",
+                         str(a.trace_speedup), "--trace-chunks", str(a.trace_chunks)]
                 if a.cpu_smoke:
                     args += ["--trace-chunks", "1"]
             marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch") \
@@ -301,7 +319,7 @@ def main(argv=None) -> int:
                 res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
                 if out["kvtier_stats"].get("cost"):
                     res.setdefault("kvtier_cost", {})[conn] = out["kvtier_stats"]["cost"]
-            if marked:
+            if marked and lengths:
                 hit = timeline_of_one_hit(tl_path, int(lengths.split(",")[-2 if
                                           len(lengths.split(",")) > 1 else 0]))
                 res.setdefault("timelines", {})[conn] = hit

@@ -311,18 +311,27 @@ def ab_switch(a):
 def mark_gc_pauses(min_ms: float = 1.0) -> None:
     """Timeline marks for garbage-collector passes longer than ``min_ms`` (a pause of the
     engine thread that would look like a slow hit)."""
+    import collections
     import gc
 
     from kvtier.connectors.timeline import timeline
 
     started = [0.0]
+    censuses = [0]
 
     def on_gc(phase, info):
         if phase == "start":
             started[0] = time.perf_counter()
         elif (ms := (time.perf_counter() - started[0]) * 1e3) >= min_ms:
+            fields = {}
+            if info.get("generation") == 2 and ms >= 100 and censuses[0] < 4:
+                censuses[0] += 1  # what a long full pass walked (taken after it was timed)
+                objs = gc.get_objects()
+                top = collections.Counter(type(o).__qualname__ for o in objs).most_common(8)
+                fields = {"tracked": len(objs), "top": top}
+                del objs
             timeline().mark("python", "gc", generation=info.get("generation"), ms=round(ms, 2),
-                            collected=info.get("collected"))
+                            collected=info.get("collected"), **fields)
 
     gc.callbacks.append(on_gc)
 
@@ -352,7 +361,9 @@ def trace_prompts(a) -> list[dict]:
     rows = []
     t0 = None  # a slice of a trace starts at its own first request
     with open(a.trace) as f:
-        for line in f:
+        for i, line in enumerate(f):
+            if i < a.trace_offset:
+                continue
             if len(rows) >= a.trace_requests:
                 break
             r = json.loads(line)
@@ -368,12 +379,41 @@ def trace_prompts(a) -> list[dict]:
     return rows
 
 
+def manager_counts(a) -> dict:
+    """kvtier's hit / store / eviction counters per tier from its stats snapshot ({} when
+    the configuration is not kvtier's)."""
+    if not a.connector.startswith("kvtier"):
+        return {}
+    try:
+        with open(a.snapshot) as f:
+            m = json.load(f).get("manager") or {}
+    except (OSError, ValueError):
+        return {}
+    keys = ("hit_blocks", "stored_blocks", "evicted_blocks", "skipped_slower_than_recompute")
+    return {k: dict(m.get(k) or {}) for k in keys} | {"failed_loads": m.get("failed_loads", 0)}
+
+
+def counts_delta(before: dict, after: dict) -> dict:
+    out: dict = {}
+    for k, v in after.items():
+        if isinstance(v, dict):
+            out[k] = {t: n - before.get(k, {}).get(t, 0) for t, n in v.items()}
+        else:
+            out[k] = v - before.get(k, 0)
+    return out
+
+
 def replay(llm, a) -> dict:
-    """Requests arrive at the trace's (compressed) times; TTFT from arrival to first token."""
+    """Requests arrive at the trace's (compressed) times; TTFT from arrival to first token.
+    Hit tokens per tier: vLLM's GPU prefix cache, and kvtier's tiers from its stats snapshot
+    (``OffloadingConnector``'s hits are all CPU: vLLM's external hit counter)."""
     from vllm.inputs import TokensPrompt
 
     rows = trace_prompts(a)
     engine = llm.llm_engine
+    settle(llm, a)
+    time.sleep(0.5)  # the snapshot is rewritten every 0.2 s
+    kv_before = manager_counts(a)
     before = metric_totals(llm)
     arrive: dict[str, float] = {}
     ttft: dict[str, float] = {}
@@ -399,12 +439,25 @@ def replay(llm, a) -> dict:
     after = metric_totals(llm)
     vals = sorted(ttft.values())
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    return {"requests": len(rows), "seconds": wall, "requests_per_s": len(rows) / wall,
-            "ttft_p50_ms": vals[len(vals) // 2], "ttft_p99_ms": vals[min(len(vals) - 1,
-                                                                          int(len(vals) * .99))],
-            "prompt_tokens": delta.get("vllm:prompt_tokens", 0),
-            "gpu_hit_tokens": delta.get("vllm:prefix_cache_hits", 0),
-            "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits", 0)}
+    out = {"requests": len(rows), "seconds": wall, "requests_per_s": len(rows) / wall,
+           "ttft_p50_ms": vals[len(vals) // 2], "ttft_p99_ms": vals[min(len(vals) - 1,
+                                                                         int(len(vals) * .99))],
+           "ttft_mean_ms": sum(vals) / len(vals),
+           "trace_offset": a.trace_offset, "trace_chunks": a.trace_chunks,
+           "trace_speedup": a.trace_speedup, "trace_span_s": rows[-1]["t"],
+           "cpu_bytes": a.cpu_bytes, "gpu_kv_bytes": a.gpu_kv_bytes,
+           "prompt_tokens": delta.get("vllm:prompt_tokens", 0),
+           "gpu_hit_tokens": delta.get("vllm:prefix_cache_hits", 0),
+           "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits", 0)}
+    if kv_before:
+        settle(llm, a)
+        time.sleep(0.5)
+        kv = counts_delta(kv_before, manager_counts(a))
+        out["kvtier"] = kv
+        out["hit_tokens_per_tier"] = {t: n * a.block_size for t, n in kv["hit_blocks"].items()}
+    elif a.connector == "native":
+        out["hit_tokens_per_tier"] = {"CPU": out["external_hit_tokens"]}
+    return out
 
 
 def main(argv=None) -> None:
@@ -432,6 +485,8 @@ def main(argv=None) -> None:
     p.add_argument("--sync-budget", type=int, default=None)
     p.add_argument("--trace", default=None)
     p.add_argument("--trace-requests", type=int, default=300)
+    p.add_argument("--trace-offset", type=int, default=0,
+                   help="skip the trace's first N requests (its reuse grows towards its end)")
     p.add_argument("--trace-chunks", type=int, default=32)
     p.add_argument("--trace-speedup", type=float, default=4.0)
     p.add_argument("--trace-max-out", type=int, default=32)
