@@ -221,11 +221,47 @@ def ttft_sweep(llm, a) -> dict:
     return out
 
 
+def thread_cpu() -> dict[int, tuple[float, float]]:
+    """Per Linux thread id: (seconds on a CPU, seconds runnable but waiting for one), from
+    the scheduler's nanosecond counters (``/proc/<tid>/schedstat``; {} where absent)."""
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue
+        out[int(tid)] = (int(run) / 1e9, int(wait) / 1e9)
+    return out
+
+
+def thread_cpu_delta(before: dict, min_ms: float = 0.5) -> dict[str, list[float]]:
+    """Threads that ran at least ``min_ms`` since ``before``: {Python thread name (the
+    engine's own is "MainThread"): [ms on a CPU, ms waiting for a CPU]}. Who competed for
+    the host during a request, and whether the engine thread was starved of a core."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid, (run, wait) in thread_cpu().items():
+        r0, w0 = before.get(tid, (0.0, 0.0))
+        if (run - r0) * 1e3 >= min_ms:
+            out[names.get(tid, f"tid{tid}")] = [round((run - r0) * 1e3, 2),
+                                                round((wait - w0) * 1e3, 2)]
+    return out
+
+
 def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
               profile: bool = False, **tags) -> None:
     """One timed request after a GPU prefix-cache reset, marked on the timeline (``tags``
-    too) and appended to ``out[key]`` as (ms, cached tokens)."""
+    too, and the CPU time of each busy thread of the process during the request) and
+    appended to ``out[key]`` as (ms, cached tokens)."""
     reset(llm)
+    cpu = thread_cpu() if a.timeline else {}
     mark(a, "client_submit", length=length, rep=r, **tags)
     if tags.get("recompute"):  # same prompt, same process, kvtier told to stay out
         ms, cached = timed(llm, p, BYPASS)
@@ -237,7 +273,8 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
                                    f"{a.shape} {a.connector} {length} tokens")
     else:
         ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
-    mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags)
+    mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags,
+         **({"thread_cpu_ms": thread_cpu_delta(cpu)} if cpu else {}))
     if a.timeline:
         from host_probe import thread_cpu_seconds
 
