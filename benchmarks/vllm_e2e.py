@@ -25,9 +25,10 @@ side by side on the same machine:
   (``skip_load``/``skip_store``): on a host whose CPU speed drifts between processes (the lent
   VM: up to 2x, ``host_probe.py`` prints it per configuration) only the paired ratio is
   trustworthy for host-bound small prompts.
-* Trace replay (``--trace``): Mooncake-format requests, each hash_id a fixed random 512-token
-  chunk (shared prefixes are real), arrivals compressed ``--trace-speedup`` times, GPU KV
-  memory limited (``--gpu-kv-bytes``) so vLLM's prefix cache overflows.
+* Trace replay (``--trace``): Mooncake-format requests ``--trace-offset`` on (the bundled
+  trace reuses chunks in its tail, far apart), each hash_id a fixed random 512-token chunk
+  (shared prefixes are real), arrivals compressed ``--trace-speedup`` times, GPU KV memory
+  limited (``--gpu-kv-bytes``) so vLLM's prefix cache overflows; hit tokens per tier.
 * A per-step timeline of one kvtier CPU hit (``KVTIER_TIMELINE``): where the time goes
   (``--vllm-marks``: vLLM's own step phases too; GC pauses over 1 ms are marked), and with
   ``--profile DIR`` a torch.profiler trace of one hit per length (``profile_summary.py``).
