@@ -6,7 +6,10 @@ to wall time, while the same code on a CPU-only host ran at the same speed with 
 kvtier. A process-wide slowdown of that kind (memory placed on a far NUMA node, a CPU shared with
 a busy thread, a tracing hook) shows in a fixed workload timed in the same process before and
 after the engine starts, side by side with the no-connector process: that is this probe.
-``thread_cpu_seconds`` says which of the process's threads burned CPU meanwhile.
+``thread_cpu`` / ``thread_cpu_delta`` say which of the process's threads ran during one
+request, for how long, and whether the engine thread waited for a core (``/proc/<tid>/
+schedstat``, nanoseconds); ``mark_gc_pauses`` puts the garbage collector's long passes on the
+timeline, with a census of what a long full pass walked.
 """
 
 from __future__ import annotations
@@ -76,22 +79,61 @@ def probe(label: str) -> dict:
     return {"at": label, "python_ms": python_ms(), "memory_ms": memory_ms(), **numa_pages()}
 
 
-def thread_cpu_seconds() -> dict:
-    """CPU seconds so far of each of this process's threads that used 10 ms or more, as
-    ``"<Python name or OS name>/<tid>"`` (Linux ``/proc``): which threads burn CPU beside the
-    engine thread (a spinning wait shows here, not in a GIL profile)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict = {}
-    for tid in os.listdir("/proc/self/task"):
+def thread_cpu() -> dict[int, tuple[float, float]]:
+    """Per Linux thread id: (seconds on a CPU, seconds runnable but waiting for one), from
+    the scheduler's nanosecond counters (``/proc/<tid>/schedstat``; {} where absent)."""
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+        except (OSError, ValueError):
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        cpu = (int(fields[11]) + int(fields[12])) / tick
-        if cpu >= 0.01:
-            name = names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
-            out[f"{name}/{tid}"] = round(cpu, 2)
+        out[int(tid)] = (int(run) / 1e9, int(wait) / 1e9)
     return out
+
+
+def thread_cpu_delta(before: dict, min_ms: float = 0.5) -> dict[str, list[float]]:
+    """Threads that ran at least ``min_ms`` since ``before``: {Python thread name (the
+    engine's own is "MainThread"): [ms on a CPU, ms waiting for a CPU]}. Who competed for
+    the host during a request, and whether the engine thread was starved of a core."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid, (run, wait) in thread_cpu().items():
+        r0, w0 = before.get(tid, (0.0, 0.0))
+        if (run - r0) * 1e3 >= min_ms:
+            out[names.get(tid, f"tid{tid}")] = [round((run - r0) * 1e3, 2),
+                                                round((wait - w0) * 1e3, 2)]
+    return out
+
+
+def mark_gc_pauses(min_ms: float = 1.0) -> None:
+    """Timeline marks for garbage-collector passes longer than ``min_ms`` (a pause of the
+    engine thread that would look like a slow hit)."""
+    import collections
+    import gc
+
+    from kvtier.connectors.timeline import timeline
+
+    started = [0.0]
+    censuses = [0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif (ms := (time.perf_counter() - started[0]) * 1e3) >= min_ms:
+            fields = {}
+            if info.get("generation") == 2 and ms >= 100 and censuses[0] < 4:
+                censuses[0] += 1  # what a long full pass walked (taken after it was timed)
+                objs = gc.get_objects()
+                top = collections.Counter(type(o).__qualname__ for o in objs).most_common(8)
+                fields = {"tracked": len(objs), "top": top}
+                del objs
+            timeline().mark("python", "gc", generation=info.get("generation"), ms=round(ms, 2),
+                            collected=info.get("collected"), **fields)
+
+    gc.callbacks.append(on_gc)

@@ -221,45 +221,13 @@ def ttft_sweep(llm, a) -> dict:
     return out
 
 
-def thread_cpu() -> dict[int, tuple[float, float]]:
-    """Per Linux thread id: (seconds on a CPU, seconds runnable but waiting for one), from
-    the scheduler's nanosecond counters (``/proc/<tid>/schedstat``; {} where absent)."""
-    out: dict[int, tuple[float, float]] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                run, wait = f.read().split()[:2]
-        except (OSError, ValueError):
-            continue
-        out[int(tid)] = (int(run) / 1e9, int(wait) / 1e9)
-    return out
-
-
-def thread_cpu_delta(before: dict, min_ms: float = 0.5) -> dict[str, list[float]]:
-    """Threads that ran at least ``min_ms`` since ``before``: {Python thread name (the
-    engine's own is "MainThread"): [ms on a CPU, ms waiting for a CPU]}. Who competed for
-    the host during a request, and whether the engine thread was starved of a core."""
-    import threading
-
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for tid, (run, wait) in thread_cpu().items():
-        r0, w0 = before.get(tid, (0.0, 0.0))
-        if (run - r0) * 1e3 >= min_ms:
-            out[names.get(tid, f"tid{tid}")] = [round((run - r0) * 1e3, 2),
-                                                round((wait - w0) * 1e3, 2)]
-    return out
-
-
 def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
               profile: bool = False, **tags) -> None:
     """One timed request after a GPU prefix-cache reset, marked on the timeline (``tags``
     too, and the CPU time of each busy thread of the process during the request) and
     appended to ``out[key]`` as (ms, cached tokens)."""
+    from host_probe import thread_cpu, thread_cpu_delta
+
     reset(llm)
     cpu = thread_cpu() if a.timeline else {}
     mark(a, "client_submit", length=length, rep=r, **tags)
@@ -275,10 +243,6 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
         ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
     mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags,
          **({"thread_cpu_ms": thread_cpu_delta(cpu)} if cpu else {}))
-    if a.timeline:
-        from host_probe import thread_cpu_seconds
-
-        mark(a, "thread_cpu", s=thread_cpu_seconds())
     out.setdefault(key, []).append((ms, cached))
 
 
@@ -345,34 +309,6 @@ def ab_switch(a):
     return lambda on: setattr(side, "whole_tail_max_bytes", float("inf") if on else 0)
 
 
-def mark_gc_pauses(min_ms: float = 1.0) -> None:
-    """Timeline marks for garbage-collector passes longer than ``min_ms`` (a pause of the
-    engine thread that would look like a slow hit)."""
-    import collections
-    import gc
-
-    from kvtier.connectors.timeline import timeline
-
-    started = [0.0]
-    censuses = [0]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            started[0] = time.perf_counter()
-        elif (ms := (time.perf_counter() - started[0]) * 1e3) >= min_ms:
-            fields = {}
-            if info.get("generation") == 2 and ms >= 100 and censuses[0] < 4:
-                censuses[0] += 1  # what a long full pass walked (taken after it was timed)
-                objs = gc.get_objects()
-                top = collections.Counter(type(o).__qualname__ for o in objs).most_common(8)
-                fields = {"tracked": len(objs), "top": top}
-                del objs
-            timeline().mark("python", "gc", generation=info.get("generation"), ms=round(ms, 2),
-                            collected=info.get("collected"), **fields)
-
-    gc.callbacks.append(on_gc)
-
-
 def progress(msg: str) -> None:
     print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -382,119 +318,6 @@ def mark(a, ev: str, **fields) -> None:
         from kvtier.connectors.timeline import timeline
 
         timeline().mark("client", ev, **fields)
-
-
-def metric_totals(llm) -> dict:
-    totals: dict = {}
-    for m in llm.get_metrics():
-        if m.name in ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
-                      "vllm:prompt_tokens") and hasattr(m, "value"):
-            totals[m.name] = totals.get(m.name, 0) + m.value
-    return totals
-
-
-def trace_prompts(a) -> list[dict]:
-    chunk: dict[int, list[int]] = {}
-    rows = []
-    t0 = None  # a slice of a trace starts at its own first request
-    with open(a.trace) as f:
-        for i, line in enumerate(f):
-            if i < a.trace_offset:
-                continue
-            if len(rows) >= a.trace_requests:
-                break
-            r = json.loads(line)
-            ids = r["hash_ids"][: a.trace_chunks]
-            for h in ids:
-                if h not in chunk:
-                    chunk[h] = tokens(512, 1_000_000 + h, a.vocab)
-            n = min(int(r["input_length"]), 512 * len(ids), a.max_len - 64)
-            p = [t for h in ids for t in chunk[h]][:n]
-            t0 = r["timestamp"] if t0 is None else t0
-            rows.append({"t": (r["timestamp"] - t0) / 1e3 / a.trace_speedup, "prompt": p,
-                         "out": max(1, min(int(r["output_length"]), a.trace_max_out))})
-    return rows
-
-
-def manager_counts(a) -> dict:
-    """kvtier's hit / store / eviction counters per tier from its stats snapshot ({} when
-    the configuration is not kvtier's)."""
-    if not a.connector.startswith("kvtier"):
-        return {}
-    try:
-        with open(a.snapshot) as f:
-            m = json.load(f).get("manager") or {}
-    except (OSError, ValueError):
-        return {}
-    keys = ("hit_blocks", "stored_blocks", "evicted_blocks", "skipped_slower_than_recompute")
-    return {k: dict(m.get(k) or {}) for k in keys} | {"failed_loads": m.get("failed_loads", 0)}
-
-
-def counts_delta(before: dict, after: dict) -> dict:
-    out: dict = {}
-    for k, v in after.items():
-        if isinstance(v, dict):
-            out[k] = {t: n - before.get(k, {}).get(t, 0) for t, n in v.items()}
-        else:
-            out[k] = v - before.get(k, 0)
-    return out
-
-
-def replay(llm, a) -> dict:
-    """Requests arrive at the trace's (compressed) times; TTFT from arrival to first token.
-    Hit tokens per tier: vLLM's GPU prefix cache, and kvtier's tiers from its stats snapshot
-    (``OffloadingConnector``'s hits are all CPU: vLLM's external hit counter)."""
-    from vllm.inputs import TokensPrompt
-
-    rows = trace_prompts(a)
-    engine = llm.llm_engine
-    settle(llm, a)
-    time.sleep(0.5)  # the snapshot is rewritten every 0.2 s
-    kv_before = manager_counts(a)
-    before = metric_totals(llm)
-    arrive: dict[str, float] = {}
-    ttft: dict[str, float] = {}
-    done: set[str] = set()
-    i, start = 0, time.perf_counter()
-    while len(done) < len(rows):
-        now = time.perf_counter() - start
-        while i < len(rows) and rows[i]["t"] <= now:
-            rid = f"t{i}"
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=rows[i]["prompt"]),
-                               sampling(rows[i]["out"]))
-            arrive[rid] = start + rows[i]["t"]
-            i += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(0.01, rows[i]["t"] - now)) if i < len(rows) else 0.001)
-            continue
-        for o in engine.step():
-            if o.request_id not in ttft and o.outputs and o.outputs[0].token_ids:
-                ttft[o.request_id] = (time.perf_counter() - arrive[o.request_id]) * 1e3
-            if o.finished:
-                done.add(o.request_id)
-    wall = time.perf_counter() - start
-    after = metric_totals(llm)
-    vals = sorted(ttft.values())
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    out = {"requests": len(rows), "seconds": wall, "requests_per_s": len(rows) / wall,
-           "ttft_p50_ms": vals[len(vals) // 2], "ttft_p99_ms": vals[min(len(vals) - 1,
-                                                                         int(len(vals) * .99))],
-           "ttft_mean_ms": sum(vals) / len(vals),
-           "trace_offset": a.trace_offset, "trace_chunks": a.trace_chunks,
-           "trace_speedup": a.trace_speedup, "trace_span_s": rows[-1]["t"],
-           "cpu_bytes": a.cpu_bytes, "gpu_kv_bytes": a.gpu_kv_bytes,
-           "prompt_tokens": delta.get("vllm:prompt_tokens", 0),
-           "gpu_hit_tokens": delta.get("vllm:prefix_cache_hits", 0),
-           "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits", 0)}
-    if kv_before:
-        settle(llm, a)
-        time.sleep(0.5)
-        kv = counts_delta(kv_before, manager_counts(a))
-        out["kvtier"] = kv
-        out["hit_tokens_per_tier"] = {t: n * a.block_size for t, n in kv["hit_blocks"].items()}
-    elif a.connector == "native":
-        out["hit_tokens_per_tier"] = {"CPU": out["external_hit_tokens"]}
-    return out
 
 
 def main(argv=None) -> None:
@@ -555,6 +378,8 @@ def main(argv=None) -> None:
 
             progress("vLLM phases marked: " + ", ".join(vllm_marks.install()))
     if a.timeline:
+        from host_probe import mark_gc_pauses
+
         mark_gc_pauses()
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
@@ -582,6 +407,8 @@ def main(argv=None) -> None:
     if a.trace:
         reset(llm)
         progress("trace replay")
+        from vllm_e2e_replay import replay
+
         result["trace"] = replay(llm, a)
     if a.connector.startswith("kvtier") and os.path.exists(a.snapshot):
         settle(llm, a)

@@ -1,4 +1,4 @@
-"""The pieces of ``benchmarks/vllm_e2e_child.py`` that shape the GPU figures without a GPU:
+"""The pieces of the real-vLLM harness (``benchmarks/vllm_e2e_replay.py``, ``host_probe.py``) that shape the GPU figures without a GPU:
 the trace window the replay sends, kvtier's per-tier counters around it, and the per-thread
 CPU accounting of a timed request."""
 
@@ -16,7 +16,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import vllm_e2e_child as child  # noqa: E402
+import host_probe  # noqa: E402
+import vllm_e2e_replay as replay  # noqa: E402
 
 
 def _trace(tmp_path, rows):
@@ -37,10 +38,10 @@ def test_a_trace_window_starts_at_its_offset_and_shares_chunks_by_hash_id(tmp_pa
              "hash_ids": [i, 100 + i]} for i in range(5)]
     rows[4]["hash_ids"] = [2, 200]  # shares its first chunk with request 2
     a = _args(_trace(tmp_path, rows), trace_offset=2, trace_requests=2)
-    got = child.trace_prompts(a)
+    got = replay.trace_prompts(a)
     assert len(got) == 2  # requests 2 and 3 only
     assert got[0]["t"] == 0.0 and got[1]["t"] == 1000 / 1e3 / 2.0  # from the window's start
-    full = child.trace_prompts(_args(a.trace))
+    full = replay.trace_prompts(_args(a.trace))
     assert got[0]["prompt"] == full[2]["prompt"]  # the same tokens as without the offset
     # request 4 starts with request 2's chunk: a real shared prefix of 512 tokens
     assert full[4]["prompt"][:512] == full[2]["prompt"][:512]
@@ -51,22 +52,22 @@ def test_a_trace_window_starts_at_its_offset_and_shares_chunks_by_hash_id(tmp_pa
 def test_kvtier_counters_around_a_replay_are_deltas_per_tier(tmp_path):
     snap = tmp_path / "stats.json"
     a = argparse.Namespace(connector="kvtier", snapshot=str(snap))
-    assert child.manager_counts(a) == {}  # no snapshot yet: nothing, not an error
+    assert replay.manager_counts(a) == {}  # no snapshot yet: nothing, not an error
     snap.write_text(json.dumps({"manager": {
         "hit_blocks": {"CPU": 5, "DISK": 1}, "stored_blocks": {"CPU": 10, "DISK": 0},
         "evicted_blocks": {"CPU": 0, "DISK": 0},
         "skipped_slower_than_recompute": {"CPU": 0, "DISK": 2}, "failed_loads": 1}}))
-    before = child.manager_counts(a)
+    before = replay.manager_counts(a)
     snap.write_text(json.dumps({"manager": {
         "hit_blocks": {"CPU": 12, "DISK": 4}, "stored_blocks": {"CPU": 30, "DISK": 7},
         "evicted_blocks": {"CPU": 3, "DISK": 0},
         "skipped_slower_than_recompute": {"CPU": 1, "DISK": 2}, "failed_loads": 1}}))
-    d = child.counts_delta(before, child.manager_counts(a))
+    d = replay.counts_delta(before, replay.manager_counts(a))
     assert d["hit_blocks"] == {"CPU": 7, "DISK": 3}
     assert d["stored_blocks"] == {"CPU": 20, "DISK": 7}
     assert d["skipped_slower_than_recompute"] == {"CPU": 1, "DISK": 0}
     assert d["failed_loads"] == 0
-    assert child.manager_counts(argparse.Namespace(connector="native", snapshot=str(snap))) == {}
+    assert replay.manager_counts(argparse.Namespace(connector="native", snapshot=str(snap))) == {}
 
 
 def test_a_busy_thread_shows_up_by_name_in_a_requests_cpu_accounting():
@@ -83,9 +84,9 @@ def test_a_busy_thread_shows_up_by_name_in_a_requests_cpu_accounting():
     t = threading.Thread(target=spin, name="busy-neighbour", daemon=True)
     t.start()
     started.wait()
-    before = child.thread_cpu()
+    before = host_probe.thread_cpu()
     time.sleep(0.2)
-    got = child.thread_cpu_delta(before)
+    got = host_probe.thread_cpu_delta(before)
     stop.set()
     t.join()
     assert "busy-neighbour" in got, got
