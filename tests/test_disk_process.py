@@ -10,8 +10,10 @@ exception ``DiskStore`` raises in this process.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import time
 
 import pytest
 import torch
@@ -212,5 +214,77 @@ def test_callers_waiting_for_a_connection_fail_when_the_child_dies_not_hang(pool
             t.join(10)
         assert not any(t.is_alive() for t in threads), "a caller hangs on a dead child"
         assert results == [([0], [0])] * 4  # transient misses, nothing read
+    finally:
+        dp.close()
+
+
+def test_a_lost_child_is_replaced_and_what_it_indexed_reads_back_byte_exact(pool, tmp_path):
+    dp = DiskProcess(pool, DiskTierConfig(path=tmp_path / "disk", capacity=1 << 30), GEO,
+                     connections=2, respawn_after_s=0.2)
+    try:
+        written = {i: fill(pool, i, seed=10 + i) for i in range(4)}
+        dp.put_slots(list(range(4)), [key(i) for i in range(4)])
+        for round_ in (1, 2):  # lost and replaced twice
+            first = dp.pid
+            os.kill(first, signal.SIGKILL)
+            dp._proc.wait(10)
+            # until the wait is over: transient misses and failed writes, as before
+            assert dp.fetch_slots([key(0)], [10]) == ([0], [0])
+            with pytest.raises(DiskProcessGone, match="until a new one starts"):
+                dp.put_slots([0], [key(50)])
+            time.sleep(0.3)
+            fill(pool, 4, seed=99)
+            dp.put_slots([4], [key(100 + round_)])  # this call starts the replacement
+            assert dp.respawns == round_ and dp.pid != first
+            failed, transient = dp.fetch_slots([key(i) for i in range(4)] + [key(100 + round_)],
+                                               [20, 21, 22, 23, 24])
+            assert failed == [] and transient == []
+            for i in range(4):
+                assert torch.equal(pool.slot(20 + i), written[i]), f"block {i} after round {round_}"
+            assert torch.equal(pool.slot(24), pool.slot(4))
+        assert dp.stats().num_blocks == 6
+    finally:
+        dp.close()
+
+
+def test_a_replacement_that_cannot_open_the_store_backs_off_then_recovers(pool, tmp_path):
+    path = tmp_path / "disk"
+    dp = DiskProcess(pool, DiskTierConfig(path=path, capacity=1 << 30), GEO, connections=1,
+                     respawn_after_s=0.2)
+    try:
+        os.kill(dp.pid, signal.SIGKILL)
+        dp._proc.wait(10)
+        shutil.rmtree(path)
+        path.write_text("not a directory")  # the replacement's store cannot open
+        with pytest.raises(DiskProcessGone):
+            dp.put_slots([0], [key(1)])  # the loss is noticed here: the wait starts
+        time.sleep(0.3)
+        with pytest.raises(DiskProcessGone):
+            dp.put_slots([0], [key(1)])  # tried to replace it: failed
+        assert dp.respawns == 0 and dp._backoff == pytest.approx(0.4)
+        with pytest.raises(DiskProcessGone):  # inside the longer wait: not tried again
+            dp.put_slots([0], [key(1)])
+        path.unlink()
+        time.sleep(0.5)
+        fill(pool, 0, seed=3)
+        dp.put_slots([0], [key(1)])  # a fresh store in the same place
+        assert dp.respawns == 1
+        assert dp.fetch_slots([key(1)], [9]) == ([], [])
+        assert torch.equal(pool.slot(9), pool.slot(0))
+    finally:
+        dp.close()
+
+
+def test_without_respawn_a_lost_child_stays_lost(pool, tmp_path):
+    dp = DiskProcess(pool, DiskTierConfig(path=tmp_path / "d", capacity=1 << 30), GEO,
+                     connections=1, respawn_after_s=None)
+    try:
+        os.kill(dp.pid, signal.SIGKILL)
+        dp._proc.wait(10)
+        for _ in range(2):
+            with pytest.raises(DiskProcessGone, match="from now on"):
+                dp.put_slots([0], [key(1)])
+            time.sleep(0.1)
+        assert dp.respawns == 0
     finally:
         dp.close()

@@ -14,9 +14,14 @@ so only slot ids and keys cross a Unix socket, never block bytes. The child owns
 connections, so a whole write-back job costs this process two GIL hand-offs.
 
 Failures: a store the child cannot open raises here the same exception ``DiskStore`` would
-(busy, layout mismatch, unreadable index ...). If the child dies, every later write raises
-``DiskWriteError`` (the manager then treats the tier as failed writes) and every read is a
-transient miss: the engine recomputes, nothing wrong is ever loaded.
+(busy, layout mismatch, unreadable index ...). If the child dies, writes raise
+``DiskWriteError`` (the manager then treats them as failed writes) and reads are transient
+misses: the engine recomputes, nothing wrong is ever loaded. A dead child is replaced: the
+first call ``respawn_after_s`` after the loss starts a new one on the same directory and pool
+(the kernel released the dead one's directory lock; records it had indexed are read back and
+checksummed as after any restart, a record it was still writing was never indexed, so its key
+reads as a miss). A replacement that fails to start waits twice as long, up to
+``RESPAWN_MAX_S``, before the next try; the worker log says each time.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import queue
 import socket
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -46,6 +53,8 @@ log = logging.getLogger(__name__)
 _BOOT = ("import sys; sys.path.append(sys.argv[1]); "
          "from kvtier.runtime.disk_server import main; sys.exit(main(sys.argv[1:]))")
 START_TIMEOUT_S = 120.0  # opening a large store checks its index and segments
+RESPAWN_AFTER_S = 5.0  # a lost child is replaced by the first call this long after the loss
+RESPAWN_MAX_S = 60.0  # backoff cap between failed replacements
 _RAISED_AS_IS = {c.__name__: c for c in (
     errors.DiskLayoutMismatch, errors.NotADiskStore, errors.UnsafeDiskDirectory,
     errors.DiskStoreBusy, errors.DiskIndexUnreadable, errors.DiskFull)}
@@ -82,7 +91,8 @@ class DiskProcess:
 
     def __init__(self, pool: CpuBlockPool, disk: DiskTierConfig, geometry: BlockGeometry, *,
                  gil_switch_interval_ms: float = 0.0, connections: int = 8,
-                 start_timeout: float = START_TIMEOUT_S) -> None:
+                 start_timeout: float = START_TIMEOUT_S,
+                 respawn_after_s: float | None = RESPAWN_AFTER_S) -> None:
         if pool.shared_fd is None:
             raise ValueError("the disk I/O process needs a shared CPU pool "
                              "(CpuBlockPool(shared=True))")
@@ -93,29 +103,44 @@ class DiskProcess:
         self.geometry = geometry
         self._broken: str | None = None
         self._closed = False
-        pairs = [socket.socketpair() for _ in range(max(1, connections))]
-        spec = {
+        self._pool_fd = pool.shared_fd
+        self._spec = {
             "path": str(self.root), "geometry": asdict(geometry), "num_slots": pool.num_slots,
-            "store": store_options(disk),
-            "pool_fd": pool.shared_fd, "sockets": [b.fileno() for _, b in pairs],
+            "store": store_options(disk), "pool_fd": pool.shared_fd,
             "gil_switch_interval_ms": gil_switch_interval_ms,
             "log_level": logging.getLogger("kvtier").getEffectiveLevel(),
         }
+        self._connections = max(1, connections)
+        self._start_timeout = start_timeout
+        self.respawn_after_s = respawn_after_s  # None: a lost child stays lost
+        self.respawns = 0  # children started to replace a lost one
+        self._retry_at = 0.0  # monotonic time of the next replacement try
+        self._backoff = respawn_after_s or 0.0
+        self._respawn_lock = threading.Lock()
+        self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+        self._gen = 0  # which child a connection belongs to (bumped by each replacement)
+        self._sock_gen: dict[socket.socket, int] = {}
+        self._spawn()
+        log.info("kvtier: disk tier %s served by process %d", self.root, self.pid)
+
+    def _spawn(self) -> None:
+        """Start a child and connect to it (raises what the child's store raised)."""
+        pairs = [socket.socketpair() for _ in range(self._connections)]
+        spec = dict(self._spec, sockets=[b.fileno() for _, b in pairs])
         here = str(Path(kvtier.__file__).resolve().parent.parent)  # kvtier importable there too
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, here, json.dumps(spec)],
-                pass_fds=[pool.shared_fd, *spec["sockets"]], stdin=subprocess.DEVNULL)
+                pass_fds=[self._pool_fd, *spec["sockets"]], stdin=subprocess.DEVNULL)
         finally:
             for _, theirs in pairs:
                 theirs.close()
         self.pid = self._proc.pid
         self._socks = [mine for mine, _ in pairs]
-        self._started(start_timeout)
-        self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+        self._started(self._start_timeout)
         for s in self._socks:
+            self._sock_gen[s] = self._gen
             self._free.put(s)
-        log.info("kvtier: disk tier %s served by process %d", self.root, self.pid)
 
     def _started(self, timeout: float) -> None:
         first = self._socks[0]
@@ -139,8 +164,18 @@ class DiskProcess:
               ) -> memoryview:
         request = wire.encode_request(op, slots, keys)  # bad keys raise before anything is sent
         if self._broken:
-            raise DiskProcessGone(errno.EPIPE, self._broken)
-        sock = self._free.get()
+            self._maybe_respawn()
+        while True:
+            if self._broken:
+                raise DiskProcessGone(errno.EPIPE, self._broken)
+            sock = self._free.get()
+            if self._sock_gen.get(sock) == self._gen:
+                break
+            if self._broken:  # a lost child's connection: wake the next waiter, fail
+                self._free.put(sock)
+                raise DiskProcessGone(errno.EPIPE, self._broken)
+            self._sock_gen.pop(sock, None)  # left over from a replaced child: drop it
+            sock.close()
         try:
             sock.sendall(request)
             status, payload = wire.read_reply(sock)
@@ -154,13 +189,49 @@ class DiskProcess:
 
     def _lost(self, sock: socket.socket, exc: BaseException) -> None:
         sock.close()
+        if self._sock_gen.get(sock) != self._gen:  # an earlier child's: already replaced
+            self._sock_gen.pop(sock, None)
+            return
         self._free.put(sock)  # a caller waiting for a connection gets it, fails, and says so
         if self._broken is None:
             code = self._proc.poll()
+            after = self.respawn_after_s
             self._broken = (f"kvtier disk tier: the disk I/O process {self.pid} for {self.root} "
                             f"is gone ({'exit code ' + str(code) if code is not None else exc});"
-                            f" disk reads miss and writes fail from now on")
+                            " disk reads miss and writes fail "
+                            + (f"until a new one starts (in {after:g} s)" if after is not None
+                               else "from now on"))
+            self._retry_at = time.monotonic() + (after or 0.0)
+            self._backoff = after or 0.0
             log.error("%s", self._broken)
+
+    def _maybe_respawn(self) -> None:
+        """Replace a lost child once its wait is over (one caller does; the others fail)."""
+        if (self._closed or self.respawn_after_s is None or time.monotonic() < self._retry_at
+                or not self._respawn_lock.acquire(blocking=False)):
+            return
+        try:
+            if not self._broken or self._closed:
+                return
+            if self._proc.poll() is None:  # connections broke but it lives: stop it first
+                self._proc.kill()
+            self._proc.wait()
+            old = self.pid
+            self._gen += 1
+            try:
+                self._spawn()
+            except Exception as exc:  # noqa: BLE001 - the store may be gone too: try later
+                self._backoff = min(max(2 * self._backoff, 0.1), RESPAWN_MAX_S)
+                self._retry_at = time.monotonic() + self._backoff
+                log.error("kvtier disk tier: replacing the disk I/O process for %s failed "
+                          "(%s); next try in %g s", self.root, exc, self._backoff)
+                return
+            self.respawns += 1
+            self._broken = None
+            log.warning("kvtier disk tier: disk I/O process %d replaces %d for %s "
+                        "(replacement %d)", self.pid, old, self.root, self.respawns)
+        finally:
+            self._respawn_lock.release()
 
     def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         self._call(wire.PUT, slots, keys)
