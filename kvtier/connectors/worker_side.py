@@ -53,6 +53,7 @@ from kvtier.connectors.stats import KVTierStats, direction_delta
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
                                      transient_load_keys)
+from kvtier.runtime.disk_process import DiskProcess
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView
@@ -92,6 +93,7 @@ class WorkerSide:
         self._forward: ForwardTimer | None = None
         self._stats_before: dict = {}
         self._stats_hops = 0
+        self._respawns_seen = 0  # disk I/O processes replaced, as last reported
         self._tl = timeline()
         self._fences = LayerFences(settings.layer_names)
         self._sync_reqs: dict[int, str] = {}  # this step's synchronous loads: job -> request
@@ -325,6 +327,10 @@ class WorkerSide:
             return None
         stats = KVTierStats()
         stats.add_directions(delta)
+        store = self.runtime.store
+        if isinstance(store, DiskProcess):  # a replacement follows a failed disk hop
+            stats.add("disk_process_respawns", store.respawns - self._respawns_seen)
+            self._respawns_seen = store.respawns
         return stats
 
     def has_work(self) -> bool:

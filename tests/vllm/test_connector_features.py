@@ -89,6 +89,39 @@ def test_stats_reach_vllms_stats_path(model_dir):
     rig.close()
 
 
+def test_a_killed_disk_process_is_replaced_and_vllms_stats_say_so(model_dir, tmp_path):
+    """The disk child dies under a running engine: the writes it fails are failed stores (no
+    wrong bytes), a replacement starts on the next disk call after the wait, write-back
+    resumes into it, and the replacement is counted in the stats vLLM logs."""
+    import os
+    import signal
+
+    from kvtier.runtime.disk_process import DiskProcess
+
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "d"))
+    store = rig.worker_side(0).runtime.store
+    assert isinstance(store, DiskProcess)
+    store.respawn_after_s = 0.0  # replace at the first call after the loss is noticed
+    first = store.pid
+    os.kill(first, signal.SIGKILL)
+    store._proc.wait(10)
+    make = vh.RequestMaker(BS)
+    records = []
+    for seed in range(83, 87):  # each pushes the last one's blocks out of a 4-block CPU tier
+        rig.loop.add(make(vh.random_tokens(70, seed=seed), max_tokens=1))
+        records += rig.loop.run_until_idle()
+        settle(rig)
+    total = KVTierStats()
+    for r in records:
+        for d in r.kv_connector_stats:
+            total.aggregate(KVTierStats(data=dict(d)))
+    assert store.respawns == 1 and store.pid != first
+    assert total.data.get("disk_process_respawns") == 1
+    assert store.keys_by_age(), "nothing was written back after the replacement"
+    assert not bad_checks(rig)
+    rig.close()
+
+
 def test_stats_and_worker_metadata_aggregate_across_workers():
     a = KVTierStats(data={"bytes_gpu_to_cpu": 10, "hit_tokens_cpu": 32})
     a.aggregate(KVTierStats(data={"bytes_gpu_to_cpu": 5}))
