@@ -281,4 +281,5 @@ class DiskProcess:
         if not self._closed:
             self._closed = True
             self._broken = f"kvtier disk tier: {self.root} is closed"
-            self._stop(kill=False)
+            with self._respawn_lock:  # a replacement starting now is stopped, not leaked
+                self._stop(kill=False)
