@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvtier.runtime.disk_process import DiskProcess
+from kvtier.runtime.worker import WorkerRuntime
 from kvtier.transfer.jobs import DirectionStats
 
 
@@ -69,3 +71,35 @@ def direction_delta(now: Mapping[str, DirectionStats],
         if d.jobs or d.bytes or d.failed_jobs:
             out[route] = d
     return out
+
+
+class WorkerStatsTaker:
+    """A worker's share of ``KVTierStats``: what its transfer engine moved since the last
+    take, and disk I/O processes it replaced. vLLM asks every step (decode steps too): with
+    no hop finished since, nothing is snapshotted (the busy time of hops still running goes
+    into the next delta that has one)."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self._before = runtime.engine.stats()
+        self._hops = runtime.engine.hops_done
+        self._respawns = 0
+
+    def take(self) -> KVTierStats | None:
+        engine = self.runtime.engine
+        done = engine.hops_done  # read before the snapshot: a hop in between is seen next time
+        if done == self._hops:
+            return None
+        self._hops = done
+        now = engine.stats()
+        delta = direction_delta(now, self._before)
+        self._before = now
+        if not delta:
+            return None
+        stats = KVTierStats()
+        stats.add_directions(delta)
+        store = self.runtime.store
+        if isinstance(store, DiskProcess):  # a replacement follows a failed disk hop
+            stats.add("disk_process_respawns", store.respawns - self._respawns)
+            self._respawns = store.respawns
+        return stats

@@ -49,11 +49,10 @@ from kvtier.connectors.disk_keys import register_open_store, unregister_open_sto
 from kvtier.connectors.metadata import (KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob,
                                        StoreJob)
 from kvtier.connectors.settings import ConnectorSettings
-from kvtier.connectors.stats import KVTierStats, direction_delta
+from kvtier.connectors.stats import KVTierStats, WorkerStatsTaker
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
                                      transient_load_keys)
-from kvtier.runtime.disk_process import DiskProcess
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView
@@ -91,9 +90,7 @@ class WorkerSide:
         self._errors: dict[int, int] = {}
         self._load_hops: list[tuple[str, int, float]] = []
         self._forward: ForwardTimer | None = None
-        self._stats_before: dict = {}
-        self._stats_hops = 0
-        self._respawns_seen = 0  # disk I/O processes replaced, as last reported
+        self._stats: WorkerStatsTaker | None = None
         self._tl = timeline()
         self._fences = LayerFences(settings.layer_names)
         self._sync_reqs: dict[int, str] = {}  # this step's synchronous loads: job -> request
@@ -121,8 +118,7 @@ class WorkerSide:
             register_open_store(config.disk.path, self.runtime.store)
         if self.settings.world_size == 1:
             colocated.register(self.settings.engine_id, self)
-        self._stats_before = self.runtime.engine.stats()
-        self._stats_hops = self.runtime.engine.hops_done
+        self._stats = WorkerStatsTaker(self.runtime)
         log.info("kvtier: worker rank %d: %d layers, %s, %d CPU slots%s", self.tp_rank,
                  view.num_layers, geometry.describe(), self.runtime.pool.num_slots,
                  f", disk {config.disk.path}" if config.disk is not None else "")
@@ -310,28 +306,8 @@ class WorkerSide:
         return meta
 
     def take_stats(self) -> KVTierStats | None:
-        """Transfer counters since the last call, or None. vLLM asks every step (decode steps
-        too): with no hop finished since, nothing is snapshotted (the busy time of hops still
-        running goes into the next delta that has one)."""
-        if self.runtime is None:
-            return None
-        engine = self.runtime.engine
-        done = engine.hops_done  # read before the snapshot: a hop in between is seen next time
-        if done == self._stats_hops:
-            return None
-        self._stats_hops = done
-        now = engine.stats()
-        delta = direction_delta(now, self._stats_before)
-        self._stats_before = now
-        if not delta:
-            return None
-        stats = KVTierStats()
-        stats.add_directions(delta)
-        store = self.runtime.store
-        if isinstance(store, DiskProcess):  # a replacement follows a failed disk hop
-            stats.add("disk_process_respawns", store.respawns - self._respawns_seen)
-            self._respawns_seen = store.respawns
-        return stats
+        """Transfer counters since the last call, or None (:class:`WorkerStatsTaker`)."""
+        return self._stats.take() if self._stats is not None and self.runtime else None
 
     def has_work(self) -> bool:
         return bool(self._running or self._deferred)
