@@ -214,7 +214,14 @@ def main(argv=None) -> int:
                         "default: kvtier's default)")
     p.add_argument("--cpu-bytes", type=int, default=None,
                    help="the kvtier and native configs' CPU bytes (default: the child's 16 GiB)")
-    p.add_argument("--trace", default=None, help="Mooncake trace to replay (per connector)")
+    p.add_argument("--disk-cpu-bytes", type=int, default=None,
+                   help="kvtier_disk's CPU tier bytes (default: the child's 6 GiB, small so the "
+                        "TTFT sweep's prompts reach the disk; give --cpu-bytes' value to replay "
+                        "a trace with the disk behind the same CPU tier as kvtier and native)")
+    p.add_argument("--disk-bytes", type=int, default=None,
+                   help="kvtier_disk's disk tier bytes (default: the child's 40 GiB)")
+    p.add_argument("--trace", default=None, help="Mooncake trace to replay (none, kvtier, "
+                   "native and kvtier_disk each replay it)")
     p.add_argument("--trace-requests", type=int, default=200)
     p.add_argument("--trace-offset", type=int, default=0,
                    help="skip the trace's first N requests (the bundled trace's reuse is in its "
@@ -265,6 +272,10 @@ def main(argv=None) -> int:
                 args += ["--cpu-bytes", str(a.cpu_bytes)]
             if a.gpu_kv_bytes is not None and not a.cpu_smoke:
                 args += ["--gpu-kv-bytes", str(a.gpu_kv_bytes)]
+            if disk and not a.cpu_smoke and a.disk_cpu_bytes is not None:
+                args += ["--disk-cpu-bytes", str(a.disk_cpu_bytes)]
+            if disk and not a.cpu_smoke and a.disk_bytes is not None:
+                args += ["--disk-bytes", str(a.disk_bytes)]
             if conn == "kvtier_disk_cold":
                 args += ["--disk-cold"]
             if disk and a.disk_no_fsync:
@@ -278,7 +289,7 @@ def main(argv=None) -> int:
             if conn == "check":
                 args[args.index("--lengths") + 1] = lengths.split(",")[0] + "," + lengths.split(",")[-1] \
                     if not a.cpu_smoke else lengths
-            if a.trace and shape in a.trace_shapes.split(",") and conn in ("none", "kvtier", "native"):
+            if a.trace and shape in a.trace_shapes.split(",") and conn in ("none", "kvtier", "native", "kvtier_disk"):
                 args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests),
                          "--trace-offset", str(a.trace_offset), "--trace-speedup",
                          str(a.trace_speedup), "--trace-chunks", str(a.trace_chunks)]

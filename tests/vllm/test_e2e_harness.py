@@ -59,21 +59,24 @@ def test_cpu_smoke_replays_a_trace_window_and_reports_hits_per_tier(tmp_path):
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_e2e.py"), "--cpu-smoke",
-           "--connectors", "none,kvtier", "--lengths", "", "--trace", str(trace),
+           "--connectors", "none,kvtier,kvtier_disk", "--lengths", "", "--trace", str(trace),
            "--trace-offset", "2", "--trace-requests", "8", "--trace-speedup", "5",
            "--out-dir", str(out), "--timeout", "400"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (path,) = [f for f in os.listdir(out) if f.endswith(".json")]
     replay = json.load(open(out / path))["shapes"]["tiny"]["trace"]
-    assert set(replay) == {"none", "kvtier"}
+    assert set(replay) == {"none", "kvtier", "kvtier_disk"}
     for name, r in replay.items():
         assert r["requests"] == 8 and r["trace_offset"] == 2
         assert r["prompt_tokens"] == 8 * 512  # the window's requests, each one 512-token chunk
         assert r["gpu_hit_tokens"] > 0  # three distinct chunks among eight requests
         assert r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-    tiers = replay["kvtier"]["hit_tokens_per_tier"]
-    assert set(tiers) >= {"CPU", "DISK"}
-    # kvtier's own count and vLLM's external-hit counter describe the same loads
-    assert sum(tiers.values()) >= replay["kvtier"]["external_hit_tokens"]
+    for name in ("kvtier", "kvtier_disk"):
+        tiers = replay[name]["hit_tokens_per_tier"]
+        assert set(tiers) >= {"CPU", "DISK"}
+        # kvtier's own count and vLLM's external-hit counter describe the same loads
+        assert sum(tiers.values()) >= replay[name]["external_hit_tokens"]
+    # the disk configuration wrote the window's blocks behind its small CPU tier
+    assert replay["kvtier_disk"]["kvtier"]["stored_blocks"]["DISK"] > 0
     assert "hit_tokens_per_tier" not in replay["none"]
