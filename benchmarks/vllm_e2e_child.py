@@ -231,14 +231,16 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
     reset(llm)
     cpu = thread_cpu() if a.timeline else {}
     mark(a, "client_submit", length=length, rep=r, **tags)
-    if tags.get("recompute"):  # same prompt, same process, kvtier told to stay out
-        ms, cached = timed(llm, p, BYPASS)
-    elif a.cprofile and not tags.get("miss"):
+    extra = BYPASS if tags.get("recompute") else None  # same prompt, kvtier told to stay out
+    if a.cprofile and not tags.get("miss"):  # paired recomputes apart: like with like vs none
         from cprofile_tables import profiled_call
 
-        ms, cached = profiled_call(lambda: timed(llm, p), a.cprofile,
-                                   f"{a.shape}-{a.connector}-{length}",
-                                   f"{a.shape} {a.connector} {length} tokens")
+        what = "-recompute" if extra else ""
+        ms, cached = profiled_call(lambda: timed(llm, p, extra), a.cprofile,
+                                   f"{a.shape}-{a.connector}-{length}{what}",
+                                   f"{a.shape} {a.connector}{what} {length} tokens")
+    elif extra:
+        ms, cached = timed(llm, p, extra)
     else:
         ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
     mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags,
