@@ -292,9 +292,8 @@ def main(argv=None) -> int:
             if a.trace and shape in a.trace_shapes.split(",") and conn in ("none", "kvtier", "native", "kvtier_disk"):
                 args += ["--trace", a.trace, "--trace-requests", str(a.trace_requests),
                          "--trace-offset", str(a.trace_offset), "--trace-speedup",
-                         str(a.trace_speedup), "--trace-chunks", str(a.trace_chunks)]
-                if a.cpu_smoke:
-                    args += ["--trace-chunks", "1"]
+                         str(a.trace_speedup),
+                         "--trace-chunks", "1" if a.cpu_smoke else str(a.trace_chunks)]
             marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch") \
                 or disk or (
                 a.vllm_marks and conn in ("none", "native"))  # vLLM's phases: compare like with like

@@ -59,7 +59,18 @@ def manager_counts(a) -> dict:
     return {k: dict(m.get(k) or {}) for k in keys} | {"failed_loads": m.get("failed_loads", 0)}
 
 
+def settled_counts(llm, a) -> dict:
+    """``manager_counts`` once kvtier's transfers settled and its snapshot (rewritten every
+    0.2 s) caught up; no wait for the other configurations."""
+    if not a.connector.startswith("kvtier"):
+        return {}
+    settle(llm, a)
+    time.sleep(0.5)
+    return manager_counts(a)
+
+
 def counts_delta(before: dict, after: dict) -> dict:
+    """``after - before`` key by key (counters, or per-tier dicts of counters)."""
     out: dict = {}
     for k, v in after.items():
         if isinstance(v, dict):
@@ -77,9 +88,7 @@ def replay(llm, a) -> dict:
 
     rows = trace_prompts(a)
     engine = llm.llm_engine
-    settle(llm, a)
-    time.sleep(0.5)  # the snapshot is rewritten every 0.2 s
-    kv_before = manager_counts(a)
+    kv_before = settled_counts(llm, a)
     before = metric_totals(llm)
     arrive: dict[str, float] = {}
     ttft: dict[str, float] = {}
@@ -104,21 +113,20 @@ def replay(llm, a) -> dict:
     wall = time.perf_counter() - start
     after = metric_totals(llm)
     vals = sorted(ttft.values())
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    delta = counts_delta(before, after)
     out = {"requests": len(rows), "seconds": wall, "requests_per_s": len(rows) / wall,
            "ttft_p50_ms": vals[len(vals) // 2], "ttft_p99_ms": vals[min(len(vals) - 1,
                                                                          int(len(vals) * .99))],
            "ttft_mean_ms": sum(vals) / len(vals),
            "trace_offset": a.trace_offset, "trace_chunks": a.trace_chunks,
            "trace_speedup": a.trace_speedup, "trace_span_s": rows[-1]["t"],
-           "cpu_bytes": a.cpu_bytes, "gpu_kv_bytes": a.gpu_kv_bytes,
+           "cpu_bytes": a.disk_cpu_bytes if a.connector == "kvtier_disk" else a.cpu_bytes,
+           "gpu_kv_bytes": a.gpu_kv_bytes,
            "prompt_tokens": delta.get("vllm:prompt_tokens", 0),
            "gpu_hit_tokens": delta.get("vllm:prefix_cache_hits", 0),
            "external_hit_tokens": delta.get("vllm:external_prefix_cache_hits", 0)}
     if kv_before:
-        settle(llm, a)
-        time.sleep(0.5)
-        kv = counts_delta(kv_before, manager_counts(a))
+        kv = counts_delta(kv_before, settled_counts(llm, a))
         out["kvtier"] = kv
         out["hit_tokens_per_tier"] = {t: n * a.block_size for t, n in kv["hit_blocks"].items()}
     elif a.connector == "native":
