@@ -212,6 +212,13 @@ def main(argv=None) -> int:
     p.add_argument("--gil-switch-ms", type=float, default=None,
                    help="kvtier's gil_switch_interval_ms for every kvtier config (0: Python's 5 ms; "
                         "default: kvtier's default)")
+    p.add_argument("--kvtier-json", default=None,
+                   help="a JSON object deep-merged into every kvtier config's settings (an A/B of "
+                        "one setting, e.g. '{\"tiers\": {\"cpu\": {\"pin\": false}}}'); "
+                        "its marks are labelled with --label")
+    p.add_argument("--label", default=None,
+                   help="suffix of the configurations' names on the timeline (runs compared "
+                        "in one timeline file)")
     p.add_argument("--cpu-bytes", type=int, default=None,
                    help="the kvtier and native configs' CPU bytes (default: the child's 16 GiB)")
     p.add_argument("--disk-cpu-bytes", type=int, default=None,
@@ -244,6 +251,18 @@ def main(argv=None) -> int:
                    "last timed hit per length (benchmarks/profile_summary.py reads them)")
     p.add_argument("--cprofile", default=None, help="directory for cProfile text of the timed "
                    "hits per length and configuration (function-level host time)")
+    p.add_argument("--pyspy", type=int, default=0,
+                   help="after each sweep, this many 16-token requests computed under py-spy "
+                        "(native frames; --pyspy-bin), profiles in OUT_DIR/pyspy")
+    p.add_argument("--pyspy-bin", default="py-spy")
+    p.add_argument("--quiet-core", action="store_true",
+                   help="before each timed request, pin the engine thread to the vCPU that runs "
+                        "a short Python probe fastest at that moment (the lent machines' vCPUs "
+                        "differ 1.5-1.9x and change within a minute): configurations compared "
+                        "on equally quiet cores")
+    p.add_argument("--cpu-scan", type=int, default=0,
+                   help="after each sweep, this many 16-token requests computed with the engine "
+                        "thread pinned to each allowed CPU in turn (vCPUs differ in speed)")
     a = p.parse_args(argv)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])
@@ -282,6 +301,10 @@ def main(argv=None) -> int:
                 args += ["--disk-no-fsync"]
             if conn.startswith("kvtier") and a.gil_switch_ms is not None:
                 args += ["--gil-switch-ms", str(a.gil_switch_ms)]
+            if conn.startswith("kvtier") and a.kvtier_json:
+                args += ["--kvtier-json", a.kvtier_json]
+            if a.label:
+                args += ["--label", f"{conn}@{a.label}"]
             if a.cpu_smoke:
                 args += ["--block-size", "32", "--cpu-bytes", str(64 << 20),
                          "--disk-cpu-bytes", str(8 << 20), "--disk-bytes", str(256 << 20),
@@ -305,6 +328,13 @@ def main(argv=None) -> int:
                 args += ["--profile", a.profile]
             if a.cprofile:
                 args += ["--cprofile", a.cprofile]
+            if a.quiet_core:
+                args += ["--quiet-core"]
+            if a.cpu_scan and conn != "check":
+                args += ["--cpu-scan", str(a.cpu_scan)]
+            if a.pyspy and conn != "check":
+                args += ["--pyspy", str(a.pyspy), "--pyspy-bin", a.pyspy_bin,
+                         "--pyspy-dir", os.path.join(a.out_dir, "pyspy")]
             os.makedirs(os.path.join(a.out_dir, "logs"), exist_ok=True)
             out = run_child(args, env, a.timeout,
                             os.path.join(a.out_dir, "logs", f"{shape}-{conn}.log"))
@@ -326,6 +356,17 @@ def main(argv=None) -> int:
                 res["ttft"].setdefault(length, {})[col] = summarize(samples)
             if out.get("trace"):
                 res["trace"][conn] = out["trace"]
+            if out.get("cpu_scan"):
+                res.setdefault("cpu_scan", {})[conn] = out["cpu_scan"]
+                print(f"  {conn}: 16-token ms per CPU: " + ", ".join(
+                    f"{c}:{v['ms']}" for c, v in out["cpu_scan"].items()), flush=True)
+                print(f"  {conn}: python probe ms per CPU: " + ", ".join(
+                    f"{c}:{v['python_ms']}" for c, v in out["cpu_scan"].items()), flush=True)
+            if out.get("sampled_loop"):
+                res.setdefault("sampled_loop", {})[conn] = out["sampled_loop"]
+                loop = out["sampled_loop"]["ms"]
+                print(f"  {conn}: sampled 16-token loop median {statistics.median(loop):.2f} ms "
+                      f"(n={len(loop)}); {out['sampled_loop']['pyspy'][-200:]}", flush=True)
             if out.get("kvtier_stats"):
                 res.setdefault("kvtier_stats", {})[conn] = out["kvtier_stats"].get("manager")
                 if out["kvtier_stats"].get("cost"):

@@ -82,12 +82,23 @@ def transfer_config(a):
                         "stats": {"snapshot_path": a.snapshot, "interval_s": 0.2}}}
     if a.gil_switch_ms is not None:
         extra["kvtier"]["gil_switch_interval_ms"] = a.gil_switch_ms
+    if a.kvtier_json:  # an A/B of one setting (pool pinning, stats thread, ...)
+        merge(extra["kvtier"], json.loads(a.kvtier_json))
     if a.sync_budget is not None:
         extra["sync_load_budget_bytes"] = a.sync_budget
     return KVTransferConfig(kv_connector="KVTierConnector",
                             kv_connector_module_path="kvtier.connectors.vllm",
                             kv_role="kv_both", kv_load_failure_policy="recompute",
                             kv_connector_extra_config=extra)
+
+
+def merge(into: dict, extra: dict) -> None:
+    """Deep-merge ``extra`` into ``into`` (mappings merged, anything else replaced)."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def make_llm(a, model_dir: str):
@@ -198,6 +209,8 @@ def ttft_sweep(llm, a) -> dict:
         for length in a.lengths:
             disk_hits(llm, a, length, out)
         return out
+    from vllm_e2e_diag import ab_switch
+
     switch = ab_switch(a)
     for length in a.lengths:
         for r in range(a.reps):
@@ -226,10 +239,15 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
     """One timed request after a GPU prefix-cache reset, marked on the timeline (``tags``
     too, and the CPU time of each busy thread of the process during the request) and
     appended to ``out[key]`` as (ms, cached tokens)."""
-    from host_probe import thread_cpu, thread_cpu_delta
+    from host_probe import engine_counters, engine_delta, thread_cpu, thread_cpu_delta
 
     reset(llm)
+    if a.quiet_core:  # the request runs on the fastest vCPU of the moment (host_probe.py)
+        from host_probe import quiet_core
+
+        tags["core"], tags["core_probe_ms"] = quiet_core(a.quiet_core)
     cpu = thread_cpu() if a.timeline else {}
+    engine = engine_counters() if a.timeline else {}
     mark(a, "client_submit", length=length, rep=r, **tags)
     extra = BYPASS if tags.get("recompute") else None  # same prompt, kvtier told to stay out
     if a.cprofile and not tags.get("miss"):  # paired recomputes apart: like with like vs none
@@ -243,8 +261,9 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
         ms, cached = timed(llm, p, extra)
     else:
         ms, cached = profiled(llm, p, a, length) if profile else timed(llm, p)
-    mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, **tags,
-         **({"thread_cpu_ms": thread_cpu_delta(cpu)} if cpu else {}))
+    mark(a, "client_done", length=length, rep=r, ms=ms, cached=cached, connector=a.label,
+         **tags, **({"thread_cpu_ms": thread_cpu_delta(cpu)} if cpu else {}),
+         **({"engine": engine_delta(engine)} if engine else {}))
     out.setdefault(key, []).append((ms, cached))
 
 
@@ -268,47 +287,10 @@ def disk_hits(llm, a, length: int, out: dict) -> None:
         # the paired recompute goes first: the hit promotes the prompt into the CPU tier
         timed_rep(llm, a, p, length, r, out, f"{length}:recompute", recompute=True)
         if a.disk_cold:
+            from vllm_e2e_diag import drop_page_cache
+
             drop_page_cache(a.disk_dir)
         timed_rep(llm, a, p, length, r, out, str(length))
-
-
-def drop_page_cache(root: str) -> None:
-    """Ask the kernel to drop the cached pages of every file under ``root`` (no root
-    privileges needed: POSIX_FADV_DONTNEED on clean pages)."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-
-
-def ab_switch(a):
-    """The paired A/B's switch (a function of True/False), or None. ``kvtier_ab``: synchronous
-    loads started early (True) or at ``start_load_kv``; ``kvtier_ab_tail``: a hit reaching the
-    last prompt token loads its last block whole (True: one token computed, a full CUDA graph)
-    or stops at the block before (a block of tokens computed, per-layer fences)."""
-    if a.connector not in ("kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch"):
-        return None
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker = getattr(get_kv_transfer_group(), "_worker", None)
-    if worker is None or not hasattr(worker, "early_loads"):
-        raise RuntimeError(f"{a.connector} needs the in-process engine "
-                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    if a.connector == "kvtier_ab":
-        return lambda on: setattr(worker, "early_loads", on)
-    if a.connector == "kvtier_ab_prefetch":
-        return lambda on: setattr(worker, "prefetch_loads", on)
-    side = a.llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
-    return lambda on: setattr(side, "whole_tail_max_bytes", float("inf") if on else 0)
 
 
 def progress(msg: str) -> None:
@@ -361,8 +343,25 @@ def main(argv=None) -> None:
                    help="with --timeline: also mark vLLM's own step phases (vllm_marks.py)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for this process (GIL hand-over), seconds")
+    p.add_argument("--kvtier-json", default=None,
+                   help="a JSON object deep-merged into kvtier's configuration")
+    p.add_argument("--label", default=None,
+                   help="the configuration's name on timeline marks (default: --connector)")
+    p.add_argument("--pyspy", type=int, default=0,
+                   help="after the sweep: this many 16-token requests computed, sampled by "
+                        "py-spy (--pyspy-bin) into --pyspy-dir")
+    p.add_argument("--pyspy-bin", default="py-spy")
+    p.add_argument("--quiet-core", action="store_true",
+                   help="pin the engine thread to the fastest vCPU of the moment before each "
+                        "timed request of the sweep (host_probe.quiet_core)")
+    p.add_argument("--cpu-scan", type=int, default=0,
+                   help="after the sweep: this many 16-token requests with the engine thread "
+                        "pinned to each allowed CPU in turn")
+    p.add_argument("--pyspy-dir", default="/tmp/kvtier-e2e-pyspy")
     p.add_argument("--workdir", default="/tmp/kvtier-e2e")
     a = p.parse_args(argv)
+    a.label = a.label or a.connector
+    a.quiet_core = sorted(os.sched_getaffinity(0)) if a.quiet_core else None
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     a.vocab = VOCAB[a.shape]
     if not a.disk_dir:  # our own directory, one per geometry and mode: start it empty
@@ -405,7 +404,19 @@ def main(argv=None) -> None:
               "host_probe": probes}
     probes.append(probe("engine up"))
     result["ttft"] = ttft_sweep(llm, a)
+    if a.quiet_core:  # the engine thread may use every CPU again
+        os.sched_setaffinity(0, a.quiet_core)
     probes.append(probe("after the sweep"))
+    if a.cpu_scan:
+        from vllm_e2e_diag import cpu_scan
+
+        progress("CPU scan")
+        result["cpu_scan"] = cpu_scan(llm, a)
+    if a.pyspy:
+        from vllm_e2e_diag import sampled_loop
+
+        progress("sampled loop")
+        result["sampled_loop"] = sampled_loop(llm, a)
     if a.trace:
         reset(llm)
         progress("trace replay")

@@ -100,6 +100,40 @@ def test_small_loads_teach_a_fixed_cost_charged_once_per_load():
     assert m.worth_loading([CPU]) == 1
 
 
+def test_a_hit_ending_the_prompt_is_loaded_despite_the_cpu_tiers_fixed_cost():
+    """Real vLLM, H100, 1B shape: a one-block CPU hit taught a fixed cost (0.86 ms) above the
+    block's recompute estimate (0.09 ms from large forwards), so the 16-token prompt was
+    recomputed: 11.7 ms, against 6.7 ms loaded (the step then computes one token, a full CUDA
+    graph). A hit that ends the prompt saves the prefill step itself: the CPU fixed cost is not
+    charged against loading all of it. Elsewhere, and for the disk's fixed cost, it still is."""
+    m = LoadCostModel(block_bytes=512 << 10, block_tokens=BLOCK_TOKENS,
+                      recompute_s_per_token=0.0892e-3 / BLOCK_TOKENS, probe_every=0)
+    assert m.record_load(CPU, 1 << 30, (1 << 30) / (37 * GB))
+    assert not m.record_load(CPU, 512 << 10, 0.866e-3)  # a one-block hop: fixed cost only
+    assert m.bandwidth[CPU].fixed_s > m.recompute_block_s
+    assert m.worth_loading([CPU]) == 0  # a block in the middle of a prompt: recomputed
+    assert m.worth_loading([CPU], ends_prompt=True) == 1  # the whole prompt: loaded
+    assert m.worth_loading([CPU] * 3, ends_prompt=True) == 3
+    cuts = m.cuts
+    assert m.worth_loading([CPU] * 3) == 0 and m.cuts == cuts + 1
+    # a disk promotion's fixed cost is not waived: it can exceed the prefill step
+    assert not m.record_load(DISK, 512 << 10, 8e-3)
+    assert m.worth_loading([DISK], ends_prompt=True) == 0
+    assert m.worth_loading([CPU, DISK], ends_prompt=True) == 0
+
+
+def test_the_manager_passes_ends_prompt_only_for_a_hit_on_every_key():
+    cost = LoadCostModel(block_bytes=512 << 10, block_tokens=BLOCK_TOKENS,
+                         recompute_s_per_token=0.0892e-3 / BLOCK_TOKENS, probe_every=0)
+    cost.record_load(CPU, 512 << 10, 0.866e-3)
+    m = TieredOffloadingManager(cpu_blocks=8, cost=cost)
+    m.complete_store(m.prepare_store([b"a"]).keys)
+    assert m.lookup([b"a"], ends_prompt=True).num_hits == 1
+    assert m.lookup([b"a"]).num_hits == 0
+    # a hit on the first key only does not end the prompt: its step still computes a block
+    assert m.lookup([b"a", b"b"], ends_prompt=True).num_hits == 0
+
+
 def test_bandwidth_estimate_follows_change_and_ignores_nonsense():
     bw = LoadBandwidth(prior_bytes_per_s=7 * GB)
     assert bw.bytes_per_s == 7 * GB

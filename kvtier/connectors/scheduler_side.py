@@ -151,7 +151,9 @@ class SchedulerSide(JobSettling):
         if stop <= start:
             return 0, False
         keys = self.keymap.keys(request, start, stop)
-        found = self.manager.lookup(keys, sighting=not t.sighted)
+        # all of them loaded, the step computes the last token only (hit_claim.py)
+        ends = stop // per * bt >= request.num_tokens - 1
+        found = self.manager.lookup(keys, sighting=not t.sighted, ends_prompt=ends)
         t.sighted = True
         if found.pending:  # the shared tier is being asked: vLLM asks again next step
             return None, False

@@ -45,11 +45,14 @@ class OffloadingManager(ABC):
 
     # ------------------------------------------------------------------ loads
     @abstractmethod
-    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True,
+               ends_prompt: bool = False) -> LookupResult:
         """Leading run of ``keys`` that is ready to load, and the tier of each hit.
 
         ``sighting``: count this as one sighting of the keys for admission. A caller asking
-        again about the same request (vLLM does, every step it waits) passes False."""
+        again about the same request (vLLM does, every step it waits) passes False.
+        ``ends_prompt``: a hit on all of ``keys`` leaves the engine one token to compute (a
+        one-token step instead of a prefill), which cost-aware loading counts as a saving."""
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:

@@ -106,7 +106,8 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
             self._restore_disk(initial_disk_keys, stale_disk_keys)
 
     # ------------------------------------------------------------------ lookups and loads
-    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True,
+               ends_prompt: bool = False) -> LookupResult:
         self.stats.lookups += 1
         self.stats.lookup_blocks += len(keys)
         if sighting:
@@ -127,7 +128,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         if self._extend_with_remote(keys, tiers):  # the server's answer is on its way
             return LookupResult(tuple(tiers), pending=True)
         if self.cost is not None and tiers:
-            keep = self.cost.worth_loading(tiers)
+            keep = self.cost.worth_loading(tiers, ends_prompt and len(tiers) == len(keys))
             for medium in tiers[keep:]:  # resident, but recomputing them is faster
                 self.stats.skipped_slower_than_recompute[medium.value] += 1
             del tiers[keep:]

@@ -36,8 +36,9 @@ class ManagerWrapper(OffloadingManager):
     def __init__(self, inner: OffloadingManager) -> None:
         self.inner = inner
 
-    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
-        return self.inner.lookup(keys, sighting)
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True,
+               ends_prompt: bool = False) -> LookupResult:
+        return self.inner.lookup(keys, sighting, ends_prompt)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         return self.inner.prepare_load(keys)
@@ -108,10 +109,11 @@ class StoreThresholdAdmission(ManagerWrapper):
         self.policy = SightingThreshold(threshold, max_tracked)
         self.rejected = 0
 
-    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True) -> LookupResult:
+    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True,
+               ends_prompt: bool = False) -> LookupResult:
         if sighting:
             self.policy.record_lookup(keys)
-        return self.inner.lookup(keys, sighting)
+        return self.inner.lookup(keys, sighting, ends_prompt)
 
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
         # Prefix semantics: blocks behind a refused one cannot be hit until it is stored, so
