@@ -1,0 +1,86 @@
+"""The host-side instruments of the real-vLLM harness, without a GPU: the engine thread's
+per-request counters (``host_probe.engine_counters``), the quiet-core pin, and the two
+tabulators that turn a run's marks and py-spy profiles into comparisons."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import host_probe  # noqa: E402
+import pyspy_summary  # noqa: E402
+import request_counters  # noqa: E402
+
+LINUX = sys.platform.startswith("linux") and os.path.exists("/proc/thread-self/stat")
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/thread-self")
+def test_engine_counters_see_this_threads_page_faults_and_the_collectors_passes():
+    before = host_probe.engine_counters()
+    assert {"minflt", "majflt", "vcsw", "ivcsw", "gc_ms", "gc_passes"} <= before.keys()
+    buf = bytearray(32 << 20)  # fresh pages: faulted in by this thread
+    buf[::4096] = b"x" * len(buf[::4096])
+    gc.collect()
+    gc.collect()
+    delta = host_probe.engine_delta(before)
+    assert delta["minflt"] >= 1000  # 32 MiB is 8192 pages of 4 KiB (fewer if huge pages)
+    assert delta["gc_passes"] >= 2 and delta["gc_ms"] >= 0.0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_quiet_core_pins_this_thread_to_one_allowed_cpu_and_reports_its_probe():
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        cpu, ms = host_probe.quiet_core(allowed)
+        assert cpu in allowed and os.sched_getaffinity(0) == {cpu}
+        assert 0 < ms < 1000
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _mark(**kw):
+    return json.dumps({"t": 1.0, "pid": 1, "who": "client", "ev": "client_done", **kw}) + "\n"
+
+
+def test_request_counters_group_by_configuration_length_and_kind(tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    path.write_text(
+        _mark(connector="none", length=16, ms=7.0, cached=0, core_probe_ms=0.4,
+              thread_cpu_ms={"MainThread": [8.0, 0.1]}, engine={"minflt": 3, "gc_ms": 0.5})
+        + _mark(connector="none", length=16, ms=9.0, cached=0, core_probe_ms=0.6,
+                thread_cpu_ms={"MainThread": [10.0, 0.3], "kvtier-stats": [0.7, 0.0]},
+                engine={"minflt": 5, "gc_ms": 0.0})
+        + _mark(connector="kvtier", length=16, ms=6.0, cached=15)
+        + _mark(connector="kvtier", length=16, ms=8.0, cached=0, recompute=True)
+        + _mark(connector="kvtier", length=16, ms=11.0, cached=0, miss=True)
+        + json.dumps({"ev": "client_submit", "length": 16}) + "\n")
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line.split("|")[4:-1]
+            for line in request_counters.table([str(path)])[2:]}
+    assert set(rows) == {("none", "16", "computed"), ("kvtier", "16", "hit"),
+                         ("kvtier", "16", "recompute"), ("kvtier", "16", "miss")}
+    n, ms, probe, cpu, _wait, others, minflt = (c.strip() for c in rows[("none", "16", "computed")][:7])
+    assert (n, ms, probe, cpu, others, minflt) == ("2", "8.00", "0.50", "9.00", "0.35", "4.00")
+    assert rows[("kvtier", "16", "hit")][1].strip() == "6.00"
+    assert rows[("kvtier", "16", "hit")][2].strip() == "-"  # no probe on that mark
+
+
+def test_pyspy_summary_counts_one_threads_leaf_and_inclusive_frames(tmp_path):
+    path = tmp_path / "1b-none.txt"
+    path.write_text(
+        "thread (11): MainThread;main (x.py:3);step (engine.py:10);cuLaunchKernel (libcuda.so) 7\n"
+        "thread (11): MainThread;main (x.py:3);step (engine.py:12) 3\n"
+        "thread (11): MainThread;main (x.py:3);0x7f00 (libc.so.6) 2\n"
+        "thread (12): kvtier-stats;run (snapshot.py:5) 50\n"
+        "not a profile line\n")
+    leaf, inclusive, total = pyspy_summary.load(str(path), "MainThread")
+    assert total == 12
+    assert leaf == {"cuLaunchKernel (libcuda.so)": 7, "step (engine.py)": 3, "[libc.so.6]": 2}
+    assert inclusive["main (x.py)"] == 12 and inclusive["step (engine.py)"] == 10
+    assert pyspy_summary.load(str(path), "kvtier-stats")[2] == 50
