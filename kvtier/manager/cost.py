@@ -155,12 +155,15 @@ class LoadCostModel:
         ``ends_prompt``: loading all of them leaves vLLM one token to compute, so the step
         becomes a one-token step (a full CUDA graph) instead of a prefill. That saves the
         prefill step's own overhead, which the per-token recompute estimate (timed on large
-        forwards) does not see, and which exceeds a CPU load's fixed cost (the host's enqueue
-        of a copy that runs under the step's input preparation). Measured on an H100, 1B
-        shape, one 16-token block (vllm_e2e.py, quiet cores): loaded 6.7 ms; recomputed
-        after a lookup 11.7 ms, with no connector 7.3 ms. So the CPU tier's fixed cost is not
-        charged against loading all of such a hit; a disk or shared tier's still is (a
-        promotion's wait is longer than a prefill step)."""
+        forwards) does not see. Where a small prefill is launch-bound it exceeds a CPU load's
+        fixed cost (the host's enqueue of a copy that runs under the step's input
+        preparation). Measured on an H100 (vllm_e2e.py, quiet cores), one 16-token block:
+        1B shape loaded 6.2-6.7 ms, recomputed after a lookup 11.7 ms, with no connector
+        7.1-7.9 ms; 8B shape (a prefill that is weight-bound, like the one-token step)
+        loaded 11.1-12.0 ms against 10.2-13.1 ms with no connector, near break-even. So the
+        CPU tier's fixed cost is not charged against loading all of such a hit; a disk or
+        shared tier's still is (a promotion's wait is longer than a prefill step). Measuring
+        the step's premium per model instead is left open."""
         if not tiers:
             return 0
         used = set(tiers)
