@@ -130,16 +130,53 @@ def thread_cpu_delta(before: dict, min_ms: float = 0.5) -> dict[str, list[float]
     return out
 
 
-_GC_TOTAL = [0.0, 0]  # milliseconds and passes of every collection, since the callback came in
-_GC_STARTED = [0.0]
+class _GcTimer:
+    """The one garbage-collector callback of this process: times every pass, adds it to the
+    totals ``engine_counters`` reads, and marks passes of at least ``mark_min_ms`` on the
+    timeline once ``mark_gc_pauses`` asked for it (a long full pass with a census of what it
+    walked)."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.ms = 0.0
+        self.passes = 0
+        self.mark_min_ms: float | None = None
+        self.censuses = 0
+
+    def install(self) -> None:
+        import gc
+
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self.started) * 1e3
+        self.ms += ms
+        self.passes += 1
+        if self.mark_min_ms is not None and ms >= self.mark_min_ms:
+            self._mark(ms, info)
+
+    def _mark(self, ms: float, info: dict) -> None:
+        import collections
+        import gc
+
+        from kvtier.connectors.timeline import timeline
+
+        fields = {}
+        if info.get("generation") == 2 and ms >= 100 and self.censuses < 4:
+            self.censuses += 1  # what a long full pass walked (taken after it was timed)
+            objs = gc.get_objects()
+            top = collections.Counter(type(o).__qualname__ for o in objs).most_common(8)
+            fields = {"tracked": len(objs), "top": top}
+            del objs
+        timeline().mark("python", "gc", generation=info.get("generation"), ms=round(ms, 2),
+                        collected=info.get("collected"), **fields)
 
 
-def _count_gc(phase: str, _info: dict) -> None:
-    if phase == "start":
-        _GC_STARTED[0] = time.perf_counter()
-    else:
-        _GC_TOTAL[0] += (time.perf_counter() - _GC_STARTED[0]) * 1e3
-        _GC_TOTAL[1] += 1
+_GC = _GcTimer()
 
 
 def engine_counters() -> dict[str, float]:
@@ -147,17 +184,13 @@ def engine_counters() -> dict[str, float]:
     context switches (``/proc/thread-self``) and the process's garbage-collector time so far.
     A thread that ran as long as the wall clock but slower shows here why: faults (kernel
     time), involuntary switches (a core taken away), or collections."""
-    import gc
-
-    if _count_gc not in gc.callbacks:
-        gc.callbacks.append(_count_gc)
-    out = {"gc_ms": _GC_TOTAL[0], "gc_passes": _GC_TOTAL[1]}
+    _GC.install()
+    out = {"gc_ms": _GC.ms, "gc_passes": _GC.passes}
     try:
         with open("/proc/thread-self/stat") as f:
             fields = f.read().rpartition(")")[2].split()  # after the command name
-        # fields[0] is the state (field 3): minflt is field 10, majflt 12, utime 14, stime 15
-        out.update(minflt=int(fields[7]), majflt=int(fields[9]),
-                   stime_ticks=int(fields[12]))
+        # fields[0] is the state (field 3): minflt is field 10, majflt field 12
+        out.update(minflt=int(fields[7]), majflt=int(fields[9]))
         with open("/proc/thread-self/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
@@ -181,26 +214,5 @@ def engine_delta(before: dict) -> dict[str, float]:
 def mark_gc_pauses(min_ms: float = 1.0) -> None:
     """Timeline marks for garbage-collector passes longer than ``min_ms`` (a pause of the
     engine thread that would look like a slow hit)."""
-    import collections
-    import gc
-
-    from kvtier.connectors.timeline import timeline
-
-    started = [0.0]
-    censuses = [0]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            started[0] = time.perf_counter()
-        elif (ms := (time.perf_counter() - started[0]) * 1e3) >= min_ms:
-            fields = {}
-            if info.get("generation") == 2 and ms >= 100 and censuses[0] < 4:
-                censuses[0] += 1  # what a long full pass walked (taken after it was timed)
-                objs = gc.get_objects()
-                top = collections.Counter(type(o).__qualname__ for o in objs).most_common(8)
-                fields = {"tracked": len(objs), "top": top}
-                del objs
-            timeline().mark("python", "gc", generation=info.get("generation"), ms=round(ms, 2),
-                            collected=info.get("collected"), **fields)
-
-    gc.callbacks.append(on_gc)
+    _GC.mark_min_ms = min_ms
+    _GC.install()

@@ -245,7 +245,7 @@ def timed_rep(llm, a, p: list[int], length: int, r: int, out: dict, key: str, *,
     if a.quiet_core:  # the request runs on the fastest vCPU of the moment (host_probe.py)
         from host_probe import quiet_core
 
-        tags["core"], tags["core_probe_ms"] = quiet_core(a.quiet_core)
+        tags["core"], tags["core_probe_ms"] = quiet_core(a.cpus)
     cpu = thread_cpu() if a.timeline else {}
     engine = engine_counters() if a.timeline else {}
     mark(a, "client_submit", length=length, rep=r, **tags)
@@ -361,7 +361,7 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="/tmp/kvtier-e2e")
     a = p.parse_args(argv)
     a.label = a.label or a.connector
-    a.quiet_core = sorted(os.sched_getaffinity(0)) if a.quiet_core else None
+    a.cpus = sorted(os.sched_getaffinity(0))  # --quiet-core and --cpu-scan pin within these
     a.lengths = [int(x) for x in a.lengths.split(",") if x]
     a.vocab = VOCAB[a.shape]
     if not a.disk_dir:  # our own directory, one per geometry and mode: start it empty
@@ -405,7 +405,7 @@ def main(argv=None) -> None:
     probes.append(probe("engine up"))
     result["ttft"] = ttft_sweep(llm, a)
     if a.quiet_core:  # the engine thread may use every CPU again
-        os.sched_setaffinity(0, a.quiet_core)
+        os.sched_setaffinity(0, a.cpus)
     probes.append(probe("after the sweep"))
     if a.cpu_scan:
         from vllm_e2e_diag import cpu_scan

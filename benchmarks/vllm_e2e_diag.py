@@ -24,6 +24,19 @@ import time
 from vllm_e2e_child import BYPASS, gen, reset, timed, tokens
 
 
+def computed_16(llm, a, seed: int, n: int) -> list[float]:
+    """One 16-token prompt (``seed``) computed once to warm up, then ``n`` times after a GPU
+    prefix-cache reset (kvtier told to stay out, as its paired recomputes are): the times, ms."""
+    p = tokens(16, seed, a.vocab)
+    extra = BYPASS if a.connector.startswith("kvtier") else None
+    gen(llm, p, extra_args=extra)
+    ms = []
+    for _ in range(n):
+        reset(llm)
+        ms.append(timed(llm, p, extra)[0])
+    return ms
+
+
 def sampled_loop(llm, a) -> dict:
     """``--pyspy N``: N requests of one 16-token prompt computed again and again (kvtier told to
     stay out, as its paired recomputes are), sampled by py-spy with native frames: where the
@@ -34,19 +47,13 @@ def sampled_loop(llm, a) -> dict:
     import subprocess
 
     ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, any
-    p = tokens(16, 4242, a.vocab)
-    extra = BYPASS if a.connector.startswith("kvtier") else None
-    gen(llm, p, extra_args=extra)  # warm
     path = os.path.join(a.pyspy_dir, f"{a.shape}-{a.label}.txt")
     os.makedirs(a.pyspy_dir, exist_ok=True)
     spy = subprocess.Popen([a.pyspy_bin, "record", "--pid", str(os.getpid()), "--rate", "1000",
                             "--native", "--threads", "--idle", "--format", "raw",
                             "--output", path], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(2.0)  # py-spy attached and sampling
-    ms = []
-    for _ in range(a.pyspy):
-        reset(llm)
-        ms.append(round(timed(llm, p, extra)[0], 2))
+    ms = [round(x, 2) for x in computed_16(llm, a, 4242, a.pyspy)]
     spy.send_signal(signal.SIGINT)
     try:
         err = spy.communicate(timeout=60)[1].decode(errors="replace")[-400:]
@@ -65,22 +72,15 @@ def cpu_scan(llm, a) -> dict:
     compare configurations CPU by CPU."""
     from host_probe import python_ms
 
-    allowed = a.quiet_core or sorted(os.sched_getaffinity(0))
-    p = tokens(16, 4343, a.vocab)
-    extra = BYPASS if a.connector.startswith("kvtier") else None
     out = {}
     try:
-        for cpu in allowed:
+        for cpu in a.cpus:
             os.sched_setaffinity(0, {cpu})  # this thread only (the engine's, in-process)
-            gen(llm, p, extra_args=extra)
-            ms = []
-            for _ in range(a.cpu_scan):
-                reset(llm)
-                ms.append(timed(llm, p, extra)[0])
+            ms = computed_16(llm, a, 4343, a.cpu_scan)
             out[str(cpu)] = {"ms": round(statistics.median(ms), 2),
                              "min": round(min(ms), 2), "python_ms": python_ms(3)}
     finally:
-        os.sched_setaffinity(0, allowed)
+        os.sched_setaffinity(0, a.cpus)
     return out
 
 

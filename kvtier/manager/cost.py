@@ -179,7 +179,7 @@ class LoadCostModel:
             if medium not in paid:  # a tier's fixed cost, once per load
                 paid.add(medium)
                 acc -= fixed[medium]
-            if n == len(tiers) and Medium.CPU in paid:
+            if n == len(tiers):  # all of them (waived is 0 unless the CPU tier is used)
                 acc += waived
             if acc > best:
                 best, best_n = acc, n
