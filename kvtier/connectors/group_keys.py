@@ -67,6 +67,12 @@ class GroupKeyMap(KeyMap):
         block, group = divmod(index, self.per_block)
         return list(block_ids[group][block:block + 1])
 
+    def allocated(self, block_ids: Any, start: int, stop: int) -> list[int]:
+        return [i for i in range(start, stop) if all(self.gpu_ids(block_ids, i))]
+
+    def gpu_ids_of(self, block_ids: Any, indices: list[int]) -> tuple[int, ...]:
+        return tuple(b for i in indices for b in self.gpu_ids(block_ids, i))
+
     def tokens(self, request: Any, index: int) -> list[int]:
         return super().tokens(request, index // self.per_block)
 

@@ -120,6 +120,23 @@ class KeyMap:
     def gpu_ids(self, block_ids: Any, index: int) -> list[int]:
         return self.engine_ids(block_ids, index, 1)
 
+    def allocated(self, block_ids: Any, start: int, stop: int) -> list[int]:
+        """Indices in ``start .. stop - 1`` whose engine blocks are all allocated (none is the
+        null block 0). One slice and one scan for the usual all-allocated run: a store plans
+        every block of a prompt in one scheduler step, on the first token's path."""
+        k = self.engine_per_block
+        ids = block_ids[start * k:stop * k]
+        if 0 not in ids:
+            return list(range(start, stop))
+        return [i for i in range(start, stop)
+                if 0 not in ids[(i - start) * k:(i - start + 1) * k]]
+
+    def gpu_ids_of(self, block_ids: Any, indices: list[int]) -> tuple[int, ...]:
+        """Engine block ids of the kvtier blocks ``indices`` (ascending), flat, in order."""
+        if indices and indices[-1] - indices[0] == len(indices) - 1:  # one contiguous run
+            return tuple(self.engine_ids(block_ids, indices[0], len(indices)))
+        return tuple(b for i in indices for b in self.gpu_ids(block_ids, i))
+
     def tokens(self, request: Any, index: int) -> list[int]:
         bt = self.block_tokens
         return list(request.all_token_ids[index * bt:(index + 1) * bt])

@@ -22,7 +22,8 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   its token is out, and the copy overlaps the next step's forward instead of its output.
   Sliding-window and hybrid models plan in the step itself: vLLM frees a running request's
   blocks that leave the window at the next step's allocation, before a late plan could read
-  them.
+  them. With vLLM's async scheduling "the next step" is launched before the prompt step's
+  token is returned, so a prompt's store waits one step more (``_first_token_pending``).
 * ``on_worker_output``: counts worker reports per job; a complete job settles the manager's
   prepare call (``complete_load`` with the failed keys, ``complete_store``,
   ``complete_background``). A load that joined a promotion settles after it.
@@ -37,7 +38,6 @@ from typing import Any, Iterable
 
 from kvtier.connectors import colocated
 from kvtier.connectors.compat.hints import request_hints
-from kvtier.connectors.compat.req_data import written_block_ids
 from kvtier.connectors.disk_keys import restored_keys
 from kvtier.connectors.remote import open_remote_directory
 from kvtier.connectors.events import VllmEventConverter
@@ -53,22 +53,23 @@ from kvtier.connectors.metadata import (
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadJob,
-    StoreJob,
+
 )
 from kvtier.connectors.requests import KeyMap, RequestParams, RequestTrack
 from kvtier.connectors.settings import ConnectorSettings
 from kvtier.connectors.settle import JobSettling
+from kvtier.connectors.store_plan import StorePlanning
 from kvtier.connectors.stats import KVTierStats
 from kvtier.connectors.timeline import timeline
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission
 from kvtier.manager.factory import build_manager
 from kvtier.manager.retention import apply_retention_hint
-from kvtier.manager.specs import BlockKey, Medium, RequestContext
+from kvtier.manager.specs import BlockKey, Medium
 
 log = logging.getLogger(__name__)
 
 
-class SchedulerSide(JobSettling):
+class SchedulerSide(JobSettling, StorePlanning):
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         bb = settings.block_bytes
@@ -276,86 +277,7 @@ class SchedulerSide(JobSettling):
         t = self.tracks.get(request.request_id)
         return dict(t.hit_tokens) if t is not None else {}
 
-    # ------------------------------------------------------------------ stores
-    def _remember(self, request: Any, index: int, key: BlockKey) -> None:
-        if not self._describe:
-            return
-        before = self.keymap.parent_index(index)
-        parent = self.keymap.key(request, before) if before >= 0 else None
-        lora = getattr(request, "lora_request", None)
-        self._events.remember(key, self.keymap.tokens(request, index), parent,
-                              getattr(lora, "lora_name", None))
-
-    def _store_stop(self, t: RequestTrack, scheduled: int = 0) -> int:
-        """Index past the last kvtier block that is full and computed once ``scheduled`` more
-        tokens are.
-
-        build_connector_meta runs before vLLM adds the current step's tokens, so with
-        ``scheduled`` 0 this counts the blocks of earlier steps only, whose forwards the worker
-        enqueued before this step's hooks; tokens not known yet (speculative drafts) are never
-        stored."""
-        request = t.request
-        computed = min(request.num_computed_tokens + scheduled, request.num_tokens)
-        return min(computed // self.settings.block_tokens * self.keymap.per_block,
-                   self.keymap.num_keyed(request))
-
-    def _plan_store(self, t: RequestTrack, scheduled: int = 0) -> StoreJob | None:
-        """The store of ``t``'s blocks completed so far (``scheduled`` > 0: and by this step)."""
-        request = t.request
-        if t.params.skip_store or self.kv_cache_manager is None:
-            return None
-        bt, per = self.settings.block_tokens, self.keymap.per_block
-        stop = self._store_stop(t, scheduled)
-        first = t.next_store
-        if stop <= first:
-            return None
-        t.next_store = stop
-        block_ids = self.keymap.table(self.kv_cache_manager.get_block_ids(t.req_id))
-        cand = [i for i in range(first, stop)
-                if all(b != 0 for b in self.keymap.gpu_ids(block_ids, i))]
-        if not cand:
-            return None
-        keys = {self.keymap.key(request, i): i for i in cand}
-        ctx = RequestContext(
-            request_id=t.req_id, first_block_index=cand[0],
-            num_prompt_blocks=request.num_prompt_tokens // bt * per,
-            offload_ratio=t.params.offload_ratio, max_offload_tokens=t.params.max_offload_tokens,
-            block_tokens=bt,
-            parent_key=(self.keymap.key(request, self.keymap.parent_index(cand[0]))
-                        if self.keymap.parent_index(cand[0]) >= 0 else None),
-            hints=t.hints,
-        )
-        plan = self.manager.prepare_store(list(keys), ctx)
-        if not plan.keys:
-            return None
-        gpu = tuple(b for k in plan.keys for b in self.keymap.gpu_ids(block_ids, keys[k]))
-        job_id = self.ledger.add(Job("store", t.req_id, tuple(plan.keys), gpu_ids=gpu))
-        t.store_jobs.add(job_id)
-        for b in gpu:
-            self._sources.setdefault(b, set()).add(job_id)
-        if self._describe:
-            for k in plan.keys:
-                self._remember(request, keys[k], k)
-        self._stats.add("store_tokens", len(plan.keys) * bt)
-        return StoreJob(job_id, t.req_id, tuple(plan.keys), tuple(plan.cpu_slots), gpu,
-                        this_step=scheduled > 0)
-
     # ------------------------------------------------------------------ per step
-    def _written_blocks(self, so: Any) -> set[int]:
-        """Engine blocks this step writes: newly allocated ones (computed or loaded into) and
-        copy-on-write destinations. A pending store reading one of them must finish first."""
-        out = written_block_ids(so, self.settings.block_size)  # every group's
-        for job in self._step_loads:
-            out.update(job.gpu_ids)
-        out.discard(0)
-        return out
-
-    def _stores_reading(self, blocks: Iterable[int]) -> list[int]:
-        """Unsettled store jobs that still copy out of any of these engine blocks."""
-        if not self._sources:
-            return []
-        return sorted({j for b in blocks for j in self._sources.get(b, ())})
-
     def build_meta(self, so: Any) -> KVTierConnectorMetadata:
         self._prefetch.drop()
         written = self._written_blocks(so)
@@ -365,6 +287,9 @@ class SchedulerSide(JobSettling):
         for req_id in due:  # blocks the last step completed (a preempted request: none)
             t = self.tracks.get(req_id)
             if t is None:
+                continue
+            if self._first_token_pending(t):
+                self._store_due.append(req_id)  # after its first token is out
                 continue
             t.store_due = False
             job = self._plan_store(t)

@@ -45,7 +45,8 @@ class HybridForward:
         shape = vh.ModelShape()
         self.layers = [kv_caches[n].view(shape.dtype) for n in shape.layer_names]
 
-    def write(self, scheduler: Any, so: Any) -> None:
+    def write(self, scheduler: Any, so: Any, tokens: Any = None) -> None:
+        """``tokens`` (the loop's known tokens of a request): only the sync loop drives this."""
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import vllm_harness as vh
+from async_loop import AsyncEngineLoop
 
 from kvtier.manager.specs import Medium
 
@@ -60,14 +61,15 @@ class Rig:
 
 def make_rig(model_dir: str, extra: dict, *, num_blocks: int = 64, world_size: int = 1,
              max_num_batched_tokens: int = 512, check_kv: bool = True,
-             kv_events: bool = False, after_forward=None) -> Rig:
+             kv_events: bool = False, after_forward=None,
+             async_scheduling: bool = False) -> Rig:
     """Scheduler first (as in vLLM with multiprocessing on, it then reads the disk index
     itself), then one worker per rank with its own KV caches and fake forward."""
     vc = vh.make_vllm_config(model_dir, connector="KVTierConnector", module_path=MODULE,
                              extra_config=extra, block_size=BS, world_size=world_size,
                              max_num_batched_tokens=max_num_batched_tokens, kv_events=kv_events)
     kcc = vh.make_kv_cache_config(vc, num_blocks=num_blocks)
-    sched = vh.make_scheduler(vc, kcc)
+    sched = vh.make_scheduler(vc, kcc, async_scheduling)
     caches, workers, forwards = [], [], []
     for rank in range(world_size):
         wvc = vc
@@ -91,7 +93,8 @@ def make_rig(model_dir: str, extra: dict, *, num_blocks: int = 64, world_size: i
         if after_forward is not None:
             after_forward(i, w, so)
 
-    rig.loop = vh.EngineLoop(sched, workers, forwards, after_forward=check)
+    loop_cls = AsyncEngineLoop if async_scheduling else vh.EngineLoop
+    rig.loop = loop_cls(sched, workers, forwards, after_forward=check)
     return rig
 
 

@@ -363,3 +363,84 @@ def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dr
     assert bad_checks(rig) == []
     vh.assert_no_leaks(rig.sched)
     rig.close()
+
+
+def test_a_store_around_blocks_already_resident_copies_each_block_into_its_own_slot(model_dir):
+    """Blocks 1 and 3 of a prompt are still in the CPU tier, 0 and 2 were dropped: the
+    recomputed prompt's store plans only 0 and 2 (not one run of engine blocks), and each
+    lands in its own slot with its own bytes; a reload of the whole prompt is then exact."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=11)
+    a = make(prompt, max_tokens=2)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    settle(rig)
+    cpu = rig.side.manager.tier(Medium.CPU)
+    keys = keys_of(a, 4)
+    assert cpu.remove_many([keys[0], keys[2]]) == [keys[0], keys[2]]
+    assert rig.sched.reset_prefix_cache()
+
+    b = make(prompt, max_tokens=2)  # block 0 is gone: a miss, all four recomputed
+    rig.loop.add(b)
+    ms = metas(rig.loop.run_until_idle())
+    settle(rig)
+    stores = [j for m in ms for j in m.stores]
+    assert [j.keys for j in stores] == [(keys[0], keys[2])]
+    (store,) = stores
+    assert len(set(store.gpu_ids)) == 2 and len(set(store.cpu_slots)) == 2
+    assert rig.side.manager.lookup(keys).tiers == (Medium.CPU,) * 4
+    assert assert_cpu_tier_exact(rig, [a]) == 4
+    assert rig.sched.reset_prefix_cache()
+
+    c = make(prompt, max_tokens=2)
+    rig.loop.add(c)
+    ms = metas(rig.loop.run_until_idle())
+    assert [len(j.keys) for m in ms for j in m.loads] == [4]
+    assert rig.loop.outputs[c.request_id] == rig.loop.outputs[a.request_id]
+    assert bad_checks(rig) == []
+    rig.close()
+
+
+def _first_store_and_token(order, req_id):
+    """(position in the engine's order of the step that plans ``req_id``'s first store, of the
+    delivery of the step that sampled its first token)."""
+    store = next(i for i, (what, so) in enumerate(order) if what == "scheduled"
+                 and any(j.req_id == req_id for j in so.kv_connector_metadata.stores))
+    token = next(i for i, (what, so) in enumerate(order) if what == "delivered"
+                 and req_id in so.num_scheduled_tokens)
+    return store, token
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_with_async_scheduling_a_prompt_is_stored_after_its_first_token_is_out(
+        model_dir, max_tokens):
+    """vLLM's async scheduling launches the next step before the prompt step's token comes
+    back; planning and submitting the prompt's store in that step would delay the token. The
+    store is planned one step later, the blocks stay held until it is done (also for a request
+    that finishes with its first token), and the stored and reloaded KV is exact."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32), async_scheduling=True)
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=21)
+    a = make(prompt, max_tokens=max_tokens)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    settle(rig)
+    store, token = _first_store_and_token(rig.loop.order, a.request_id)
+    assert token < store
+    assert rig.side.manager.lookup(keys_of(a, 4)).tiers == (Medium.CPU,) * 4
+    assert assert_cpu_tier_exact(rig, [a]) == 4
+    vh.assert_no_leaks(rig.sched)
+    assert rig.sched.reset_prefix_cache()
+
+    b = make(prompt, max_tokens=max_tokens)
+    rig.loop.add(b)
+    start = len(rig.loop.order)
+    rig.loop.run_until_idle()
+    ms = [so.kv_connector_metadata for what, so in rig.loop.order[start:] if what == "scheduled"]
+    assert [len(j.keys) for m in ms for j in m.loads] == [4]
+    assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+    assert len(rig.loop.outputs[a.request_id]) == max_tokens
+    assert bad_checks(rig) == []
+    vh.assert_no_leaks(rig.sched)
+    rig.close()

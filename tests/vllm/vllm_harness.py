@@ -55,6 +55,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -179,10 +180,14 @@ def make_kv_cache_config(
     return cfg
 
 
-def make_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
-    """The real scheduler; it builds the SCHEDULER-role connector itself."""
+def make_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                   async_scheduling: bool = False) -> Scheduler:
+    """The real scheduler; it builds the SCHEDULER-role connector itself. ``async_scheduling``:
+    vLLM's AsyncScheduler (the GPU default; vLLM's CPU platform turns it off, so the config
+    flag cannot ask for it here)."""
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                      structured_output_manager=StructuredOutputManager(vllm_config),
                      block_size=block_size, hash_block_size=hash_block_size, log_stats=True)
 
@@ -257,19 +262,23 @@ class FakeForward:
         self.shape, self.block_size = shape, block_size
         self.layers = [kv_caches[n].view(shape.dtype) for n in shape.layer_names]
 
-    def write(self, scheduler: Scheduler, so: SchedulerOutput) -> None:
+    def write(self, scheduler: Scheduler, so: SchedulerOutput,
+              tokens: Callable[[Request], Sequence[int]] | None = None) -> None:
+        """``tokens``: a request's known tokens (default ``all_token_ids``; an async loop adds
+        the ones sampled but not delivered yet, as the GPU runner has them on the device)."""
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, n in so.num_scheduled_tokens.items():
             req = scheduler.requests[req_id]
+            ids = tokens(req) if tokens is not None else req.all_token_ids
             block_ids = scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             for pos in range(starts[req_id], starts[req_id] + n):
-                if pos >= req.num_tokens:  # placeholder slot for a not-yet-sampled token
+                if pos >= len(ids):  # placeholder slot for a not-yet-sampled token
                     break
                 b, slot = block_ids[pos // self.block_size], pos % self.block_size
                 for li, layer in enumerate(self.layers):
-                    layer[b, :, slot, :] = token_kv_value(req.all_token_ids, pos, li)
+                    layer[b, :, slot, :] = token_kv_value(ids, pos, li)
 
     def mismatches(self, token_ids: Sequence[int], block_ids: Sequence[int],
                    num_tokens: int) -> list[int]:
@@ -325,21 +334,30 @@ class EngineLoop:
         for r in requests:
             self.scheduler.add_request(r)
 
+    def tokens(self, req: Request) -> Sequence[int]:
+        """The tokens the forward sees (an async loop adds undelivered samples)."""
+        return req.all_token_ids
+
     def _runner_output(self, so: SchedulerOutput, kv_out: KVConnectorOutput) -> ModelRunnerOutput:
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
             req = self.scheduler.requests[rid]
+            ids = self.tokens(req)
             # schedule() already advanced num_computed_tokens; a token is sampled only once
             # the whole known sequence is computed (not for a partial prefill chunk).
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled.append([next_token(req.all_token_ids)] if done else [])
+            done = req.num_computed_tokens >= len(ids)
+            sampled.append([next_token(ids)] if done else [])
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                                  pooler_output=None, kv_connector_output=kv_out)
 
     def step(self) -> StepRecord:
         so = self.scheduler.schedule()
+        return self.deliver(so, self.execute(so))
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The workers' half of a step: hooks, fake forward, outputs merged across ranks."""
         meta = so.kv_connector_metadata
         outs = []
         for i, w in enumerate(self.workers):
@@ -354,7 +372,7 @@ class EngineLoop:
             for name in hooks or ():
                 w.wait_for_layer_load(name)
             if i < len(self.forwards):
-                self.forwards[i].write(self.scheduler, so)
+                self.forwards[i].write(self.scheduler, so, self.tokens)
             if self.after_forward is not None:
                 self.after_forward(i, w, so)
             w.wait_for_save()
@@ -369,7 +387,10 @@ class EngineLoop:
             )
             w.clear_connector_metadata()
             outs.append(self._runner_output(so, kv_out))
-        merged = self.aggregator.aggregate(outs)
+        return self.aggregator.aggregate(outs)
+
+    def deliver(self, so: SchedulerOutput, merged: ModelRunnerOutput) -> StepRecord:
+        """The engine's half: the scheduler takes the step's outputs."""
         engine_outputs = self.scheduler.update_from_output(so, merged)
         rec = StepRecord(so, merged.kv_connector_output)
         for eco in engine_outputs.values():
@@ -403,6 +424,8 @@ class EngineLoop:
             if steps >= max_steps or time.monotonic() > deadline:
                 raise AssertionError(f"engine still busy after {steps} steps")
             rec = self.step()
+            if rec is None:  # an async loop filled its queue: nothing delivered this time
+                continue
             if rec.scheduler_output.total_num_scheduled_tokens:
                 steps += 1
             else:
