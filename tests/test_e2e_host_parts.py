@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import host_probe  # noqa: E402
 import pyspy_summary  # noqa: E402
 import request_counters  # noqa: E402
+import request_phases  # noqa: E402
 
 LINUX = sys.platform.startswith("linux") and os.path.exists("/proc/thread-self/stat")
 
@@ -69,6 +70,40 @@ def test_request_counters_group_by_configuration_length_and_kind(tmp_path):
     assert (n, ms, probe, cpu, others, minflt) == ("2", "8.00", "0.50", "9.00", "0.35", "4.00")
     assert rows[("kvtier", "16", "hit")][1].strip() == "6.00"
     assert rows[("kvtier", "16", "hit")][2].strip() == "-"  # no probe on that mark
+
+
+def test_request_phases_sum_each_requests_time_inside_vllms_phases(tmp_path):
+    """Only marks of the request's own process and window count; a phase re-entered while
+    open (nested marks) counts once; per (run, config, tokens, kind) medians."""
+    def vllm(pid, t, ev):
+        return json.dumps({"t": t, "pid": pid, "who": "vllm", "ev": ev}) + "\n"
+
+    def done(pid, t, ms, **kw):
+        return json.dumps({"t": t, "pid": pid, "who": "client", "ev": "client_done",
+                           "length": 16, "ms": ms, **kw}) + "\n"
+
+    lines = [
+        vllm(1, 0.5, "Scheduler.schedule>"), vllm(1, 0.6, "Scheduler.schedule<"),  # before
+        vllm(1, 1.000, "Scheduler.schedule>"), vllm(1, 1.001, "Scheduler.schedule>"),
+        vllm(1, 1.002, "Scheduler.schedule<"), vllm(1, 1.003, "Scheduler.schedule<"),
+        vllm(1, 1.004, "ActiveKVConnector.pre_forward>"),
+        vllm(1, 1.0055, "ActiveKVConnector.pre_forward<"),
+        vllm(2, 1.004, "ActiveKVConnector.pre_forward>"),  # another process
+        vllm(2, 1.009, "ActiveKVConnector.pre_forward<"),
+        done(1, 1.010, 10.0, connector="kvtier", miss=True, cached=0),
+        vllm(1, 2.000, "Scheduler.schedule>"), vllm(1, 2.001, "Scheduler.schedule<"),
+        done(1, 2.010, 10.0, connector="kvtier", recompute=True, cached=0),
+    ]
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("".join(reversed(lines)))  # order in the file does not matter
+    rows = {tuple(c.strip() for c in line.split("|")[1:5]): [c.strip() for c in
+                                                              line.split("|")[5:-1]]
+            for line in request_phases.table([("new", str(path))])[2:]}
+    assert set(rows) == {("16", "new", "kvtier", "miss"), ("16", "new", "kvtier", "recompute")}
+    n, ttft, schedule, pre, post, update, total = rows[("16", "new", "kvtier", "miss")]
+    assert (n, ttft, schedule, pre, post, update, total) == (
+        "1", "10.00", "3.00", "1.50", "0.00", "0.00", "4.50")
+    assert rows[("16", "new", "kvtier", "recompute")][2] == "1.00"
 
 
 def test_pyspy_summary_counts_one_threads_leaf_and_inclusive_frames(tmp_path):
