@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -45,37 +44,26 @@ from kvtier.connectors.kv_view import engine_view
 from kvtier.connectors.layer_fences import LayerFences
 from kvtier.connectors.load_taint import LoadTaint
 from kvtier.connectors.timeline import timeline
+from kvtier.connectors.worker_jobs import Running, WorkerJobs
 from kvtier.connectors.disk_keys import register_open_store, unregister_open_store
-from kvtier.connectors.metadata import (KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob,
-                                       StoreJob)
+from kvtier.connectors.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob
 from kvtier.connectors.settings import ConnectorSettings
 from kvtier.connectors.stats import KVTierStats, WorkerStatsTaker
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
-from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
-                                     transient_load_keys)
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView
-from kvtier.transfer import JobResult
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Running:
-    kind: str  # "load" | "store" | "background"
-    req_id: str | None = None
-    load: LoadJob | None = None
-    excluded: frozenset[BlockKey] = frozenset()  # joined keys whose promotion failed
-
-
-class WorkerSide:
+class WorkerSide(WorkerJobs):
     def __init__(self, settings: ConnectorSettings, tp_rank: int) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
         self.runtime: WorkerRuntime | None = None
         self.view: GpuKvView | None = None
-        self._running: dict[int, _Running] = {}
+        self._running: dict[int, Running] = {}
         self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
         self._promotions: dict[int, frozenset[BlockKey]] = {}  # finished load -> keys it failed
         self._stores_of: dict[str, set[int]] = {}
@@ -217,7 +205,7 @@ class WorkerSide:
         if meta.background:
             rt = self._rt()
             for bg in meta.background:
-                self._running[bg.job_id] = _Running("background")
+                self._running[bg.job_id] = Running("background")
                 self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
                              bg.job_id)
 
@@ -313,134 +301,3 @@ class WorkerSide:
         return bool(self._running or self._deferred)
 
     # ------------------------------------------------------------------ submitting
-    def _submit(self, fn, job_id: int, first_hop: tuple[Medium, Medium] = (Medium.GPU, Medium.CPU)
-                ) -> None:
-        """Submit; a refused submission (bad addresses, closed engine) fails the job visibly."""
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported to the scheduler as a job error
-            log.error("kvtier: job %d could not be submitted: %s", job_id, exc)
-            self._on_result(JobResult(job_id, False, str(exc), (), 0, 0.0, first_hop))
-
-    def _submit_stores(self, stores: tuple[StoreJob, ...] | list[StoreJob], *,
-                       this_step: bool) -> None:
-        """Submit the step's stores whose ``this_step`` is ``this_step`` (``bind``: blocks of
-        earlier steps; ``wait_for_save``: blocks this forward computes)."""
-        jobs = [job for job in stores if job.this_step == this_step]
-        if jobs:
-            rt = self._rt()
-            for job in jobs:
-                self._submit_store(rt, job)
-
-    def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
-        self._running[job.job_id] = _Running("store", job.req_id)
-        self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
-        refused = ("KV caches unregistered (sleep)" if self.asleep  # pages suspended
-                   else "computed over a failed synchronous load (load_taint)"
-                   if self._taint.refuses(job.req_id) else None)
-        if refused:  # the store fails: a future miss, never untrusted bytes in the CPU tier
-            self._on_result(JobResult(job.job_id, False, refused, (), 0, 0.0,
-                                      (Medium.GPU, Medium.CPU)))
-            return
-        self._submit(lambda: rt.engine.submit(LoadStoreSpec.gpu(job.gpu_ids),
-                                              LoadStoreSpec.cpu(job.cpu_slots),
-                                              job_id=job.job_id), job.job_id)
-
-    def _submit_ready_loads(self) -> None:
-        """Submit deferred loads whose promoting loads finished here (in arrival order)."""
-        waiting: list[LoadJob] = []
-        for job in self._deferred:
-            if all(d in self._promotions for d in job.after):
-                self._submit_load(job)
-            else:
-                waiting.append(job)
-        self._deferred = waiting
-
-    def _submit_load(self, job: LoadJob) -> None:
-        k = self.settings.engine_blocks_per_block
-        excluded: set[BlockKey] = set()
-        for dep in job.after:
-            excluded |= self._promotions.get(dep, frozenset())
-        if excluded:
-            excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
-        self._running[job.job_id] = _Running("load", job.req_id, job, frozenset(excluded))
-        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, k, excluded,
-                         from_remote=job.from_remote)
-        if not hops:  # nothing left to move (all truncated or all joined promotions failed)
-            self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
-                                      (Medium.CPU, Medium.GPU)))
-            return
-        if self.asleep:  # the GPU pages are suspended: recompute (reported as load errors)
-            first = hops[0][0].medium, hops[0][1].medium
-            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
-                                      0, 0.0, first))  # a promotion never ran: keys failed
-            return
-        rt = self._rt()
-        self._submit(lambda: rt.engine.submit_chain(hops, job_id=job.job_id), job.job_id,
-                     (hops[0][0].medium, hops[0][1].medium))
-
-    # ------------------------------------------------------------------ results
-    def _poll(self) -> None:
-        if self.runtime is None:
-            return
-        results = self.runtime.poll()
-        for result in results:
-            self._on_result(result)
-        if results and self._deferred:
-            self._submit_ready_loads()
-
-    def _on_result(self, r: JobResult) -> None:
-        running = self._running.pop(r.job_id, None)
-        if running is None:
-            log.warning("kvtier: result for unknown job %d ignored", r.job_id)
-            return
-        self._done[r.job_id] = 1
-        if running.kind == "load":
-            self._on_load(r, running)
-        elif running.kind == "store":
-            if not r.ok:
-                self._errors[r.job_id] = 1
-                log.warning("kvtier: store job %d failed: %s", r.job_id, r.error)
-            jobs = self._stores_of.get(running.req_id)
-            if jobs is not None:
-                jobs.discard(r.job_id)
-                if not jobs:
-                    del self._stores_of[running.req_id]
-        else:
-            if not r.ok:
-                self._errors[r.job_id] = 1
-
-    def _on_load(self, r: JobResult, running: _Running) -> None:
-        job = running.load
-        assert job is not None
-        disk_keys = ({key for key, d in zip(job.keys, job.from_disk) if d}
-                     if any(job.from_disk) else set())
-        remote_keys = ({key for key, d in zip(job.keys, job.from_remote) if d}
-                       if any(job.from_remote) else set())
-        failed = failed_load_keys(r, disk_keys, running.excluded, remote_keys)
-        bad_gpu: set[int] = set(job.unloaded_gpu_ids)
-        if gpu_untrusted(r):
-            log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
-            bad_gpu.update(job.gpu_ids)  # whatever reached the GPU is not trusted
-        if failed:
-            k = self.settings.engine_blocks_per_block
-            for i, key in enumerate(job.keys):
-                if key in failed:
-                    bad_gpu.update(job.gpu_ids[i * k:(i + 1) * k])
-        if failed:
-            self._failed[r.job_id] = tuple(k for k in job.keys if k in failed)
-            if transient := transient_load_keys(r, failed):
-                self._transient[r.job_id] = tuple(k for k in job.keys if k in transient)
-        if disk_keys:  # loads that joined its promotions need to know what it could not read
-            self._promotions[r.job_id] = frozenset(failed & disk_keys)
-        self._load_errors |= bad_gpu
-        if bad_gpu and job.sync:  # its forward ran on them (load_taint)
-            self._taint.taint(job.req_id)
-        # what a load measured teaches the scheduler's cost model
-        self._load_hops.extend((src.value, n, sec) for src, n, sec in measured_hops(r))
-        if self._tl.enabled:
-            self._tl.mark("worker", "load_done", job=r.job_id, req=job.req_id, sync=job.sync,
-                          hops=[(f"{a.value}->{b.value}", n, round(sec * 1e3, 3))
-                                for (a, b), n, sec in r.hops])
-        if not job.sync:  # a synchronous load's request is running already
-            self._recving.add(job.req_id)

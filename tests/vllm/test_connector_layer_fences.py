@@ -170,7 +170,7 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     """A store still copying a block out is fenced before a load handed over at plan time
     writes into that block (the step's ``flush`` is built only later, in build_meta)."""
     from kvtier.connectors.metadata import LoadJob
-    from kvtier.connectors.worker_side import _Running
+    from kvtier.connectors.worker_jobs import Running
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     ws = rig.worker_side()
@@ -179,8 +179,8 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     fence, submit_chain = engine.fence, engine.submit_chain
     engine.fence = lambda ids: calls.append(("fence", list(ids)))
     engine.submit_chain = lambda hops, job_id: calls.append(("load", job_id))
-    ws._running[900] = _Running("store", "r-old")  # a store of the block's previous owner
-    ws._running[901] = _Running("background")
+    ws._running[900] = Running("store", "r-old")  # a store of the block's previous owner
+    ws._running[901] = Running("background")
     job = LoadJob(job_id=902, req_id="r-new", keys=("k",), cpu_slots=(0,), from_disk=(False,),
                   gpu_ids=tuple(range(1, 1 + ws.settings.engine_blocks_per_block)), sync=True)
     ws.submit_ahead(job, flush=(900, 901, 777))

@@ -67,6 +67,6 @@ def restore(ws: "WorkerSide") -> None:
 
 
 def _running_load(job):
-    from kvtier.connectors.worker_side import _Running
+    from kvtier.connectors.worker_jobs import Running
 
-    return _Running("load", job.req_id, job)
+    return Running("load", job.req_id, job)
