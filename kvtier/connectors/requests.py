@@ -132,9 +132,9 @@ class KeyMap:
                 if 0 not in ids[(i - start) * k:(i - start + 1) * k]]
 
     def gpu_ids_of(self, block_ids: Any, indices: list[int]) -> tuple[int, ...]:
-        """Engine block ids of the kvtier blocks ``indices`` (ascending), flat, in order."""
-        if indices and indices[-1] - indices[0] == len(indices) - 1:  # one contiguous run
-            return tuple(self.engine_ids(block_ids, indices[0], len(indices)))
+        """Engine block ids of the kvtier blocks ``indices``, flat, in ``indices``' order."""
+        if indices and indices == list(range(indices[0], indices[0] + len(indices))):
+            return tuple(self.engine_ids(block_ids, indices[0], len(indices)))  # one run
         return tuple(b for i in indices for b in self.gpu_ids(block_ids, i))
 
     def tokens(self, request: Any, index: int) -> list[int]:
