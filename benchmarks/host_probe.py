@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 
 def python_ms(rounds: int = 7, size: int = 200) -> float:
@@ -64,6 +65,24 @@ def quiet_core(allowed: list[int]) -> tuple[int, float]:
             best = (cpu, ms)
     os.sched_setaffinity(0, {best[0]})
     return best
+
+
+def add_host_flags(p: Any) -> None:
+    """The host instruments' options, one definition for ``vllm_e2e.py`` (which passes them on to
+    each configuration's process) and ``vllm_e2e_child.py`` (which uses them)."""
+    p.add_argument("--quiet-core", action="store_true",
+                   help="before each timed request, pin the engine thread to the vCPU that runs "
+                        "a short Python probe fastest at that moment (quiet_core; the lent "
+                        "machines' vCPUs differ 1.5-1.9x and change within a minute): "
+                        "configurations compared on equally quiet cores")
+    p.add_argument("--cpu-scan", type=int, default=0,
+                   help="after each sweep, this many 16-token requests computed with the engine "
+                        "thread pinned to each allowed CPU in turn (vCPUs differ in speed)")
+    p.add_argument("--pyspy", type=int, default=0,
+                   help="after each sweep, this many 16-token requests computed under py-spy "
+                        "(native frames; --pyspy-bin); vllm_e2e.py keeps the profiles in "
+                        "OUT_DIR/pyspy")
+    p.add_argument("--pyspy-bin", default="py-spy")
 
 
 def numa_pages() -> dict:

@@ -50,6 +50,8 @@ import subprocess
 import sys
 import time
 
+from host_probe import add_host_flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_disk": "kvtier_disk", "kvtier_disk_cold": "kvtier_disk_cold",
@@ -251,18 +253,7 @@ def main(argv=None) -> int:
                    "last timed hit per length (benchmarks/profile_summary.py reads them)")
     p.add_argument("--cprofile", default=None, help="directory for cProfile text of the timed "
                    "hits per length and configuration (function-level host time)")
-    p.add_argument("--pyspy", type=int, default=0,
-                   help="after each sweep, this many 16-token requests computed under py-spy "
-                        "(native frames; --pyspy-bin), profiles in OUT_DIR/pyspy")
-    p.add_argument("--pyspy-bin", default="py-spy")
-    p.add_argument("--quiet-core", action="store_true",
-                   help="before each timed request, pin the engine thread to the vCPU that runs "
-                        "a short Python probe fastest at that moment (the lent machines' vCPUs "
-                        "differ 1.5-1.9x and change within a minute): configurations compared "
-                        "on equally quiet cores")
-    p.add_argument("--cpu-scan", type=int, default=0,
-                   help="after each sweep, this many 16-token requests computed with the engine "
-                        "thread pinned to each allowed CPU in turn (vCPUs differ in speed)")
+    add_host_flags(p)
     a = p.parse_args(argv)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), HERE, env.get("PYTHONPATH", "")])

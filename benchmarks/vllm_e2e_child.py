@@ -33,6 +33,8 @@ import shutil
 import sys
 import time
 
+from host_probe import add_host_flags
+
 SHAPES = {  # Llama-3.1-8B and Llama-3.2-1B configs (weights random)
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -347,16 +349,7 @@ def main(argv=None) -> None:
                    help="a JSON object deep-merged into kvtier's configuration")
     p.add_argument("--label", default=None,
                    help="the configuration's name on timeline marks (default: --connector)")
-    p.add_argument("--pyspy", type=int, default=0,
-                   help="after the sweep: this many 16-token requests computed, sampled by "
-                        "py-spy (--pyspy-bin) into --pyspy-dir")
-    p.add_argument("--pyspy-bin", default="py-spy")
-    p.add_argument("--quiet-core", action="store_true",
-                   help="pin the engine thread to the fastest vCPU of the moment before each "
-                        "timed request of the sweep (host_probe.quiet_core)")
-    p.add_argument("--cpu-scan", type=int, default=0,
-                   help="after the sweep: this many 16-token requests with the engine thread "
-                        "pinned to each allowed CPU in turn")
+    add_host_flags(p)
     p.add_argument("--pyspy-dir", default="/tmp/kvtier-e2e-pyspy")
     p.add_argument("--workdir", default="/tmp/kvtier-e2e")
     a = p.parse_args(argv)

@@ -53,7 +53,6 @@ from kvtier.connectors.metadata import (
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadJob,
-
 )
 from kvtier.connectors.requests import KeyMap, RequestParams, RequestTrack
 from kvtier.connectors.settings import ConnectorSettings

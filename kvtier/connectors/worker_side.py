@@ -299,5 +299,3 @@ class WorkerSide(WorkerJobs):
 
     def has_work(self) -> bool:
         return bool(self._running or self._deferred)
-
-    # ------------------------------------------------------------------ submitting
