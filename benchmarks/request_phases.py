@@ -3,8 +3,8 @@
 With ``--vllm-marks`` every configuration of a ``vllm_e2e.py`` run marks the entry and exit of
 vLLM's scheduler and connector phases (``Scheduler.schedule``, ``ActiveKVConnector.pre_forward``
 / ``post_forward``, ``Scheduler.update_from_output``, ...) in its timeline. This sums, for each
-timed request, the time spent inside each phase between the client's submit and its
-``client_done`` (nested calls of one phase count once), and prints the medians per
+timed request, the time spent inside each phase between the client's ``client_submit`` and
+its ``client_done`` (nested calls of one phase count once), and prints the medians per
 configuration, prompt length and kind of request. A request's TTFT on the lent hosts moves by
 several ms with the vCPU it ran on; the time inside the phases a connector runs in does not,
 so "kvtier's miss pays 1.3 ms more in ``schedule`` + ``pre_forward`` than the request it
@@ -52,21 +52,32 @@ def phase_ms(marks: list[dict]) -> dict[str, float]:
 def requests(path: str) -> list[tuple[tuple, float, dict[str, float]]]:
     """(configuration, prompt tokens, kind), TTFT ms and phase ms of every timed request."""
     by_pid: dict[int, list[dict]] = defaultdict(list)
+    submits: dict[int, list[float]] = defaultdict(list)
     done = []
     with open(path) as f:
         for line in f:
             m = json.loads(line) if line.strip() else {}
             if m.get("ev") == "client_done" and "ms" in m:
                 done.append(m)
+            elif m.get("ev") == "client_submit":
+                submits[m.get("pid")].append(m["t"])
             elif m.get("who") == "vllm":
                 by_pid[m.get("pid")].append(m)
     for marks in by_pid.values():
         marks.sort(key=lambda m: m["t"])
+    for ts in submits.values():
+        ts.sort()
     times = {pid: [m["t"] for m in marks] for pid, marks in by_pid.items()}
     out = []
     for d in done:
         marks, ts = by_pid.get(d.get("pid"), []), times.get(d.get("pid"), [])
-        lo = bisect.bisect_left(ts, d["t"] - d["ms"] / 1e3)
+        # from the request's submit mark (its TTFT clock starts a little later, after the
+        # lookup's schedule() may already have run), else from the start of its TTFT
+        sub = submits.get(d.get("pid"), [])
+        i = bisect.bisect_right(sub, d["t"]) - 1
+        start = sub[i] if i >= 0 and sub[i] >= d["t"] - d["ms"] / 1e3 - 1.0 else \
+            d["t"] - d["ms"] / 1e3
+        lo = bisect.bisect_left(ts, start)
         hi = bisect.bisect_right(ts, d["t"])
         key = (d.get("connector", f"pid{d.get('pid')}"), d.get("length"), kind(d))
         out.append((key, d["ms"], phase_ms(marks[lo:hi])))

@@ -73,8 +73,9 @@ def test_request_counters_group_by_configuration_length_and_kind(tmp_path):
 
 
 def test_request_phases_sum_each_requests_time_inside_vllms_phases(tmp_path):
-    """Only marks of the request's own process and window count; a phase re-entered while
-    open (nested marks) counts once; per (run, config, tokens, kind) medians."""
+    """Only marks of the request's own process and window (from its submit mark, which can
+    come before its TTFT clock starts) count; a phase re-entered while open (nested marks)
+    counts once; per (run, config, tokens, kind) medians."""
     def vllm(pid, t, ev):
         return json.dumps({"t": t, "pid": pid, "who": "vllm", "ev": ev}) + "\n"
 
@@ -84,6 +85,8 @@ def test_request_phases_sum_each_requests_time_inside_vllms_phases(tmp_path):
 
     lines = [
         vllm(1, 0.5, "Scheduler.schedule>"), vllm(1, 0.6, "Scheduler.schedule<"),  # before
+        json.dumps({"t": 0.990, "pid": 1, "who": "client", "ev": "client_submit"}) + "\n",
+        vllm(1, 0.991, "Scheduler.schedule>"), vllm(1, 0.992, "Scheduler.schedule<"),  # lookup
         vllm(1, 1.000, "Scheduler.schedule>"), vllm(1, 1.001, "Scheduler.schedule>"),
         vllm(1, 1.002, "Scheduler.schedule<"), vllm(1, 1.003, "Scheduler.schedule<"),
         vllm(1, 1.004, "ActiveKVConnector.pre_forward>"),
@@ -102,7 +105,7 @@ def test_request_phases_sum_each_requests_time_inside_vllms_phases(tmp_path):
     assert set(rows) == {("16", "new", "kvtier", "miss"), ("16", "new", "kvtier", "recompute")}
     n, ttft, schedule, pre, post, update, total = rows[("16", "new", "kvtier", "miss")]
     assert (n, ttft, schedule, pre, post, update, total) == (
-        "1", "10.00", "3.00", "1.50", "0.00", "0.00", "4.50")
+        "1", "10.00", "4.00", "1.50", "0.00", "0.00", "5.50")
     assert rows[("16", "new", "kvtier", "recompute")][2] == "1.00"
 
 
