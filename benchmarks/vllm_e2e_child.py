@@ -68,30 +68,39 @@ def tokens(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab - 1) for _ in range(n)]
 
 
+def connector_json(connector: str, cpu_bytes: int, block_size: int, *, tiers: dict | None = None,
+                   kvtier: dict | None = None, extra: dict | None = None) -> dict | None:
+    """``--kv-transfer-config`` of a configuration as JSON (None: no connector): kvtier with a
+    CPU tier of ``cpu_bytes`` (or ``tiers``; ``kvtier`` deep-merged into its section, ``extra``
+    into kv_connector_extra_config), or vLLM's ``OffloadingConnector`` with the same bytes."""
+    if connector == "none":
+        return None
+    if connector == "native":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+    section = {"block_tokens": block_size, "tiers": tiers or {"cpu": {"capacity": cpu_bytes}}}
+    merge(section, kvtier or {})
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": dict(extra or {}, kvtier=section)}
+
+
 def transfer_config(a):
     from vllm.config import KVTransferConfig
 
-    if a.connector == "none":
-        return None
-    if a.connector == "native":
-        return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                kv_connector_extra_config={"cpu_bytes_to_use": a.cpu_bytes})
-    tiers = {"cpu": {"capacity": a.cpu_bytes}}
+    tiers = None
     if a.connector == "kvtier_disk":
         tiers = {"cpu": {"capacity": a.disk_cpu_bytes},
                  "disk": {"path": a.disk_dir, "capacity": a.disk_bytes, "fsync": not a.disk_no_fsync}}
-    extra = {"kvtier": {"block_tokens": a.block_size, "tiers": tiers,
-                        "stats": {"snapshot_path": a.snapshot, "interval_s": 0.2}}}
+    section = {"stats": {"snapshot_path": a.snapshot, "interval_s": 0.2}}
     if a.gil_switch_ms is not None:
-        extra["kvtier"]["gil_switch_interval_ms"] = a.gil_switch_ms
+        section["gil_switch_interval_ms"] = a.gil_switch_ms
     if a.kvtier_json:  # an A/B of one setting (pool pinning, stats thread, ...)
-        merge(extra["kvtier"], json.loads(a.kvtier_json))
-    if a.sync_budget is not None:
-        extra["sync_load_budget_bytes"] = a.sync_budget
-    return KVTransferConfig(kv_connector="KVTierConnector",
-                            kv_connector_module_path="kvtier.connectors.vllm",
-                            kv_role="kv_both", kv_load_failure_policy="recompute",
-                            kv_connector_extra_config=extra)
+        merge(section, json.loads(a.kvtier_json))
+    extra = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
+    name = "native" if a.connector == "native" else "none" if a.connector == "none" else "kvtier"
+    d = connector_json(name, a.cpu_bytes, a.block_size, tiers=tiers, kvtier=section, extra=extra)
+    return None if d is None else KVTransferConfig(**d)
 
 
 def merge(into: dict, extra: dict) -> None:
