@@ -39,10 +39,10 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from serve_client import Server, complete, reset_prefix_cache  # noqa: E402
-from vllm_e2e_child import VOCAB, connector_json, tokens, write_model  # noqa: E402
+from vllm_e2e_child import VOCAB, connector_json, merge, tokens, write_model  # noqa: E402
 
 SKIP = {"kvtier": {"skip_load": True, "skip_store": True}}
 
@@ -64,8 +64,10 @@ def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
         args += ["--dtype", "bfloat16"]
     if a.gpu_kv_bytes:
         args += ["--kv-cache-memory-bytes", str(a.gpu_kv_bytes)]
-    stats = {"stats": {"snapshot_path": snapshot_path(a, connector), "interval_s": 0.2}}
-    cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=stats)
+    section = {"stats": {"snapshot_path": snapshot_path(a, connector), "interval_s": 0.2}}
+    if a.kvtier_json:  # an A/B of one kvtier setting
+        merge(section, json.loads(a.kvtier_json))
+    cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section)
     if cfg is not None:
         args += ["--kv-transfer-config", json.dumps(cfg)]
     return args
@@ -98,11 +100,15 @@ def sweep(server: Server, a, connector: str) -> dict:
                                             "resets": []})
         for r in range(a.reps):
             prompt = tokens(length, seed=7919 * length + r, vocab=a.vocab)
+            mark("client_submit", length=length, rep=r, kind="miss")
             miss = complete(server.url, server.model, prompt)
+            mark("client_token", length=length, rep=r, kind="miss")
             row["resets"].append(settle(server, a))
             if connector == "kvtier" and r % 2 == 1:  # paired recompute first on odd reps
                 paired(server, a, prompt, row)
+            mark("client_submit", length=length, rep=r, kind="hit")
             hit = complete(server.url, server.model, prompt)
+            mark("client_token", length=length, rep=r, kind="hit")
             row["resets"].append(settle(server, a))
             if connector == "kvtier" and r % 2 == 0:
                 paired(server, a, prompt, row)
@@ -118,7 +124,9 @@ def sweep(server: Server, a, connector: str) -> dict:
 
 def paired(server: Server, a, prompt: list[int], row: dict) -> None:
     """The prompt recomputed in kvtier's server (its hit skipped, nothing stored)."""
+    mark("client_submit", length=len(prompt), kind="paired")
     done = complete(server.url, server.model, prompt, SKIP)
+    mark("client_token", length=len(prompt), kind="paired")
     row["paired"].append(done.ttft_ms)
     row["paired_cached"].append(done.cached_tokens)
     row["resets"].append(settle(server, a))
@@ -180,6 +188,13 @@ def run_config(a, model_dir: str, connector: str) -> dict:
     return result
 
 
+def mark(ev: str, **fields) -> None:
+    """A client mark on kvtier's timeline (``--timeline``; one clock with the server's)."""
+    from kvtier.connectors.timeline import timeline
+
+    timeline().mark("client", ev, **fields)
+
+
 def progress(msg: str) -> None:
     print(f"[vllm_serve] {msg}", file=sys.stderr, flush=True)
 
@@ -238,11 +253,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--settle-timeout", type=float, default=60.0)
+    p.add_argument("--kvtier-json", default=None,
+                   help="a JSON object deep-merged into kvtier's configuration")
+    p.add_argument("--timeline", default=None,
+                   help="file: kvtier's per-step marks (KVTIER_TIMELINE) and the client's")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model on vLLM's CPU backend, none and kvtier, lengths 64,512")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--workdir", default="/tmp/kvtier-serve")
     a = p.parse_args(argv)
+    if a.timeline:  # before the first mark and before any server starts: they inherit it
+        os.environ["KVTIER_TIMELINE"] = a.timeline
     if a.cpu_smoke:
         a.shape, a.block_size, a.cpu_bytes = "tiny", 32, 64 << 20
         a.gpu_kv_bytes = a.gpu_kv_bytes or 256 << 20

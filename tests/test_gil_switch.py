@@ -1,6 +1,7 @@
-"""The worker runtime shortens Python's GIL switch interval while it runs I/O threads (disk,
-shared tier), and puts the previous value back when it closes (kvtier/runtime/gil.py says
-why: with vLLM's busy engine loop beside them, each hand-off to a disk thread waited 5 ms)."""
+"""The worker runtime shortens Python's GIL switch interval while it runs, and puts the
+previous value back when it closes (kvtier/runtime/gil.py says why: with vLLM's busy engine
+loop beside them, each hand-off to a disk thread waited 5 ms, and under ``vllm serve`` the
+engine core's own output thread waits the same way)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ def test_configured_interval_and_zero_leaves_python_alone(python_default, tmp_pa
     rt.close()
 
 
-def test_cpu_only_runtime_leaves_the_interval_alone(python_default):
+def test_a_cpu_only_runtime_shortens_it_too_and_zero_leaves_it(python_default):
     rt = _runtime({"tiers": {"cpu": {"capacity": "1MiB"}}})
+    assert sys.getswitchinterval() == pytest.approx(0.0002)
+    rt.close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)
+    rt = _runtime({"gil_switch_interval_ms": 0, "tiers": {"cpu": {"capacity": "1MiB"}}})
     assert sys.getswitchinterval() == pytest.approx(0.005)
     rt.close()
 

@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 
 from kvtier.connectors import timeline as tl_mod
 from kvtier.connectors.timeline import Timeline
@@ -53,3 +54,17 @@ def test_off_without_a_path(tmp_path):
     tl.mark("sched", "lookup")
     tl.flush()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_marks_older_than_a_second_are_written_with_the_next_mark(tmp_path, monkeypatch):
+    """vLLM's engine processes under ``vllm serve`` end without exit handlers: a timeline
+    there must not hold its marks until exit."""
+    monkeypatch.setattr(tl_mod, "FLUSH_AFTER_S", 0.05)
+    path = tmp_path / "tl.jsonl"
+    tl = Timeline(str(path))
+    tl.mark("worker", "start_load")
+    assert not path.exists()
+    time.sleep(0.1)
+    tl.mark("worker", "load_done")
+    assert [json.loads(x)["ev"] for x in path.read_text().splitlines()] == [
+        "start_load", "load_done"]

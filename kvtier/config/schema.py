@@ -182,7 +182,7 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class KvtierConfig:
     block_tokens: int = 16
-    # Python's GIL switch interval while disk or shared-tier I/O threads run (0: leave it):
+    # Python's GIL switch interval while kvtier runs in the process (0: leave it):
     # see kvtier/runtime/gil.py
     gil_switch_interval_ms: float = DEFAULT_GIL_SWITCH_INTERVAL_MS
     cpu: CpuTierConfig = field(default_factory=lambda: CpuTierConfig(DEFAULT_CPU_CAPACITY))

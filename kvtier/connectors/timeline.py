@@ -8,9 +8,11 @@ workers' lines and a benchmark client's own marks fall on one axis
 attribute test.
 
 Marks are kept in memory and written as JSON lines by :meth:`Timeline.flush` (every
-``FLUSH_EVERY`` marks, at exit, or when a caller asks): writing each mark as it came cost a
-system call and a JSON encoding, 20-80 us a mark on the lent H100's host, which is the same order
-as the steps being timed and slowed the marked process itself.
+``FLUSH_EVERY`` marks, with the first mark ``FLUSH_AFTER_S`` after the last write, at exit,
+when vLLM shuts the connector down, or when a caller asks; ``vllm serve``'s engine processes
+may be killed without either, losing at most their last second of marks): writing each mark
+as it came cost a system call and a JSON encoding, 20-80 us a mark on the lent H100's host,
+which is the same order as the steps being timed and slowed the marked process itself.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 ENV = "KVTIER_TIMELINE"
 FLUSH_EVERY = 50_000
+FLUSH_AFTER_S = 1.0
 
 
 class Timeline:
@@ -34,15 +37,17 @@ class Timeline:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._pid = os.getpid()
+        self._flushed_at = time.monotonic()
         if path:
             atexit.register(self.flush)
 
     def mark(self, who: str, ev: str, **fields: Any) -> None:
         if not self.enabled:
             return
+        now = time.monotonic()
         with self._lock:
-            self._marks.append((time.monotonic(), who, ev, fields))
-            full = len(self._marks) >= FLUSH_EVERY
+            self._marks.append((now, who, ev, fields))
+            full = len(self._marks) >= FLUSH_EVERY or now - self._flushed_at > FLUSH_AFTER_S
         if full:
             self.flush()
 
@@ -53,6 +58,7 @@ class Timeline:
         with self._write_lock:  # batches reach the file in the order they were taken
             with self._lock:
                 marks, self._marks = self._marks, []
+                self._flushed_at = time.monotonic()
             if not marks:
                 return
             lines = [json.dumps({"t": t, "pid": self._pid, "who": who, "ev": ev, **fields},

@@ -35,6 +35,7 @@ from kvtier.connectors.scheduler_side import SchedulerSide
 from kvtier.connectors.group_keys import hybrid_notice
 from kvtier.connectors.settings import HMA_FLAG, derive_settings, describe
 from kvtier.connectors.stats import KVTierStats
+from kvtier.connectors.timeline import timeline
 from kvtier.connectors.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -231,3 +232,4 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
+        timeline().flush()  # vLLM's engine processes may end without running atexit

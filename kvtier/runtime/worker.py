@@ -102,8 +102,7 @@ class WorkerRuntime:
             handlers += [CpuToRemoteHandler(pool, blocks, write=rank == 0 or not replicated),
                          RemoteToCpuHandler(pool, blocks)]
         rt = cls(geometry, pool, store, TransferEngine(handlers), remote, replica)
-        if config.disk is not None or config.remote is not None:  # threads that do I/O
-            rt.switch = SwitchInterval(config.gil_switch_interval_ms)
+        rt.switch = SwitchInterval(config.gil_switch_interval_ms)
         return rt
 
     def disk_keys(self) -> list[bytes]:

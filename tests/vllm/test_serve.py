@@ -27,7 +27,7 @@ def test_vllm_serve_serves_hits_from_kvtier_with_equal_tokens(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_serve.py"), "--cpu-smoke",
            "--connectors", "kvtier", "--lengths", "64,512", "--reps", "2", "--burst", "3",
            "--out-dir", str(tmp_path), "--workdir", str(tmp_path / "work"),
-           "--start-timeout", "400"]
+           "--start-timeout", "400", "--timeline", str(tmp_path / "timeline.jsonl")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.load(open(tmp_path / "vllm_serve_cpu.json"))["results"]["kvtier"]
@@ -44,6 +44,11 @@ def test_vllm_serve_serves_hits_from_kvtier_with_equal_tokens(tmp_path):
     stats = res["kvtier_stats"]["manager"]
     assert stats["failed_loads"] == 0 and stats["protocol_errors"] == 0
     assert stats["hit_blocks"]["CPU"] == 2 * (2 + 16) + 3 * 16
+    # one clock for the client and the server: vLLM's engine processes do not run exit
+    # handlers, so kvtier's marks there reach the file when a later mark finds them a second old
+    marks = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]
+    assert sum(m["ev"] == "client_submit" for m in marks) == 2 * 2 * 3  # miss, hit, paired
+    assert {m["who"] for m in marks} & {"sched", "worker"}
     # the server's log names kvtier's connector in both the engine core and the worker process
     log = open(tmp_path / "server-tiny-kvtier.log").read()
     assert log.count("Creating v1 connector with name: KVTierConnector") >= 2
