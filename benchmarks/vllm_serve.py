@@ -264,6 +264,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.timeline:  # before the first mark and before any server starts: they inherit it
         os.environ["KVTIER_TIMELINE"] = a.timeline
+        os.environ["KVTIER_TIMELINE_FLUSH_S"] = "1"  # the servers' processes end killed
     if a.cpu_smoke:
         a.shape, a.block_size, a.cpu_bytes = "tiny", 32, 64 << 20
         a.gpu_kv_bytes = a.gpu_kv_bytes or 256 << 20

@@ -57,8 +57,8 @@ def test_off_without_a_path(tmp_path):
 
 
 def test_marks_older_than_a_second_are_written_with_the_next_mark(tmp_path, monkeypatch):
-    """vLLM's engine processes under ``vllm serve`` end without exit handlers: a timeline
-    there must not hold its marks until exit."""
+    """vLLM's engine processes under ``vllm serve`` end without exit handlers: with
+    KVTIER_TIMELINE_FLUSH_S a timeline there does not hold its marks until exit."""
     monkeypatch.setattr(tl_mod, "FLUSH_AFTER_S", 0.05)
     path = tmp_path / "tl.jsonl"
     tl = Timeline(str(path))
@@ -68,3 +68,14 @@ def test_marks_older_than_a_second_are_written_with_the_next_mark(tmp_path, monk
     tl.mark("worker", "load_done")
     assert [json.loads(x)["ev"] for x in path.read_text().splitlines()] == [
         "start_load", "load_done"]
+
+
+def test_without_the_age_setting_marks_wait_for_a_flush(tmp_path, monkeypatch):
+    """Off by default: an in-process benchmark's timed requests never pay a write."""
+    monkeypatch.setattr(tl_mod, "FLUSH_AFTER_S", None)
+    path = tmp_path / "tl.jsonl"
+    tl = Timeline(str(path))
+    tl.mark("worker", "start_load")
+    time.sleep(0.05)
+    tl.mark("worker", "load_done")
+    assert not path.exists()

@@ -8,11 +8,14 @@ workers' lines and a benchmark client's own marks fall on one axis
 attribute test.
 
 Marks are kept in memory and written as JSON lines by :meth:`Timeline.flush` (every
-``FLUSH_EVERY`` marks, with the first mark ``FLUSH_AFTER_S`` after the last write, at exit,
-when vLLM shuts the connector down, or when a caller asks; ``vllm serve``'s engine processes
-may be killed without either, losing at most their last second of marks): writing each mark
-as it came cost a system call and a JSON encoding, 20-80 us a mark on the lent H100's host,
-which is the same order as the steps being timed and slowed the marked process itself.
+``FLUSH_EVERY`` marks, at exit, when vLLM shuts the connector down, or when a caller asks):
+writing each mark as it came cost a system call and a JSON encoding, 20-80 us a mark on the
+lent H100's host, which is the same order as the steps being timed and slowed the marked
+process itself. ``vllm serve``'s engine processes may be killed without running exit
+handlers or the connector's shutdown: with ``KVTIER_TIMELINE_FLUSH_S`` set, the first mark
+that many seconds after the last write also writes (``benchmarks/vllm_serve.py`` sets 1),
+losing at most that much at a kill. It is off otherwise, so a write never lands inside a
+request an in-process benchmark is timing.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any
 
 ENV = "KVTIER_TIMELINE"
 FLUSH_EVERY = 50_000
-FLUSH_AFTER_S = 1.0
+FLUSH_AFTER_S: float | None = (float(os.environ["KVTIER_TIMELINE_FLUSH_S"])
+                               if os.environ.get("KVTIER_TIMELINE_FLUSH_S") else None)
 
 
 class Timeline:
@@ -47,7 +51,8 @@ class Timeline:
         now = time.monotonic()
         with self._lock:
             self._marks.append((now, who, ev, fields))
-            full = len(self._marks) >= FLUSH_EVERY or now - self._flushed_at > FLUSH_AFTER_S
+            full = len(self._marks) >= FLUSH_EVERY or (
+                FLUSH_AFTER_S is not None and now - self._flushed_at > FLUSH_AFTER_S)
         if full:
             self.flush()
 
