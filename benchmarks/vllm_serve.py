@@ -41,7 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from serve_client import Server, complete, reset_prefix_cache  # noqa: E402
+from serve_client import Completion, Server, complete, reset_prefix_cache  # noqa: E402
 from vllm_e2e_child import VOCAB, connector_json, merge, tokens, write_model  # noqa: E402
 
 SKIP = {"kvtier": {"skip_load": True, "skip_store": True}}
@@ -100,15 +100,11 @@ def sweep(server: Server, a, connector: str) -> dict:
                                             "resets": []})
         for r in range(a.reps):
             prompt = tokens(length, seed=7919 * length + r, vocab=a.vocab)
-            mark("client_submit", length=length, rep=r, kind="miss")
-            miss = complete(server.url, server.model, prompt)
-            mark("client_token", length=length, rep=r, kind="miss")
+            miss = send(server, prompt, "miss", rep=r)
             row["resets"].append(settle(server, a))
             if connector == "kvtier" and r % 2 == 1:  # paired recompute first on odd reps
                 paired(server, a, prompt, row)
-            mark("client_submit", length=length, rep=r, kind="hit")
-            hit = complete(server.url, server.model, prompt)
-            mark("client_token", length=length, rep=r, kind="hit")
+            hit = send(server, prompt, "hit", rep=r)
             row["resets"].append(settle(server, a))
             if connector == "kvtier" and r % 2 == 0:
                 paired(server, a, prompt, row)
@@ -122,11 +118,18 @@ def sweep(server: Server, a, connector: str) -> dict:
     return out
 
 
+def send(server: Server, prompt: list[int], kind: str, kv_params: dict | None = None,
+         **fields) -> Completion:
+    """One timed request, between the client's two timeline marks."""
+    mark("client_submit", length=len(prompt), kind=kind, **fields)
+    done = complete(server.url, server.model, prompt, kv_params)
+    mark("client_token", length=len(prompt), kind=kind, **fields)
+    return done
+
+
 def paired(server: Server, a, prompt: list[int], row: dict) -> None:
     """The prompt recomputed in kvtier's server (its hit skipped, nothing stored)."""
-    mark("client_submit", length=len(prompt), kind="paired")
-    done = complete(server.url, server.model, prompt, SKIP)
-    mark("client_token", length=len(prompt), kind="paired")
+    done = send(server, prompt, "paired", SKIP)
     row["paired"].append(done.ttft_ms)
     row["paired_cached"].append(done.cached_tokens)
     row["resets"].append(settle(server, a))
@@ -142,11 +145,14 @@ def burst(server: Server, a, k: int) -> dict:
     results: list = [None] * k
     start = threading.Barrier(k + 1)
 
-    def send(i: int) -> None:
+    def one(i: int) -> None:
         start.wait()
-        results[i] = complete(server.url, server.model, prompts[i])
+        try:
+            results[i] = complete(server.url, server.model, prompts[i])
+        except (RuntimeError, OSError, ValueError) as exc:
+            results[i] = exc
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(k)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
     for t in threads:
         t.start()
     t0 = time.perf_counter()
@@ -154,6 +160,9 @@ def burst(server: Server, a, k: int) -> dict:
     for t in threads:
         t.join()
     wall = (time.perf_counter() - t0) * 1e3
+    failed = [r for r in results if not isinstance(r, Completion)]
+    if failed:
+        raise RuntimeError(f"{server.name}: {len(failed)} of {k} burst requests failed: {failed[0]}")
     ttfts = sorted(r.ttft_ms for r in results)
     return {"length": length, "k": k, "ttft_ms": ttfts, "median_ms": statistics.median(ttfts),
             "last_first_token_ms": max(ttfts), "wall_ms": wall,
@@ -167,6 +176,8 @@ def run_config(a, model_dir: str, connector: str) -> dict:
     if os.path.exists(snap):
         os.remove(snap)
     env = {"HF_HUB_OFFLINE": "1"}
+    if a.timeline:  # the server's engine processes end killed: write marks as they age
+        env["KVTIER_TIMELINE_FLUSH_S"] = "1"
     if a.shape == "tiny":
         env["VLLM_TARGET_DEVICE"] = "cpu"
     server = Server(connector, model_dir, server_args(a, model_dir, connector, port), port, log, env)
@@ -264,7 +275,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.timeline:  # before the first mark and before any server starts: they inherit it
         os.environ["KVTIER_TIMELINE"] = a.timeline
-        os.environ["KVTIER_TIMELINE_FLUSH_S"] = "1"  # the servers' processes end killed
     if a.cpu_smoke:
         a.shape, a.block_size, a.cpu_bytes = "tiny", 32, 64 << 20
         a.gpu_kv_bytes = a.gpu_kv_bytes or 256 << 20

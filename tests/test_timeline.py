@@ -79,3 +79,9 @@ def test_without_the_age_setting_marks_wait_for_a_flush(tmp_path, monkeypatch):
     time.sleep(0.05)
     tl.mark("worker", "load_done")
     assert not path.exists()
+
+
+def test_the_age_setting_accepts_seconds_and_ignores_nonsense():
+    assert tl_mod._flush_after("1") == 1.0 and tl_mod._flush_after("0.25") == 0.25
+    for bad in (None, "", "0", "-1", "soon", "nan"):
+        assert tl_mod._flush_after(bad) is None

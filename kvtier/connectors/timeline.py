@@ -29,8 +29,19 @@ from typing import Any
 
 ENV = "KVTIER_TIMELINE"
 FLUSH_EVERY = 50_000
-FLUSH_AFTER_S: float | None = (float(os.environ["KVTIER_TIMELINE_FLUSH_S"])
-                               if os.environ.get("KVTIER_TIMELINE_FLUSH_S") else None)
+
+
+def _flush_after(value: str | None) -> float | None:
+    """``KVTIER_TIMELINE_FLUSH_S``: seconds > 0; anything else leaves it off (a diagnostic
+    switch must not stop the connector from loading)."""
+    try:
+        seconds = float(value) if value else None
+    except ValueError:
+        seconds = None
+    return seconds if seconds is not None and seconds > 0 else None
+
+
+FLUSH_AFTER_S = _flush_after(os.environ.get("KVTIER_TIMELINE_FLUSH_S"))
 
 
 class Timeline:
