@@ -66,18 +66,21 @@ class Server:
                            f"ends:\n{self.tail()}")
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the group, SIGKILL after 30 s; then SIGKILL to whatever of the group is
+        left (an engine core whose API server died while starting holds the GPU otherwise)."""
+        if self.proc is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30.0)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10.0)
 
     def tail(self, n: int = 40) -> str:
         try:
