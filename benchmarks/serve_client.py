@@ -37,15 +37,17 @@ class Server:
     worker processes are its children), its output in ``log``."""
 
     def __init__(self, name: str, model: str, args: list[str], port: int, log: str,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, path: tuple[str, ...] = ()) -> None:
         self.name, self.model, self.args, self.log = name, model, args, log
         self.env = env or {}
+        self.path = path  # folders put ahead of the repository on the server's PYTHONPATH
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> None:
         env = dict(os.environ, **self.env, VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
-                   PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+                   PYTHONPATH=os.pathsep.join(p for p in (*self.path, REPO, os.environ.get("PYTHONPATH"))
+                                              if p))
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(serve_command(self.model, self.args), stdout=out,
                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)

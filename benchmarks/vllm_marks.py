@@ -11,6 +11,10 @@ time grows while its CPU time does not waited (GIL, I/O); one whose CPU time gro
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import inspect
+import sys
 import threading
 import time
 
@@ -36,31 +40,96 @@ PHASES = [
 ]
 
 
-def install() -> list[str]:
+# vLLM's serving processes (``vllm_serve.py --vllm-marks``): the engine core's intake (its input
+# thread decodes a request, its busy loop takes it), its output thread (encode, send) and the API
+# server's side (decode the engine's outputs, turn them into the response)
+SERVE_PHASES = [
+    ("vllm.v1.engine.core", "EngineCoreProc", "_handle_client_request"),
+    ("vllm.v1.engine.core", "EngineCore", "preprocess_add_request"),
+    ("vllm.v1.engine.core", "EngineCore", "add_request"),
+    ("vllm.v1.engine.core", "EngineCore", "post_step"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "_send_msg_tracking_payload"),
+    ("vllm.v1.serial_utils", "MsgpackEncoder", "encode"),
+    ("vllm.v1.serial_utils", "MsgpackEncoder", "encode_into"),
+    ("vllm.v1.serial_utils", "MsgpackDecoder", "decode"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+]
+
+
+def _wrap(cls: type, name: str) -> bool:
+    raw = inspect.getattr_static(cls, name, None)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    fn = raw.__func__ if kind else raw
+    if fn is None or getattr(fn, "_kvtier_marked", False):
+        return False
+    tl = timeline()
+    label = f"{cls.__name__}.{name}"
+
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        tl.mark("vllm", label + ">", cpu=time.thread_time(), tid=threading.get_native_id())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tl.mark("vllm", label + "<", cpu=time.thread_time(), tid=threading.get_native_id())
+
+    marked._kvtier_marked = True
+    setattr(cls, name, kind(marked) if kind else marked)
+    return True
+
+
+def _patch(module, phases) -> list[str]:
+    done = []
+    for mod_name, cls_name, name in phases:
+        if mod_name != module.__name__:
+            continue
+        cls = getattr(module, cls_name, None)
+        if cls is not None and _wrap(cls, name):
+            done.append(f"{cls_name}.{name}")
+    return done
+
+
+def install(phases=PHASES) -> list[str]:
     """Wrap every phase that exists in this vLLM; returns the ones wrapped."""
     import importlib
 
-    tl = timeline()
     done = []
-    for module, cls_name, name in PHASES:
+    for mod_name in dict.fromkeys(m for m, _, _ in phases):
         try:
-            cls = getattr(importlib.import_module(module), cls_name, None)
+            module = importlib.import_module(mod_name)
         except ImportError:  # another vLLM version or platform
             continue
-        fn = getattr(cls, name, None) if cls is not None else None
-        if fn is None:
-            continue
-
-        def wrap(fn=fn, label=f"{cls_name}.{name}"):
-            @functools.wraps(fn)
-            def marked(*args, **kwargs):
-                tl.mark("vllm", label + ">", cpu=time.thread_time(), tid=threading.get_native_id())
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    tl.mark("vllm", label + "<", cpu=time.thread_time())
-            return marked
-
-        setattr(cls, name, wrap())
-        done.append(f"{cls_name}.{name}")
+        done += _patch(module, phases)
     return done
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Wraps a module's phases right after the module is first imported, in whatever process
+    imports it (vLLM's engine core and API server are processes of their own; importing vLLM
+    early from ``sitecustomize`` would change what they import and when)."""
+
+    def __init__(self, phases) -> None:
+        self.phases = phases
+        self.pending = {m for m, _, _ in phases}
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.pending:
+            return None
+        self.pending.discard(name)  # the lookup below must not come back here
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+        phases = self.phases
+
+        def exec_module(module):
+            run(module)
+            _patch(module, phases)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install_on_import(phases=PHASES + SERVE_PHASES) -> None:
+    """For ``serve_marks/sitecustomize.py``: mark these phases once their modules load."""
+    sys.meta_path.insert(0, _PatchOnImport(phases))

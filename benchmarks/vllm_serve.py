@@ -121,9 +121,9 @@ def sweep(server: Server, a, connector: str) -> dict:
 def send(server: Server, prompt: list[int], kind: str, kv_params: dict | None = None,
          **fields) -> Completion:
     """One timed request, between the client's two timeline marks."""
-    mark("client_submit", length=len(prompt), kind=kind, **fields)
+    mark("client_submit", length=len(prompt), kind=kind, config=server.name, **fields)
     done = complete(server.url, server.model, prompt, kv_params)
-    mark("client_token", length=len(prompt), kind=kind, **fields)
+    mark("client_token", length=len(prompt), kind=kind, config=server.name, **fields)
     return done
 
 
@@ -180,7 +180,9 @@ def run_config(a, model_dir: str, connector: str) -> dict:
         env["KVTIER_TIMELINE_FLUSH_S"] = "1"
     if a.shape == "tiny":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-    server = Server(connector, model_dir, server_args(a, model_dir, connector, port), port, log, env)
+    path = (os.path.join(HERE, "serve_marks"),) if a.vllm_marks else ()
+    server = Server(connector, model_dir, server_args(a, model_dir, connector, port), port, log,
+                    env, path)
     t0 = time.perf_counter()
     try:
         server.start(timeout_s=a.start_timeout)
@@ -195,8 +197,22 @@ def run_config(a, model_dir: str, connector: str) -> dict:
             with open(snap) as f:
                 result["kvtier_stats"] = json.load(f)
     finally:
+        if a.timeline:
+            flush_marks(server)
         server.stop()
     return result
+
+
+def flush_marks(server: Server) -> None:
+    """The server's processes write their marks when one comes a second after their last
+    write (``KVTIER_TIMELINE_FLUSH_S``) and are killed at the end: a call after that second
+    makes the API server and the engine core (on a GPU, where the worker runs too) write the
+    last requests' marks."""
+    time.sleep(1.2)
+    try:
+        reset_prefix_cache(server.url)
+    except OSError:  # a server that died keeps what it wrote
+        pass
 
 
 def mark(ev: str, **fields) -> None:
@@ -268,11 +284,16 @@ def main(argv=None) -> int:
                    help="a JSON object deep-merged into kvtier's configuration")
     p.add_argument("--timeline", default=None,
                    help="file: kvtier's per-step marks (KVTIER_TIMELINE) and the client's")
+    p.add_argument("--vllm-marks", action="store_true",
+                   help="with --timeline: also mark vLLM's step, intake and output phases in the "
+                        "server's processes (vllm_marks.py; summed by serve_phases.py)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model on vLLM's CPU backend, none and kvtier, lengths 64,512")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--workdir", default="/tmp/kvtier-serve")
     a = p.parse_args(argv)
+    if a.vllm_marks and not a.timeline:
+        p.error("--vllm-marks needs --timeline")
     if a.timeline:  # before the first mark and before any server starts: they inherit it
         os.environ["KVTIER_TIMELINE"] = a.timeline
     if a.cpu_smoke:

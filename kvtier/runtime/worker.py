@@ -43,7 +43,9 @@ def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
             log.warning("kvtier: CUDA copy path unavailable (%s); using plain torch copies", exc)
         else:
             loads = os.environ.get("KVTIER_CUDA_LOADS", "auto")  # auto | layered | staged
-            return [CudaGpuToCpuHandler(view, pool), CudaCpuToGpuHandler(view, pool, loads=loads)]
+            small = os.environ.get("KVTIER_CUDA_SMALL_LOADS", "one_launch")  # or staged
+            return [CudaGpuToCpuHandler(view, pool),
+                    CudaCpuToGpuHandler(view, pool, loads=loads, small=small)]
     return [GpuToCpuHandler(view, pool), CpuToGpuHandler(view, pool)]
 
 

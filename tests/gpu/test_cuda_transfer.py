@@ -321,8 +321,8 @@ def test_layered_loads_need_a_pinned_pool_and_auto_falls_back_to_staged():
 
 
 @pytest.mark.skipif(not cupy_available(), reason="layered loads need CuPy")
-def test_auto_stages_small_loads_and_layers_large_ones(monkeypatch):
-    """The default mode: a load under LAYERED_MIN_BYTES goes through the staging ring (a
+def test_auto_loads_small_jobs_whole_and_large_ones_layer_by_layer(monkeypatch):
+    """The default mode: a load under LAYERED_MIN_BYTES goes whole (one launch, else staged: a
     layered job costs the host ~0.1 ms per layer whatever its size: 3.4 ms of schedule() for
     a one-block hit in real vLLM), a larger one layer by layer; both land bit-exact."""
     from kvtier.transfer.cuda import handlers
@@ -348,7 +348,7 @@ def test_auto_stages_small_loads_and_layers_large_ones(monkeypatch):
     assert CudaCpuToGpuHandler(view, pool, loads="layered").layered_min_bytes == 0
 
 
-@pytest.mark.parametrize("loads", ["layered", "staged"])
+@pytest.mark.parametrize("loads", ["auto", "layered", "staged"])
 def test_a_load_queued_behind_compute_reports_the_copy_time_not_the_wait(loads):
     """The seconds a load reports feed the cost model's bandwidth; a load queued behind a long
     forward must not report the forward's time (the model would then find CPU hits slower

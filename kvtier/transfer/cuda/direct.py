@@ -33,6 +33,7 @@ import torch
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer.cuda.page_movers import _THREADS, _UNROLL, compile_kernel, default_max_ctas
+from kvtier.transfer.cuda.one_launch import PinnedArgRing
 from kvtier.transfer.cuda.pipeline import EnqueuedJob
 from kvtier.transfer.cuda.plan import LayerAddressing, host_runs, validate_job
 from kvtier.transfer.cuda.prefetch import Prefetch
@@ -176,19 +177,23 @@ class DirectLayerLoader:
                                                        self.device_index)
         self._lock = threading.Lock()
 
-    def _launch(self, ids_ptr: int, ptrs_ptr: int, stage: int, layer: int, n_blocks: int,
-                per: int) -> None:
+    def launch(self, ids_ptr: int, ptrs_ptr: int, stage: int, layer: int, n_blocks: int,
+                per: int, n_layers: int = 1) -> None:
+        """Layers ``layer .. layer + n_layers`` of ``n_blocks`` blocks, on the current CuPy
+        stream. ``ids_ptr`` / ``ptrs_ptr``: device-readable addresses (device memory, or
+        pinned host memory read through UVA)."""
         a = self.addressing
         page_vecs = a.page_bytes // self.width
         tiles_per_page = -(-page_vecs // (_THREADS * _UNROLL))
-        grid = max(1, min(self.max_ctas, n_blocks * a.kv_parts * per * tiles_per_page))
+        grid = max(1, min(self.max_ctas,
+                          n_layers * n_blocks * a.kv_parts * per * tiles_per_page))
         layers = self._layers.data_ptr()
         row = 8 * a.num_layers
         self._kernel(
             (grid,), (_THREADS,),
             (np.uint64(layers), np.uint64(layers + row), np.uint64(layers + 2 * row),
              np.uint64(ids_ptr), np.uint64(ptrs_ptr), np.int64(stage), np.int32(layer),
-             np.int32(1), np.int64(n_blocks), np.int32(a.kv_parts), np.int32(per),
+             np.int32(n_layers), np.int64(n_blocks), np.int32(a.kv_parts), np.int32(per),
              np.int64(a.page_bytes), np.int64(page_vecs), np.int64(tiles_per_page), np.int32(0)),
         )
 
@@ -285,7 +290,7 @@ class DirectLayerLoader:
             with self._cupy.cuda.Device(self.device_index), self._cp_stream:
                 if uva:
                     for layer in range(self.addressing.num_layers):
-                        self._launch(ids.data_ptr(), ptrs_ptr, 0, layer, n, per)
+                        self.launch(ids.data_ptr(), ptrs_ptr, 0, layer, n, per)
                         layer_done.append(self._record())
                 else:
                     ready = {}
@@ -303,6 +308,36 @@ class DirectLayerLoader:
         return LayeredJob(done=done, nbytes=n * block_bytes, started=started,
                           layer_done=layer_done, keepalive=keep, uva=uva, gate=gate,
                           head=(prefetch.started, prefetch.done) if prefetch else None)
+
+    def enqueue_whole(self, engine_ids: Sequence[int], slots: Sequence[int],
+                      waits: Sequence[torch.cuda.Event], args: PinnedArgRing) -> EnqueuedJob | None:
+        """A small load as one launch over all layers, its arguments in a pinned buffer of
+        ``args`` (:mod:`one_launch`); None when no buffer is free or the job does not fit."""
+        per = validate_job(self.view, self.pool, engine_ids, slots, to_gpu=True)
+        n = len(slots)
+        taken = args.take(n * per + n)
+        if taken is None:
+            return None
+        i, words, address = taken
+        words[:n * per] = np.asarray(engine_ids, dtype=np.int64)
+        words[n * per:n * per + n] = slot_pointers(self.pool, slots)
+        try:
+            with self._lock, torch.cuda.device(self.view.device):
+                for wait in waits:  # only the kernel stream touches the engine's pages
+                    self.stream.wait_event(wait)
+                started = torch.cuda.Event(enable_timing=True)  # after the waits: copy time
+                started.record(self.stream)
+                with self._cupy.cuda.Device(self.device_index), self._cp_stream:
+                    self.launch(address, address + 8 * n * per, 0, 0, n, per,
+                                n_layers=self.addressing.num_layers)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(self.stream)
+        except BaseException:
+            args.give_back(i)
+            raise
+        args.hold(i, done)
+        return EnqueuedJob(done=done, nbytes=n * self.pool.geometry.block_bytes,
+                           started=started)
 
     def _record(self) -> torch.cuda.Event:
         ev = torch.cuda.Event()
@@ -337,5 +372,5 @@ class DirectLayerLoader:
         layer, c0, c1 = chunk
         ring = self.ring
         self.stream.wait_event(ring.filled[i])
-        self._launch(ids_ptr + 8 * c0 * per, 0, ring.buffers[i].data_ptr(), layer, c1 - c0, per)
+        self.launch(ids_ptr + 8 * c0 * per, 0, ring.buffers[i].data_ptr(), layer, c1 - c0, per)
         ring.freed[i].record(self.stream)

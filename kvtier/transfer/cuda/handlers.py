@@ -18,10 +18,13 @@ the GPU, never by host syncs:
 
 Loads go layer by layer straight from the pinned slots (``loads="layered"``, the default when
 the pool is pinned and CuPy is there) or through the staging ring (``"staged"``). By default
-(``"auto"``) a load under ``LAYERED_MIN_BYTES`` is staged: enqueueing a layered job costs the
+(``"auto"``) a load under ``LAYERED_MIN_BYTES`` goes whole: enqueueing a layered job costs the
 host ~0.1 ms per layer whatever its size (a one-block hit of the Llama-8B shape: 3.4 ms of
 ``schedule()`` in real vLLM on an H100, for a 40 us copy), and a forward gains nothing from
-following a copy that short layer by layer.
+following a copy that short layer by layer. A whole load is one kernel launch over all layers
+with its arguments in reusable pinned memory (``small="one_launch"``, :mod:`one_launch`: a
+few CUDA calls instead of ~15), or goes through the staging ring when no argument buffer is
+free (or ``small="staged"``).
 
 Loads run on higher-priority streams than stores, and the two directions use separate
 streams and staging rings, so both PCIe directions run at once. Enqueueing a job costs a few
@@ -40,6 +43,7 @@ from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.transfer.cuda.direct import DirectLayerLoader, LayeredJob
+from kvtier.transfer.cuda.one_launch import PinnedArgRing
 from kvtier.transfer.cuda.page_movers import cupy_available, make_page_mover
 from kvtier.transfer.cuda.prefetch import Prefetch
 from kvtier.transfer.cuda.pipeline import (
@@ -55,7 +59,8 @@ log = logging.getLogger(__name__)
 
 
 LOAD_MODES = ("auto", "layered", "staged")
-LAYERED_MIN_BYTES = 64 << 20  # "auto": smaller loads are staged (one DMA stream, no layer events)
+LAYERED_MIN_BYTES = 64 << 20  # "auto": smaller loads go whole (one launch, else staged)
+SMALL_LOAD_MODES = ("one_launch", "staged")
 
 
 @dataclass
@@ -77,9 +82,13 @@ class _CudaHandler(ImmediateHandler):
         max_ctas: int | None = None,
         compute_stream: torch.cuda.Stream | None = None,
         loads: str = "auto",
+        small: str = "one_launch",
     ) -> None:
         if loads not in LOAD_MODES:
             raise ValueError(f"unknown CUDA load mode {loads!r}; use one of {LOAD_MODES}")
+        if small not in SMALL_LOAD_MODES:
+            raise ValueError(f"unknown CUDA small-load mode {small!r}; use one of "
+                             f"{SMALL_LOAD_MODES}")
         if view.device.type != "cuda":
             raise ValueError(f"{type(self).__name__} needs a CUDA KV view, got {view.device}")
         self.view = view
@@ -103,6 +112,9 @@ class _CudaHandler(ImmediateHandler):
             except Exception as exc:  # noqa: BLE001 - the staged path is always there
                 log.warning("kvtier: layer-by-layer loads unavailable (%s); loads are staged", exc)
 
+        # loads the layered path does not take, in one launch (one_launch.py), else staged
+        self._args = (PinnedArgRing() if self.direct is not None and small == "one_launch"
+                      else None)
         self._prefetch: Prefetch | None = None
         self.prefetches = {"used": 0, "dropped": 0}  # what became of prefetch hints
         if self.direct is not None and self.direct.can_prefetch:
@@ -149,6 +161,10 @@ class _CudaHandler(ImmediateHandler):
         if self.compute_stream != current:
             waits.append(torch.cuda.Event())
             waits[1].record(self.compute_stream)
+        if not layered and self._args is not None:
+            job = self.direct.enqueue_whole(ids, slots, waits, self._args)
+            if job is not None:  # no staging buffer taken: a prefetch for a later load stays
+                return _Pending(job)
         if layered:
             p, self._prefetch = self._prefetch, None  # the job uses it or drops it
             try:

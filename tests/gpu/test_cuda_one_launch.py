@@ -1,0 +1,154 @@
+"""Small loads in one kernel launch (kvtier.transfer.cuda.one_launch) on a real GPU.
+
+Bit-exact bytes in every cache layout, ordering after the submitting stream, the pinned
+argument buffers reused only once the kernel that read them finished, and the staged path
+taking over when no buffer is free or a job does not fit. Skipped without CUDA (CI).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
+from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402
+from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
+from kvtier.transfer.cuda import CudaCpuToGpuHandler, CudaGpuToCpuHandler  # noqa: E402
+from kvtier.transfer.cuda.direct import LayeredJob  # noqa: E402
+from kvtier.transfer.cuda.one_launch import PinnedArgRing  # noqa: E402
+from kvtier.transfer.cuda.page_movers import cupy_available  # noqa: E402
+
+from test_cuda_transfer import CASES, DEV, make_caches, random_bytes, reference_slots  # noqa: E402
+
+pytestmark.append(pytest.mark.skipif(not cupy_available(), reason="one-launch loads need CuPy"))
+
+
+def spy(handler: CudaCpuToGpuHandler) -> list:
+    """Record what each ``enqueue_whole`` returned (None: it handed the job back)."""
+    seen: list = []
+    real = handler.direct.enqueue_whole
+    handler.direct.enqueue_whole = lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    return seen
+
+
+@pytest.mark.parametrize("layout,dtype,page_bytes,layers,per", CASES)
+def test_a_small_load_is_one_launch_and_bit_exact(layout, dtype, page_bytes, layers, per):
+    seed = hash((layout, page_bytes, per, "one")) & 0xFFFFF
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = 40 if page_bytes < (1 << 20) else 12
+    view = GpuKvView(make_caches(layout, layers, num_blocks, page_bytes, dtype, gen), layout=layout)
+    geo = view.geometry(per)
+    pool = CpuBlockPool(geo, num_slots=16, chunk_bytes=geo.block_bytes * 5)
+    pool.wait_ready()
+    store = CudaGpuToCpuHandler(view, pool)
+    load = CudaCpuToGpuHandler(view, pool)  # auto: these jobs are far under LAYERED_MIN_BYTES
+    seen = spy(load)
+    n = min(num_blocks // per // 2, 7)
+    ids = rng.sample(range(num_blocks), n * per)
+    slots = rng.sample(range(16), n)  # scattered over pool chunks
+    want = reference_slots(view, ids, per)
+    store.finish(store.start(LoadStoreSpec.gpu(ids), LoadStoreSpec.cpu(slots)))
+    free = [b for b in range(num_blocks) if b not in ids]
+    dst = rng.sample(free, n * per) if len(free) >= n * per else ids
+    for layer in view.layers:
+        layer.pages[:, dst] = random_bytes((view.kv_parts, len(dst), view.page_bytes), gen)
+    before = {b: [layer.pages[:, b].clone() for layer in view.layers]
+              for b in range(num_blocks) if b not in dst}
+    pending = load.start(LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst))
+    assert len(seen) == 1 and seen[0] is pending.job and not isinstance(pending.job, LayeredJob)
+    out = load.finish(pending)
+    assert out.bytes == n * geo.block_bytes and out.seconds > 0
+    assert torch.equal(reference_slots(view, dst, per), want)
+    for b, pages in before.items():  # nothing else was written
+        for layer, p in zip(view.layers, pages):
+            assert torch.equal(layer.pages[:, b], p), f"engine block {b} was overwritten"
+
+
+def filled(gen, slots: int = 8):
+    view = GpuKvView(make_caches("kv_first", 3, 32, 8 << 10, torch.bfloat16, gen),
+                     layout="kv_first")
+    pool = CpuBlockPool(view.geometry(1), num_slots=slots)
+    pool.wait_ready()
+    for s in range(slots):
+        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
+    return view, pool
+
+
+def test_an_argument_buffer_is_reused_only_after_its_kernel_ran():
+    """With one buffer: a load submitted while the first one's kernel still waits (behind a
+    long kernel on the submitting stream) goes through the staging ring, and both land; once
+    the first finished, the buffer serves the next load."""
+    gen = torch.Generator(device=DEV).manual_seed(41)
+    view, pool = filled(gen)
+    load = CudaCpuToGpuHandler(view, pool)
+    load._args = PinnedArgRing(buffers=1, words=64)
+    seen = spy(load)
+    want = torch.stack([pool.slot(s) for s in range(8)])
+    compute = torch.cuda.Stream(DEV)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(200_000_000)  # both loads are ordered after this
+        first = load.start(LoadStoreSpec.cpu([0, 1, 2]), LoadStoreSpec.gpu([4, 5, 6]))
+        second = load.start(LoadStoreSpec.cpu([3, 4]), LoadStoreSpec.gpu([9, 10]))
+    assert seen[0] is first.job and seen[1] is None, "the busy buffer was handed out again"
+    assert not first.job.done.query(), "the first kernel should still be waiting"
+    load.finish(first)
+    load.finish(second)
+    third = load.start(LoadStoreSpec.cpu([5, 6, 7]), LoadStoreSpec.gpu([20, 21, 22]))
+    assert seen[2] is third.job, "the buffer was not reused after its kernel finished"
+    load.finish(third)
+    compute.synchronize()
+    assert torch.equal(reference_slots(view, [4, 5, 6, 9, 10, 20, 21, 22], 1), want)
+
+
+def test_a_job_larger_than_a_buffer_is_staged():
+    gen = torch.Generator(device=DEV).manual_seed(43)
+    view, pool = filled(gen)
+    load = CudaCpuToGpuHandler(view, pool)
+    load._args = PinnedArgRing(buffers=2, words=5)  # 2 blocks need 4 words, 3 need 6
+    seen = spy(load)
+    want = torch.stack([pool.slot(s) for s in range(5)])
+    load.finish(load.start(LoadStoreSpec.cpu([0, 1]), LoadStoreSpec.gpu([1, 2])))
+    load.finish(load.start(LoadStoreSpec.cpu([2, 3, 4]), LoadStoreSpec.gpu([7, 8, 9])))
+    assert seen[0] is not None and seen[1] is None
+    assert torch.equal(reference_slots(view, [1, 2, 7, 8, 9], 1), want)
+
+
+def test_a_one_launch_load_waits_for_the_submitting_stream():
+    """Pages that earlier compute still reads are overwritten only after it ran."""
+    gen = torch.Generator(device=DEV).manual_seed(47)
+    view, pool = filled(gen)
+    load = CudaCpuToGpuHandler(view, pool)
+    seen = spy(load)
+    ids = [3, 5, 7, 9]
+    old = torch.stack([layer.pages[:, ids] for layer in view.layers])
+    snapshot = torch.empty_like(old)
+    compute = torch.cuda.Stream(DEV)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(200_000_000)
+        for i, layer in enumerate(view.layers):  # the "old" reader of those pages
+            snapshot[i] = layer.pages[:, ids]
+        pending = load.start(LoadStoreSpec.cpu(range(4)), LoadStoreSpec.gpu(ids))
+    assert seen == [pending.job]
+    load.finish(pending)
+    compute.synchronize()
+    assert torch.equal(snapshot, old), "the load overwrote pages before earlier compute read them"
+
+
+def test_staged_small_loads_leave_the_argument_ring_out():
+    gen = torch.Generator(device=DEV).manual_seed(53)
+    view, pool = filled(gen)
+    load = CudaCpuToGpuHandler(view, pool, small="staged")
+    assert load._args is None
+    want = torch.stack([pool.slot(s) for s in range(2)])
+    load.finish(load.start(LoadStoreSpec.cpu([0, 1]), LoadStoreSpec.gpu([11, 12])))
+    assert torch.equal(reference_slots(view, [11, 12], 1), want)
+    with pytest.raises(ValueError, match="small-load mode"):
+        CudaCpuToGpuHandler(view, pool, small="sideways")
