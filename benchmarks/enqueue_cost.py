@@ -95,7 +95,7 @@ def main() -> None:
                     upload.append(ms(lambda: _upload(np.asarray(ids, dtype=np.int64), dev))[0])
                     event.append(ms(lambda: torch.cuda.Event(enable_timing=True).record())[0])
                     gpu, cpu = LoadStoreSpec.gpu(ids), LoadStoreSpec.cpu(slots)
-                    src, dst = (cpu, gpu) if kind == "load" else (gpu, cpu)
+                    src, dst = (cpu, gpu) if kind.startswith("load") else (gpu, cpu)
                     profiled = a.profile and cond == "busy" and blocks == 1 and kind == "load"
                     if profiled:
                         prof.enable()

@@ -308,7 +308,8 @@ def main(argv=None) -> int:
                          "--trace-offset", str(a.trace_offset), "--trace-speedup",
                          str(a.trace_speedup),
                          "--trace-chunks", "1" if a.cpu_smoke else str(a.trace_chunks)]
-            marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch") \
+            marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch",
+                              "kvtier_staged") \
                 or disk or (
                 a.vllm_marks and conn in ("none", "native"))  # vLLM's phases: compare like with like
             if marked:

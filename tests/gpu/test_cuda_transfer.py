@@ -412,7 +412,7 @@ def test_shared_pool_round_trip_through_the_disk_process_is_bit_exact(tmp_path, 
 def test_a_prefetched_load_lands_bit_exact_and_unused_prefetches_give_their_buffers_back():
     """kvtier.transfer.cuda.prefetch: a load's first pieces DMA'd into the staging ring before
     its engine blocks are known are scattered by the load of exactly those slots; a load of
-    other slots, a staged load or an explicit drop gives them back, and every later load still
+    other slots, a small (whole) load or an explicit drop gives them back, and every later load still
     lands bit-exact (the ring's buffers stay in order). Pieces are smaller than a layer here,
     so a prefetch ends inside one and the ring wraps."""
     from kvtier.manager.specs import Medium
@@ -423,7 +423,7 @@ def test_a_prefetched_load_lands_bit_exact_and_unused_prefetches_give_their_buff
     load = CudaCpuToGpuHandler(view, pool, loads="layered", staging_bytes=3 * layer_bytes,
                                ring_slots=2)
     assert load.direct._copy2d is not None and load.prefetch_min_bytes == 1
-    load.layered_min_bytes = 3 * pool.geometry.block_bytes  # 2-slot loads go staged
+    load.layered_min_bytes = 3 * pool.geometry.block_bytes  # 2-slot loads go whole
     rng = random.Random(37)
 
     def landed(slots, dst):
@@ -434,7 +434,7 @@ def test_a_prefetched_load_lands_bit_exact_and_unused_prefetches_give_their_buff
         return True
 
     a, b = list(range(20, 30)), list(range(2, 12))
-    cases = [("used", a, a), ("other slots", a, b), ("staged", a, [5, 6]),
+    cases = [("used", a, a), ("other slots", a, b), ("small", a, [5, 6]),
              ("dropped", a, a), ("used after drops", a, a), ("other slots", b, a)]
     with TransferEngine([load]) as engine:
         for name, hinted, slots in cases:

@@ -163,7 +163,8 @@ class _CudaHandler(ImmediateHandler):
             waits[1].record(self.compute_stream)
         if not layered and self._args is not None:
             job = self.direct.enqueue_whole(ids, slots, waits, self._args)
-            if job is not None:  # no staging buffer taken: a prefetch for a later load stays
+            if job is not None:  # another load came: the prefetch's guess was wrong
+                self.drop_prefetch()
                 return _Pending(job)
         if layered:
             p, self._prefetch = self._prefetch, None  # the job uses it or drops it
