@@ -16,8 +16,10 @@ For each timed request this finds, in ms after the client sent it:
 * ``api_out``: the API server has turned it into the response;
 * ``token``: the client has the token;
 
-plus how many engine steps ran in between, and prints the medians per configuration, prompt
-length and kind of request. A gap that grows with a connector while the phases around it do
+plus how many engine steps ran in between and the engine thread's CPU ms inside the request's
+first ``execute_model`` (``exec_cpu``: launching a prefill's forward is CPU-bound under
+piecewise CUDA graphs, so it shows how fast the vCPU ran), and prints the medians per
+configuration, prompt length and kind of request. A gap that grows with a connector while the phases around it do
 not is time a thread spent waiting (the GIL, a queue).
 
     python benchmarks/serve_phases.py OUT/timeline.jsonl
@@ -76,7 +78,20 @@ def milestones(t0: float, t1: float, engine: list[dict], api: list[dict]) -> dic
     at["token"] = t1
     out = {k: (v - t0) * 1e3 if v is not None else None for k, v in at.items()}
     out["steps"] = sum(1 for m in window if m["ev"] == "Scheduler.schedule>")
+    out["exec_cpu"] = _exec_cpu_ms(window, at["taken"] or t0)
     return out
+
+
+def _exec_cpu_ms(window: list[dict], after: float) -> float | None:
+    """CPU ms of the engine thread inside the request's first ``execute_model`` (its forward
+    launched; CPU-bound under piecewise CUDA graphs, so it follows the vCPU's speed)."""
+    enter = next((m for m in window if m["t"] >= after and m["ev"].endswith(".execute_model>")
+                  and "cpu" in m), None)
+    if enter is None:
+        return None
+    leave = next((m for m in window if m["t"] >= enter["t"] and m["ev"].endswith(".execute_model<")
+                  and "cpu" in m), None)
+    return (leave["cpu"] - enter["cpu"]) * 1e3 if leave is not None else None
 
 
 def requests(path: str) -> list[tuple[tuple, dict]]:
@@ -104,8 +119,8 @@ def table(path: str) -> list[str]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for key, ms in requests(path):
         groups[key].append(ms)
-    lines = ["| config | tokens | request | n | " + " | ".join(MILESTONES) + " | steps |",
-             "|" + "---|" * (len(MILESTONES) + 5)]
+    lines = ["| config | tokens | request | n | " + " | ".join(MILESTONES)
+             + " | steps | exec_cpu |", "|" + "---|" * (len(MILESTONES) + 6)]
 
     def med(rows, k):
         xs = [r[k] for r in rows if r.get(k) is not None]
@@ -113,7 +128,8 @@ def table(path: str) -> list[str]:
 
     for (config, length, kind), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
         lines.append(f"| {config} | {length} | {kind} | {len(rows)} | "
-                     + " | ".join(med(rows, k) for k in MILESTONES) + f" | {med(rows, 'steps')} |")
+                     + " | ".join(med(rows, k) for k in MILESTONES)
+                     + f" | {med(rows, 'steps')} | {med(rows, 'exec_cpu')} |")
     return lines
 
 

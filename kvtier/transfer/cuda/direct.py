@@ -88,16 +88,6 @@ kvtier_pages_direct(const long long* __restrict__ layer_base,
 }
 """
 
-def slot_pointers(pool: CpuBlockPool, slots: Sequence[int]) -> np.ndarray:
-    """Host address of every slot of a job (int64, in job order), from its contiguous runs."""
-    block_bytes = pool.geometry.block_bytes
-    out = np.empty(len(slots), dtype=np.int64)
-    for run in host_runs(pool, slots):
-        first = run.job_offset // block_bytes
-        n = run.nbytes // block_bytes
-        base = run.chunk.data_ptr() + run.chunk_offset
-        out[first:first + n] = base + np.arange(n, dtype=np.int64) * block_bytes
-    return out
 
 
 @dataclass
@@ -267,7 +257,7 @@ class DirectLayerLoader:
         ptrs_ptr = 0
         block_bytes = self.pool.geometry.block_bytes
         if uva:
-            host_ptrs = torch.from_numpy(slot_pointers(self.pool, slots)).pin_memory()
+            host_ptrs = torch.from_numpy(self.pool.slot_addresses(slots)).pin_memory()
             keep.append(host_ptrs)
         layer_done: list[torch.cuda.Event] = []
         with self._lock, torch.cuda.device(self.view.device):
@@ -320,7 +310,7 @@ class DirectLayerLoader:
             return None
         i, words, address = taken
         words[:n * per] = np.asarray(engine_ids, dtype=np.int64)
-        words[n * per:n * per + n] = slot_pointers(self.pool, slots)
+        words[n * per:n * per + n] = self.pool.slot_addresses(slots)
         try:
             with self._lock, torch.cuda.device(self.view.device):
                 for wait in waits:  # only the kernel stream touches the engine's pages
