@@ -89,7 +89,6 @@ kvtier_pages_direct(const long long* __restrict__ layer_base,
 """
 
 
-
 @dataclass
 class LayeredJob(EnqueuedJob):
     """A load enqueued layer by layer: ``layer_done[l]`` fires once layer ``l`` is in place,
@@ -168,7 +167,7 @@ class DirectLayerLoader:
         self._lock = threading.Lock()
 
     def launch(self, ids_ptr: int, ptrs_ptr: int, stage: int, layer: int, n_blocks: int,
-                per: int, n_layers: int = 1) -> None:
+               per: int, n_layers: int = 1) -> None:
         """Layers ``layer .. layer + n_layers`` of ``n_blocks`` blocks, on the current CuPy
         stream. ``ids_ptr`` / ``ptrs_ptr``: device-readable addresses (device memory, or
         pinned host memory read through UVA)."""
@@ -305,14 +304,15 @@ class DirectLayerLoader:
         ``args`` (:mod:`one_launch`); None when no buffer is free or the job does not fit."""
         per = validate_job(self.view, self.pool, engine_ids, slots, to_gpu=True)
         n = len(slots)
-        taken = args.take(n * per + n)
-        if taken is None:
-            return None
-        i, words, address = taken
-        words[:n * per] = np.asarray(engine_ids, dtype=np.int64)
-        words[n * per:n * per + n] = self.pool.slot_addresses(slots)
-        try:
-            with self._lock, torch.cuda.device(self.view.device):
+        addresses = self.pool.slot_addresses(slots)  # may wait for a chunk: outside the lock
+        with self._lock, torch.cuda.device(self.view.device):  # the ring is taken in order too
+            taken = args.take(n * per + n)
+            if taken is None:
+                return None
+            i, words, address = taken
+            try:
+                words[:n * per] = np.asarray(engine_ids, dtype=np.int64)
+                words[n * per:n * per + n] = addresses
                 for wait in waits:  # only the kernel stream touches the engine's pages
                     self.stream.wait_event(wait)
                 started = torch.cuda.Event(enable_timing=True)  # after the waits: copy time
@@ -322,10 +322,10 @@ class DirectLayerLoader:
                                 n_layers=self.addressing.num_layers)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.stream)
-        except BaseException:
-            args.give_back(i)
-            raise
-        args.hold(i, done)
+            except BaseException:
+                args.give_back(i)
+                raise
+            args.hold(i, done)
         return EnqueuedJob(done=done, nbytes=n * self.pool.geometry.block_bytes,
                            started=started)
 

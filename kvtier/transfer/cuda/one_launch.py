@@ -29,7 +29,8 @@ DEFAULT_ARG_WORDS = 8192  # int64 words per buffer: engine block ids + one addre
 
 
 class PinnedArgRing:
-    """``buffers`` pinned int64 arrays handed out round robin, each busy until an event."""
+    """``buffers`` pinned int64 arrays handed out round robin, each busy until an event.
+    Not thread-safe: its loader takes and holds buffers under its own lock."""
 
     def __init__(self, buffers: int = DEFAULT_ARG_BUFFERS, words: int = DEFAULT_ARG_WORDS) -> None:
         if buffers < 1 or words < 2:
