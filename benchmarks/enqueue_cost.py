@@ -10,9 +10,10 @@ the previous step's forward still runs), in the same run; the ratio is the figur
 the two primitives the job issues most, a pinned upload of 8 bytes and an event record.
 
 Cases: loads (the default one-launch path for these small jobs, and the staging ring's,
-``small="staged"``, in the same run) and stores of 1, 8 and 125 blocks (125 = a 2,000-token prompt) of the Llama-3.2-1B
-KV shape (16 layers, 8 KV heads, head dim 64, bf16, 16-token blocks) and, with ``--shape 8b``,
-Llama-3.1-8B's; CPU slots contiguous or scattered (``--scattered``: every block its own DMA).
+``small="staged"``, in the same run) and stores of 1, 8 and 125 blocks (125 = a 2,000-token
+prompt) of the Llama-3.2-1B KV shape (16 layers, 8 KV heads, head dim 64, bf16, 16-token
+blocks) and, with ``--shape 8b``, Llama-3.1-8B's; CPU slots contiguous or scattered
+(``--scattered``: every block its own DMA).
 Needs CUDA (and CuPy for the default page mover).
 
     python benchmarks/enqueue_cost.py [--shape 1b|8b] [--reps 40] [--scattered] [--profile]

@@ -45,9 +45,9 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> None:
+        path = (*self.path, REPO, os.environ.get("PYTHONPATH"))
         env = dict(os.environ, **self.env, VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
-                   PYTHONPATH=os.pathsep.join(p for p in (*self.path, REPO, os.environ.get("PYTHONPATH"))
-                                              if p))
+                   PYTHONPATH=os.pathsep.join(p for p in path if p))
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(serve_command(self.model, self.args), stdout=out,
                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)

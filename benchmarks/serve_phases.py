@@ -19,8 +19,8 @@ For each timed request this finds, in ms after the client sent it:
 plus how many engine steps ran in between and the engine thread's CPU ms inside the request's
 first ``execute_model`` (``exec_cpu``: launching a prefill's forward is CPU-bound under
 piecewise CUDA graphs, so it shows how fast the vCPU ran), and prints the medians per
-configuration, prompt length and kind of request. A gap that grows with a connector while the phases around it do
-not is time a thread spent waiting (the GIL, a queue).
+configuration, prompt length and kind of request. A gap that grows with a connector while the
+phases around it do not is time a thread spent waiting (the GIL, a queue).
 
     python benchmarks/serve_phases.py OUT/timeline.jsonl
 """
