@@ -60,6 +60,7 @@ COLUMNS = {"recompute": "none", "kvtier_cpu": "kvtier", "native_cpu": "native",
            "kvtier_cpu_tail": "kvtier_ab_tail", "kvtier_cpu_tail_cut": "kvtier_ab_tail:late",
            "kvtier_cpu_prefetch": "kvtier_ab_prefetch",
            "kvtier_cpu_no_prefetch": "kvtier_ab_prefetch:late",
+           "kvtier_cpu_whole": "kvtier_ab_whole", "kvtier_cpu_whole_layered": "kvtier_ab_whole:late",
            "kvtier_miss": "kvtier:miss", "native_miss": "native:miss",
            "kvtier_recompute": "kvtier:recompute", "kvtier_disk_recompute": "kvtier_disk:recompute"}
 HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu": "native CPU hit",
@@ -69,6 +70,8 @@ HEADERS = {"recompute": "recompute", "kvtier_cpu": "kvtier CPU hit", "native_cpu
            "kvtier_cpu_tail": "A/B: last block whole", "kvtier_cpu_tail_cut": "A/B: cut a block short",
            "kvtier_cpu_prefetch": "A/B: prefetched at lookup",
            "kvtier_cpu_no_prefetch": "A/B: no prefetch",
+           "kvtier_cpu_whole": "A/B: whole load in one launch",
+           "kvtier_cpu_whole_layered": "A/B: whole load layered",
            "kvtier_miss": "kvtier miss (first pass)", "native_miss": "native miss (first pass)",
            "kvtier_recompute": "recompute in kvtier's engine (paired)",
            "kvtier_disk_recompute": "recompute in kvtier_disk's engine (paired)"}
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--connectors", default="none,kvtier,native,kvtier_disk,check",
                    help="comma list of: none, kvtier, native, kvtier_disk, kvtier_disk_cold "
                         "(page cache dropped before each disk hit), kvtier_staged, kvtier_ab, "
-                        "kvtier_ab_tail, kvtier_ab_prefetch, check")
+                        "kvtier_ab_tail, kvtier_ab_prefetch, kvtier_ab_whole, check")
     p.add_argument("--lengths", default="1024,2048,8192,32768",
                    help="prompt lengths in tokens (16 = one vLLM block)")
     p.add_argument("--reps", type=int, default=5)
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
                          str(a.trace_speedup),
                          "--trace-chunks", "1" if a.cpu_smoke else str(a.trace_chunks)]
             marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch",
-                              "kvtier_staged") \
+                              "kvtier_ab_whole", "kvtier_staged") \
                 or disk or (
                 a.vllm_marks and conn in ("none", "native"))  # vLLM's phases: compare like with like
             if marked:

@@ -106,8 +106,10 @@ def ab_switch(a):
     """The paired A/B's switch (a function of True/False), or None. ``kvtier_ab``: synchronous
     loads started early (True) or at ``start_load_kv``; ``kvtier_ab_tail``: a hit reaching the
     last prompt token loads its last block whole (True: one token computed, a full CUDA graph)
-    or stops at the block before (a block of tokens computed, per-layer fences)."""
-    if a.connector not in ("kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch"):
+    or stops at the block before (a block of tokens computed, per-layer fences);
+    ``kvtier_ab_whole``: a load the forward waits for whole goes in one launch at any size
+    (True) or layer by layer (the CUDA load handler's ``whole_max_bytes``: inf or 0)."""
+    if a.connector not in ("kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch", "kvtier_ab_whole"):
         return None
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -119,5 +121,10 @@ def ab_switch(a):
         return lambda on: setattr(worker, "early_loads", on)
     if a.connector == "kvtier_ab_prefetch":
         return lambda on: setattr(worker, "prefetch_loads", on)
+    if a.connector == "kvtier_ab_whole":
+        from kvtier.manager.specs import Medium
+
+        handler = worker.runtime.engine._handlers[(Medium.CPU, Medium.GPU)]  # the CUDA one
+        return lambda on: setattr(handler, "whole_max_bytes", float("inf") if on else 0)
     side = a.llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
     return lambda on: setattr(side, "whole_tail_max_bytes", float("inf") if on else 0)

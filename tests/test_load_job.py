@@ -59,6 +59,17 @@ def test_hops_promote_then_copy_all_but_excluded():
         (LoadStoreSpec.cpu([3, 4]), LoadStoreSpec.gpu([7, 8, 9, 10]))]
 
 
+def test_a_whole_load_marks_its_engine_copy_whole_and_nothing_else():
+    """``whole`` (the forward waits for the whole load) reaches the copy into the engine's
+    pages, with or without exclusions; promotions into the CPU tier are not marked."""
+    for excluded in ((), {b"b"}):
+        hops = load_hops([b"a", b"b"], [3, 4], [True, False], [7, 8], 1, excluded=excluded,
+                         whole=True)
+        assert [dst.whole for _, dst in hops] == [False, True]
+        assert hops[-1][1] != LoadStoreSpec.gpu(hops[-1][1].ids)  # the flag is part of it
+    assert not load_hops([b"a"], [3], [False], [7], 1)[0][1].whole
+
+
 class FlakyCpuToGpu(CpuToGpuHandler):
     failing = False
 

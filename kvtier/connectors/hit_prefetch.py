@@ -24,9 +24,10 @@ class HitPrefetch:
         self.engine_id = engine_id
         self._worker: Any = None  # the worker holding an unused prefetch
 
-    def start(self, manager: Any, keys: Sequence[BlockKey], nbytes: int) -> bool:
+    def start(self, manager: Any, keys: Sequence[BlockKey], nbytes: int,
+              whole: bool = False) -> bool:
         """Prefetch the CPU hit ``keys`` (all READY in CPU) if the worker takes a hint of
-        ``nbytes``; True if a copy started."""
+        ``nbytes`` (``whole``: its load will be ``LoadJob.whole``); True if a copy started."""
         self.drop()
         worker = colocated.worker_for(self.engine_id)
         least = worker.prefetch_min_bytes() if worker is not None else None
@@ -34,7 +35,7 @@ class HitPrefetch:
         if cpu is None:
             return False
         slots = cpu.ready_handles(keys)
-        if len(slots) != len(keys) or not worker.prefetch_load(slots):
+        if len(slots) != len(keys) or not worker.prefetch_load(slots, whole):
             return False
         self._worker = worker
         return True

@@ -30,7 +30,9 @@ class LoadJob:
     the end (the plan came out shorter); the worker reports them as load errors, so vLLM
     recomputes them. ``sync``: vLLM computes the request in this step: the worker enqueues
     the copy before the forward and orders the forward after it (``TransferEngine.fence``),
-    and never reports the request in ``finished_recving``.
+    and never reports the request in ``finished_recving``. ``whole``: a synchronous load
+    whose forward computes only the prompt's last token (:mod:`hit_claim`'s whole tail): that
+    forward waits for all of it, so it need not be copied layer by layer.
     """
 
     job_id: int
@@ -44,6 +46,7 @@ class LoadJob:
     unloaded_gpu_ids: tuple[int, ...] = ()
     sync: bool = False
     from_remote: tuple[bool, ...] = ()  # read key i from the shared tier first (empty: none)
+    whole: bool = False
 
 
 @dataclass(frozen=True)

@@ -159,8 +159,9 @@ class SchedulerSide(JobSettling, StorePlanning):
             return None, False
         hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
-        hits, claimed = claim(hits, per, bt, request.num_tokens - 1 - num_computed_tokens,
-                              self.settings.block_bytes, self.whole_tail_max_bytes)
+        room = request.num_tokens - 1 - num_computed_tokens
+        hits, claimed = claim(hits, per, bt, room, self.settings.block_bytes,
+                              self.whole_tail_max_bytes)
         if hits == 0:
             if self._tl.enabled:
                 self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
@@ -172,7 +173,7 @@ class SchedulerSide(JobSettling, StorePlanning):
         if t.sync_load:
             self._step_sync_bytes += nbytes
             if per == 1:  # its copy may start now, while vLLM allocates (hit_prefetch)
-                self._prefetch.start(self.manager, keys[:hits], nbytes)
+                self._prefetch.start(self.manager, keys[:hits], nbytes, whole=claimed == room)
         if self._tl.enabled:
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
                           sync=t.sync_load)
@@ -212,6 +213,8 @@ class SchedulerSide(JobSettling, StorePlanning):
             gpu = [gpu[i] for i in wanted]
         plan = self.manager.prepare_shared_load(keys)
         sync = t.sync_load
+        # the step computes the prompt's last token only: it waits for the whole load
+        whole = sync and t.lookup_start + num_external_tokens == request.num_tokens - 1
         if sync and (any(plan.from_disk) or any(plan.joined or ())):
             # cannot happen (lookup saw every key READY in CPU within this schedule() call);
             # if it did, the worker's fence waits for the disk read on the host: slow, right
@@ -238,7 +241,7 @@ class SchedulerSide(JobSettling, StorePlanning):
             cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
             gpu_ids=tuple(gpu_ids), joined=tuple(joined),
             after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
-            from_remote=tuple(plan.from_remote),
+            from_remote=tuple(plan.from_remote), whole=whole,
         ))
         if sync and not after:  # a worker in this thread starts it now (colocated.py)
             worker = colocated.worker_for(self.settings.engine_id)

@@ -87,7 +87,7 @@ class WorkerJobs:
             excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
         self._running[job.job_id] = Running("load", job.req_id, job, frozenset(excluded))
         hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, k, excluded,
-                         from_remote=job.from_remote)
+                         from_remote=job.from_remote, whole=job.whole)
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))

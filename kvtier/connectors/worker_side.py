@@ -169,15 +169,16 @@ class WorkerSide(WorkerJobs):
             return None
         return self.runtime.engine.prefetch_min_bytes(Medium.CPU, Medium.GPU)
 
-    def prefetch_load(self, slots: list[int]) -> bool:
+    def prefetch_load(self, slots: list[int], whole: bool = False) -> bool:
         """The scheduler's lookup found a synchronous CPU hit in these slots (step 0, before
         vLLM allocates its blocks): the copy's first pieces start now
-        (:mod:`kvtier.transfer.cuda.prefetch`); its load, submitted ahead, uses them."""
+        (:mod:`kvtier.transfer.cuda.prefetch`); its load, submitted ahead, uses them.
+        ``whole``: the load will be ``LoadJob.whole``."""
         if self.runtime is None or self.asleep:
             return False
-        started = self.runtime.engine.prefetch(LoadStoreSpec.cpu(slots), Medium.GPU)
+        started = self.runtime.engine.prefetch(LoadStoreSpec.cpu(slots), Medium.GPU, whole)
         if self._tl.enabled:
-            self._tl.mark("worker", "prefetch", blocks=len(slots), started=started)
+            self._tl.mark("worker", "prefetch", blocks=len(slots), started=started, whole=whole)
         return started
 
     def drop_prefetch(self) -> None:

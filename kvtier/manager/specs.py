@@ -32,15 +32,20 @@ class LoadStoreSpec:
     GPU: ``ids`` are engine block ids (``engine_blocks_per_block`` per kvtier block, in order).
     CPU: ``ids`` are CPU pool slot ids, one per block.
     DISK / REMOTE / DROP: ``keys`` name the blocks.
+
+    ``whole`` (a load's GPU destination only): whatever reads these blocks waits for all of
+    them at once (the forward computes only the prompt's last token, a full CUDA graph that
+    runs no per-layer hook), so a handler need not copy them layer by layer.
     """
 
     medium: Medium
     ids: tuple[int, ...] = ()
     keys: tuple[BlockKey, ...] = ()
+    whole: bool = False
 
     @staticmethod
-    def gpu(ids: Sequence[int]) -> "LoadStoreSpec":
-        return LoadStoreSpec(Medium.GPU, ids=tuple(map(int, ids)))
+    def gpu(ids: Sequence[int], whole: bool = False) -> "LoadStoreSpec":
+        return LoadStoreSpec(Medium.GPU, ids=tuple(map(int, ids)), whole=whole)
 
     @staticmethod
     def cpu(slots: Sequence[int]) -> "LoadStoreSpec":

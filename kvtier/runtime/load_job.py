@@ -24,9 +24,10 @@ from kvtier.transfer.jobs import Hop, JobResult
 
 def load_hops(keys: Sequence[BlockKey], cpu_slots: Sequence[int], from_disk: Sequence[bool],
               gpu_ids: Sequence[int], per_block: int, excluded: Collection[BlockKey] = (),
-              from_remote: Sequence[bool] = ()) -> list[Hop]:
+              from_remote: Sequence[bool] = (), whole: bool = False) -> list[Hop]:
     """The chained hops of one load: promotions first (disk, then the shared tier), then the
     copies to the engine. ``gpu_ids``: ``per_block`` engine block ids per key, in key order.
+    ``whole``: the engine reads the blocks only once all are there (``LoadStoreSpec.whole``).
     Without promotions or exclusions (nearly every CPU hit) no per-key work is done: a 32k
     hit has 2k keys."""
     hops: list[Hop] = []
@@ -37,13 +38,14 @@ def load_hops(keys: Sequence[BlockKey], cpu_slots: Sequence[int], from_disk: Seq
                          LoadStoreSpec.cpu([slot for _, slot in moved])))
     if not excluded:
         if keys:
-            hops.append((LoadStoreSpec.cpu(cpu_slots), LoadStoreSpec.gpu(gpu_ids)))
+            hops.append((LoadStoreSpec.cpu(cpu_slots), LoadStoreSpec.gpu(gpu_ids, whole)))
         return hops
     copy = [i for i, key in enumerate(keys) if key not in excluded]
     if copy:
         hops.append((LoadStoreSpec.cpu([cpu_slots[i] for i in copy]),
                      LoadStoreSpec.gpu([b for i in copy
-                                        for b in gpu_ids[i * per_block:(i + 1) * per_block]])))
+                                        for b in gpu_ids[i * per_block:(i + 1) * per_block]],
+                                       whole)))
     return hops
 
 

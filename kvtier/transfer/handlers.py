@@ -115,11 +115,12 @@ class ImmediateHandler(TransferHandler):
     #: the smallest hop ``prefetch`` starts early; None: this handler never prefetches
     prefetch_min_bytes: int | None = None
 
-    def prefetch(self, src: LoadStoreSpec) -> bool:
+    def prefetch(self, src: LoadStoreSpec, whole: bool = False) -> bool:
         """Hint: the next hop started here will probably read ``src``; a handler may begin
         reading it now (the CUDA load's host -> staging half, :mod:`kvtier.transfer.cuda.
         prefetch`). The next ``start`` uses it if its source is exactly ``src`` and drops it
-        otherwise. True if something was started. Default: nothing."""
+        otherwise. ``whole``: that hop's destination will be ``whole``
+        (``LoadStoreSpec.whole``). True if something was started. Default: nothing."""
         return False
 
     def drop_prefetch(self) -> None:

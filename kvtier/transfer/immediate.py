@@ -73,16 +73,17 @@ class ImmediateHops:
                 if outcome is not None:
                     self._complete_immediate(job, outcome)
 
-    def prefetch(self, src: LoadStoreSpec, to: Medium) -> bool:
+    def prefetch(self, src: LoadStoreSpec, to: Medium, whole: bool = False) -> bool:
         """Hint that ``src`` will probably be copied to ``to`` next (the handler may start
-        reading it: ``ImmediateHandler.prefetch``). A failure only logs: the hop itself will
-        run in full when submitted."""
+        reading it: ``ImmediateHandler.prefetch``; ``whole``: the copy's destination will be
+        ``LoadStoreSpec.whole``). A failure only logs: the hop itself will run in full when
+        submitted."""
         handler = self._handlers.get((src.medium, to))
         if not isinstance(handler, ImmediateHandler):
             return False
         with self._imm_lock:
             try:
-                return handler.prefetch(src)
+                return handler.prefetch(src, whole)
             except Exception as exc:  # noqa: BLE001 - a hint; the load runs without it
                 log.warning("%s: prefetch of %d blocks failed: %s", self.name, len(src.ids),
                             exc)

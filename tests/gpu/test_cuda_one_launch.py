@@ -152,3 +152,35 @@ def test_staged_small_loads_leave_the_argument_ring_out():
     assert torch.equal(reference_slots(view, [11, 12], 1), want)
     with pytest.raises(ValueError, match="small-load mode"):
         CudaCpuToGpuHandler(view, pool, small="sideways")
+
+
+def test_a_whole_load_goes_in_one_launch_above_the_layered_size():
+    """``LoadStoreSpec.whole`` (the forward waits for all of it): one launch at a size the
+    handler would otherwise copy layer by layer, and no prefetch is started for it; the same
+    load not marked whole is layered. Both land bit-exact. ``whole_max_bytes = 0`` (or
+    ``loads="layered"``) ignores the mark."""
+    gen = torch.Generator(device=DEV).manual_seed(59)
+    view, pool = filled(gen)
+    block = pool.geometry.block_bytes
+    load = CudaCpuToGpuHandler(view, pool)
+    load.layered_min_bytes = 2 * block  # 3-block loads are "large" here
+    seen = spy(load)
+    whole = load.start(LoadStoreSpec.cpu([0, 1, 2]), LoadStoreSpec.gpu([4, 5, 6], whole=True))
+    assert seen == [whole.job] and not isinstance(whole.job, LayeredJob)
+    layered = load.start(LoadStoreSpec.cpu([3, 4, 5]), LoadStoreSpec.gpu([9, 10, 11]))
+    assert len(seen) == 1 and isinstance(layered.job, LayeredJob)
+    load.finish(whole)
+    load.finish(layered)
+    want = torch.stack([pool.slot(s) for s in range(6)])
+    assert torch.equal(reference_slots(view, [4, 5, 6, 9, 10, 11], 1), want)
+    if load.prefetch_min_bytes is not None:  # CuPy's 2-D copy: prefetches are taken
+        assert not load.prefetch(LoadStoreSpec.cpu([0, 1, 2]), whole=True)
+        assert load.prefetch(LoadStoreSpec.cpu([0, 1, 2]), whole=False)
+        load.drop_prefetch()
+    load.whole_max_bytes = 0
+    old = load.start(LoadStoreSpec.cpu([6, 7, 0]), LoadStoreSpec.gpu([20, 21, 22], whole=True))
+    assert isinstance(old.job, LayeredJob)
+    load.finish(old)
+    assert torch.equal(reference_slots(view, [20, 21, 22], 1),
+                       torch.stack([pool.slot(s) for s in (6, 7, 0)]))
+    assert CudaCpuToGpuHandler(view, pool, loads="layered").whole_max_bytes == 0

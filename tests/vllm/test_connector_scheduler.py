@@ -61,8 +61,10 @@ def test_store_then_reload_after_prefix_cache_reset(model_dir):
 def test_a_hit_reaching_the_last_token_claims_all_but_that_token(model_dir):
     """vLLM computes at least the last prompt token. A hit of every block is reported one token
     short and its last block loaded whole (the step computes one token: a full CUDA graph on a
-    GPU), and the KV vLLM then holds is exact. With ``whole_tail_max_bytes`` below the hit
-    the cut falls at the block before (a block of tokens computed)."""
+    GPU), and the KV vLLM then holds is exact. Its load is marked ``whole`` (that forward waits
+    for all of it: the CUDA handler copies it in one piece). With ``whole_tail_max_bytes``
+    below the hit the cut falls at the block before (a block of tokens computed), and the load
+    is not whole (the forward's layers may follow the copy layer by layer)."""
     for tail_max, claimed in ((float("inf"), 63), (0, 48)):
         rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
         rig.side.whole_tail_max_bytes = tail_max
@@ -78,6 +80,7 @@ def test_a_hit_reaching_the_last_token_claims_all_but_that_token(model_dir):
         first = rig.loop.step()
         (load,) = first.scheduler_output.kv_connector_metadata.loads
         assert len(load.keys) == (claimed + BS - 1) // BS and not load.unloaded_gpu_ids
+        assert load.sync and load.whole == (claimed == 63)
         rig.loop.run_until_idle()
         assert rig.loop.prefill[b.request_id] == (0, claimed)
         assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
@@ -340,7 +343,7 @@ def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dr
     calls = []
     submit_ahead = ws.submit_ahead
     ws.prefetch_min_bytes = lambda: 2 * BLOCK_BYTES  # smaller hits are not named
-    ws.prefetch_load = lambda slots: calls.append(("prefetch", list(slots))) or True
+    ws.prefetch_load = lambda slots, whole: calls.append(("prefetch", list(slots), whole)) or True
     ws.drop_prefetch = lambda: calls.append(("drop",))
     ws.submit_ahead = lambda job, flush: (calls.append(("load", list(job.cpu_slots))),
                                           submit_ahead(job, flush))
@@ -358,6 +361,7 @@ def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dr
     rig.loop.run_until_idle()
     assert [c[0] for c in calls[:3]] == ["prefetch", "load", "drop"], calls
     assert calls[0][1] == calls[1][1] and len(calls[0][1]) == 4  # the slots the load read
+    assert calls[0][2] is False  # 6 prompt tokens are left to compute: not a whole load
     assert all(c[0] != "prefetch" for c in calls[3:])
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     assert bad_checks(rig) == []

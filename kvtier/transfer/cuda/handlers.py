@@ -24,7 +24,14 @@ host ~0.1 ms per layer whatever its size (a one-block hit of the Llama-8B shape:
 following a copy that short layer by layer. A whole load is one kernel launch over all layers
 with its arguments in reusable pinned memory (``small="one_launch"``, :mod:`one_launch`: a
 few CUDA calls instead of ~15), or goes through the staging ring when no argument buffer is
-free (or ``small="staged"``).
+free (or ``small="staged"``). A load whose reader waits for all of it (``LoadStoreSpec.whole``:
+the forward computes only the prompt's last token) also goes in one launch up to
+``WHOLE_ONE_LAUNCH_MAX_BYTES``: layer events buy that forward nothing, and the layered enqueue
+costs the engine thread ~1 ms more. Above it the layered copy wins anyway: its DMAs start at the
+lookup (:mod:`prefetch`) and need not wait for the compute stream's earlier work, which the one
+launch, writing the engine's pages, must. Measured in real vLLM (8B shape, lent H200, paired in
+one engine, ``vllm_e2e.py --connectors kvtier_ab_whole``), one launch against layered: 128 MiB
+10.8 vs 12.1 ms, 256 MiB 13.9 vs 14.2, 512 MiB 20.1 vs 19.2, 750 MiB 26.3 vs 24.0.
 
 Loads run on higher-priority streams than stores, and the two directions use separate
 streams and staging rings, so both PCIe directions run at once. Enqueueing a job costs a few
@@ -60,6 +67,7 @@ log = logging.getLogger(__name__)
 
 LOAD_MODES = ("auto", "layered", "staged")
 LAYERED_MIN_BYTES = 64 << 20  # "auto": smaller loads go whole (one launch, else staged)
+WHOLE_ONE_LAUNCH_MAX_BYTES = 256 << 20  # "auto": whole loads (LoadStoreSpec.whole) up to it too
 SMALL_LOAD_MODES = ("one_launch", "staged")
 
 
@@ -103,6 +111,7 @@ class _CudaHandler(ImmediateHandler):
         )
         self.direct: DirectLayerLoader | None = None
         self.layered_min_bytes = LAYERED_MIN_BYTES if loads == "auto" else 0
+        self.whole_max_bytes = 0.0  # whole loads (LoadStoreSpec.whole) up to it: one launch
         if self.to_gpu and loads == "layered":
             self.direct = self._layered(max_ctas)
         elif self.to_gpu and loads == "auto" and pool.pin and backend != "torch" \
@@ -115,18 +124,21 @@ class _CudaHandler(ImmediateHandler):
         # loads the layered path does not take, in one launch (one_launch.py), else staged
         self._args = (PinnedArgRing() if self.direct is not None and small == "one_launch"
                       else None)
+        if self._args is not None and loads == "auto":
+            self.whole_max_bytes = float(WHOLE_ONE_LAUNCH_MAX_BYTES)
         self._prefetch: Prefetch | None = None
         self.prefetches = {"used": 0, "dropped": 0}  # what became of prefetch hints
         if self.direct is not None and self.direct.can_prefetch:
             self.prefetch_min_bytes = max(1, self.layered_min_bytes)
 
-    def prefetch(self, src: LoadStoreSpec) -> bool:
-        """A load's first pieces into the staging ring now (:mod:`prefetch`)."""
+    def prefetch(self, src: LoadStoreSpec, whole: bool = False) -> bool:
+        """A load's first pieces into the staging ring now (:mod:`prefetch`), if it will be
+        copied layer by layer (a whole load in one launch would only drop them)."""
         self.drop_prefetch()
         if self.prefetch_min_bytes is None or src.medium != Medium.CPU:
             return False
         slots = list(src.ids)
-        if len(slots) * self.pool.geometry.block_bytes < self.prefetch_min_bytes:
+        if not self._layered_copy(len(slots), whole):
             return False
         self._prefetch = self.direct.prefetch(slots)
         return self._prefetch is not None
@@ -144,6 +156,12 @@ class _CudaHandler(ImmediateHandler):
         return DirectLayerLoader(self.view, self.pool, c.ring, c.kernel_stream, c.dma_stream,
                                  max_ctas=max_ctas)
 
+    def _layered_copy(self, blocks: int, whole: bool) -> bool:
+        """Whether a load of ``blocks`` goes layer by layer (``direct``)."""
+        nbytes = blocks * self.pool.geometry.block_bytes
+        return (self.direct is not None and nbytes >= self.layered_min_bytes
+                and not (whole and nbytes <= self.whole_max_bytes))
+
     def _addresses(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[list[int], list[int]]:
         gpu, cpu = (dst, src) if self.to_gpu else (src, dst)
         return list(gpu.ids), list(cpu.ids)
@@ -153,8 +171,7 @@ class _CudaHandler(ImmediateHandler):
         ids, slots = self._addresses(src, dst)
         if not slots and not ids:
             return _Pending(None)
-        layered = self.direct is not None and (
-            len(slots) * self.pool.geometry.block_bytes >= self.layered_min_bytes)
+        layered = self._layered_copy(len(slots), dst.whole if self.to_gpu else False)
         current = torch.cuda.current_stream(self.view.device)
         waits = [torch.cuda.Event()]
         waits[0].record(current)
