@@ -147,8 +147,11 @@ def burst(server: Server, a, k: int) -> dict:
 
     def one(i: int) -> None:
         start.wait()
+        mark("client_submit", length=length, kind="burst", config=server.name, rep=i)
         try:
             results[i] = complete(server.url, server.model, prompts[i])
+            mark("client_token", length=length, kind="burst", config=server.name, rep=i,
+                 ttft_ms=results[i].ttft_ms, cached=results[i].cached_tokens)
         except (RuntimeError, OSError, ValueError) as exc:
             results[i] = exc
 
