@@ -20,7 +20,9 @@ plus how many engine steps ran in between and the engine thread's CPU ms inside 
 first ``execute_model`` (``exec_cpu``: launching a prefill's forward is CPU-bound under
 piecewise CUDA graphs, so it shows how fast the vCPU ran), and prints the medians per
 configuration, prompt length and kind of request. A gap that grows with a connector while the
-phases around it do not is time a thread spent waiting (the GIL, a queue).
+phases around it do not is time a thread spent waiting (the GIL, a queue). The requests of a
+burst (``--burst K``, kind ``burst``) overlap: each one's milestones are the first such events
+after its own send, which may belong to another request of the burst.
 
     python benchmarks/serve_phases.py OUT/timeline.jsonl
 """

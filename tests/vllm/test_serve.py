@@ -47,7 +47,13 @@ def test_vllm_serve_serves_hits_from_kvtier_with_equal_tokens(tmp_path):
     # one clock for the client and the server: vLLM's engine processes do not run exit
     # handlers, so kvtier's marks there reach the file when a later mark finds them a second old
     marks = [json.loads(line) for line in open(tmp_path / "timeline.jsonl")]
-    assert sum(m["ev"] == "client_submit" for m in marks) == 2 * 2 * 3  # miss, hit, paired
+    submits = [m for m in marks if m["ev"] == "client_submit"]
+    assert sum(m["kind"] != "burst" for m in submits) == 2 * 2 * 3  # miss, hit, paired
+    # the burst's requests are marked too, one pair each, with what the client saw
+    assert sorted(m["rep"] for m in submits if m["kind"] == "burst") == [0, 1, 2]
+    tokens = [m for m in marks if m["ev"] == "client_token" and m["kind"] == "burst"]
+    assert sorted(m["cached"] for m in tokens) == [512 - 1] * 3
+    assert sorted(m["ttft_ms"] for m in tokens) == sorted(burst["ttft_ms"])
     assert {m["who"] for m in marks} & {"sched", "worker"}
     # the server's log names kvtier's connector in both the engine core and the worker process
     log = open(tmp_path / "server-tiny-kvtier.log").read()
