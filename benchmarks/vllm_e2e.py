@@ -139,6 +139,9 @@ def timeline_of_one_hit(path: str, length: int) -> list[dict]:
 
 def report(results: dict, gpu: str) -> str:
     lines = [f"# kvtier in real vLLM: {gpu}", ""]
+    if results.get("new_tokens"):
+        lines += [f"Next turns: each hit and recompute sends the stored prompt (\"prompt tokens\") "
+                  f"plus {results['new_tokens']} new tokens; misses store the prompt alone.", ""]
     for shape, res in results["shapes"].items():
         seen = {c for cols in res["ttft"].values() for c in cols}
         shown = [c for c in COLUMNS if c in seen] + sorted(seen - set(COLUMNS))
@@ -211,6 +214,9 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="1024,2048,8192,32768",
                    help="prompt lengths in tokens (16 = one vLLM block)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="next turns: hits and recomputes send each stored prompt plus N new "
+                        "tokens (vLLM computes them after the load; not for disk or check)")
     p.add_argument("--disk-reps", type=int, default=3, help="repetitions of the disk configs")
     p.add_argument("--disk-no-fsync", action="store_true",
                    help="disk configs without fsync (isolates fsync's share of a disk-config request)")
@@ -274,13 +280,15 @@ def main(argv=None) -> int:
 
         gpu = torch.cuda.get_device_name(0)
     tl_path = os.path.join("/tmp", f"kvtier-timeline-{os.getpid()}.jsonl")
-    results: dict = {"gpu": gpu, "shapes": {}}
+    results: dict = {"gpu": gpu, "shapes": {}, "new_tokens": a.new_tokens}
     for shape in shapes:
         res: dict = {"ttft": {}, "trace": {}, "errors": {}}
         for conn in connectors:
             disk = conn.startswith("kvtier_disk")
             args = ["--shape", shape, "--connector", "kvtier_disk" if disk else conn,
                     "--lengths", lengths, "--reps", str(a.disk_reps if disk else reps)]
+            if a.new_tokens and not disk and conn != "check":
+                args += ["--new-tokens", str(a.new_tokens)]
             if a.cpu_bytes is not None and not a.cpu_smoke:
                 args += ["--cpu-bytes", str(a.cpu_bytes)]
             if a.gpu_kv_bytes is not None and not a.cpu_smoke:

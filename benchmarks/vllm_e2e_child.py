@@ -231,6 +231,8 @@ def ttft_sweep(llm, a) -> dict:
             if a.connector != "none":  # computes and offloads it: a miss, timed too
                 timed_rep(llm, a, p, length, r, out, f"{length}:miss", miss=True)
                 settle(llm, a)
+            if a.new_tokens:  # the next turn: the stored prompt, then new tokens to compute
+                p = p + tokens(a.new_tokens, 7_000_000 + 1000 * length + r, a.vocab)
             paired = a.connector == "kvtier" and r % 2 == 1  # the recompute first on odd reps
             if paired:
                 timed_rep(llm, a, p, length, r, out, f"{length}:recompute", recompute=True)
@@ -325,6 +327,8 @@ def main(argv=None) -> None:
                             "check"])
     p.add_argument("--lengths", default="1024,2048,8192,32768")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=0,
+                   help="hits and recomputes send the stored prompt plus this many new tokens")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-bytes", type=int, default=16 << 30)
     p.add_argument("--disk-cpu-bytes", type=int, default=6 << 30,
@@ -371,7 +375,9 @@ def main(argv=None) -> None:
     if not a.disk_dir:  # our own directory, one per geometry and mode: start it empty
         a.disk_dir = f"/tmp/kvtier-e2e-disk-{a.shape}" + ("-cold" if a.disk_cold else "")
         shutil.rmtree(a.disk_dir, ignore_errors=True)
-    a.max_len = max(a.lengths + [a.trace_chunks * 512 if a.trace else 0]) + 64
+    a.max_len = max(a.lengths + [a.trace_chunks * 512 if a.trace else 0]) + 64 + a.new_tokens
+    if a.new_tokens < 0:
+        p.error("--new-tokens must be >= 0")
     s = SHAPES[a.shape]
     elem = 4 if a.shape == "tiny" else 2
     a.kv_bytes_per_token = 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * s["head_dim"] * elem

@@ -80,3 +80,24 @@ def test_cpu_smoke_replays_a_trace_window_and_reports_hits_per_tier(tmp_path):
     # the disk configuration wrote the window's blocks behind its small CPU tier
     assert replay["kvtier_disk"]["kvtier"]["stored_blocks"]["DISK"] > 0
     assert "hit_tokens_per_tier" not in replay["none"]
+
+
+def test_cpu_smoke_next_turns_load_the_stored_prompt_and_compute_the_new_tokens(tmp_path):
+    """``--new-tokens N``: a conversation's next turn. The miss stores the prompt; the hit and
+    its paired recompute send the prompt plus N new tokens, so kvtier loads every stored block
+    and vLLM computes the rest (per-layer fences: not a one-token forward)."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_e2e.py"), "--cpu-smoke",
+           "--connectors", "none,kvtier", "--new-tokens", "8", "--out-dir", str(tmp_path),
+           "--timeout", "400"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (path,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+    res = json.load(open(tmp_path / path))
+    assert res["new_tokens"] == 8
+    for length, cols in res["shapes"]["tiny"]["ttft"].items():
+        assert cols["kvtier_cpu"]["n"] == 2
+        assert cols["kvtier_cpu"]["cached_tokens"] == int(length)  # all of it, none of the new
+        assert cols["kvtier_recompute"]["cached_tokens"] == 0
+        assert cols["recompute"]["cached_tokens"] == 0
+    (md,) = [f for f in os.listdir(tmp_path) if f.endswith(".md")]
+    assert "plus 8 new tokens" in open(tmp_path / md).read()
