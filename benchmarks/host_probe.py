@@ -16,6 +16,8 @@ long passes on the timeline, with a census of what a long full pass walked.
 
 from __future__ import annotations
 
+import collections
+import gc
 import os
 import threading
 import time
@@ -161,10 +163,16 @@ class _GcTimer:
         self.passes = 0
         self.mark_min_ms: float | None = None
         self.censuses = 0
+        self._timeline: Any = None
 
     def install(self) -> None:
-        import gc
+        # Everything the callback needs is imported here, never inside it: a pass can start
+        # while importlib holds a module lock half taken, and an import from the callback then
+        # breaks that lock's bookkeeping (CPython: ``KeyError`` in ``_ModuleLock.acquire``,
+        # seen once in CI as a child dying while it imported torch)
+        from kvtier.connectors.timeline import timeline
 
+        self._timeline = timeline
         if self not in gc.callbacks:
             gc.callbacks.append(self)
 
@@ -179,11 +187,6 @@ class _GcTimer:
             self._mark(ms, info)
 
     def _mark(self, ms: float, info: dict) -> None:
-        import collections
-        import gc
-
-        from kvtier.connectors.timeline import timeline
-
         fields = {}
         if info.get("generation") == 2 and ms >= 100 and self.censuses < 4:
             self.censuses += 1  # what a long full pass walked (taken after it was timed)
@@ -191,8 +194,8 @@ class _GcTimer:
             top = collections.Counter(type(o).__qualname__ for o in objs).most_common(8)
             fields = {"tracked": len(objs), "top": top}
             del objs
-        timeline().mark("python", "gc", generation=info.get("generation"), ms=round(ms, 2),
-                        collected=info.get("collected"), **fields)
+        self._timeline().mark("python", "gc", generation=info.get("generation"),
+                              ms=round(ms, 2), collected=info.get("collected"), **fields)
 
 
 _GC = _GcTimer()

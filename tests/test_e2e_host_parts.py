@@ -35,6 +35,54 @@ def test_engine_counters_see_this_threads_page_faults_and_the_collectors_passes(
     assert delta["gc_passes"] >= 2 and delta["gc_ms"] >= 0.0
 
 
+def test_gc_marks_import_nothing_and_may_come_while_this_thread_is_inside_a_mark(
+        tmp_path, monkeypatch):
+    """The collector's callback can run anywhere: inside importlib while it holds a module
+    lock half taken (an import from the callback then broke CPython's lock bookkeeping: a CI
+    child died with ``KeyError`` in ``_ModuleLock.acquire``), or inside the timeline's own
+    ``mark`` (a plain lock would wait for itself forever)."""
+    import builtins
+    import threading
+
+    from kvtier.connectors import timeline as tl_module
+
+    tl = tl_module.Timeline(str(tmp_path / "tl.jsonl"))
+    monkeypatch.setattr(tl_module, "_timeline", tl)
+    timer = host_probe._GcTimer()
+    timer.mark_min_ms = 0.0  # every pass is marked
+    timer.install()
+    try:
+        real_import = builtins.__import__
+
+        def no_import(*args, **kwargs):
+            raise AssertionError("the GC callback imported something")
+
+        builtins.__import__ = no_import
+        try:
+            gc.collect()
+        finally:
+            builtins.__import__ = real_import
+        first = len(tl._marks)
+        assert first >= 1  # the callback ran to its mark without importing
+
+        done = threading.Event()
+
+        def pass_inside_a_mark() -> None:
+            with tl._lock:  # as if the pass started inside mark()
+                gc.collect()
+            done.set()
+
+        worker = threading.Thread(target=pass_inside_a_mark, daemon=True)
+        worker.start()
+        worker.join(10)
+        assert done.is_set(), "a GC mark waited for the timeline lock its own thread holds"
+    finally:
+        gc.callbacks.remove(timer)
+    tl.flush()
+    marks = [json.loads(line) for line in open(tmp_path / "tl.jsonl")]
+    assert sum(m["ev"] == "gc" for m in marks) >= first + 1
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_quiet_core_pins_this_thread_to_one_allowed_cpu_and_reports_its_probe():
     allowed = sorted(os.sched_getaffinity(0))

@@ -49,8 +49,10 @@ class Timeline:
         self.enabled = bool(path)
         self._path = path
         self._marks: list[tuple[float, str, str, dict]] = []
-        self._lock = threading.Lock()
-        self._write_lock = threading.Lock()
+        # re-entrant: a garbage-collector callback may mark (benchmarks/host_probe.py) while
+        # this thread is inside mark() or flush(), and must not wait for itself
+        self._lock = threading.RLock()
+        self._write_lock = threading.RLock()
         self._pid = os.getpid()
         self._flushed_at = time.monotonic()
         if path:
