@@ -191,7 +191,8 @@ class _GcTimer:
         if info.get("generation") == 2 and ms >= 100 and self.censuses < 4:
             self.censuses += 1  # what a long full pass walked (taken after it was timed)
             objs = gc.get_objects()
-            top = collections.Counter(type(o).__qualname__ for o in objs).most_common(8)
+            counts = collections.Counter(type(o).__qualname__ for o in objs)
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]  # most_common imports
             fields = {"tracked": len(objs), "top": top}
             del objs
         self._timeline().mark("python", "gc", generation=info.get("generation"),

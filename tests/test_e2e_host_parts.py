@@ -40,7 +40,8 @@ def test_gc_marks_import_nothing_and_may_come_while_this_thread_is_inside_a_mark
     """The collector's callback can run anywhere: inside importlib while it holds a module
     lock half taken (an import from the callback then broke CPython's lock bookkeeping: a CI
     child died with ``KeyError`` in ``_ModuleLock.acquire``), or inside the timeline's own
-    ``mark`` (a plain lock would wait for itself forever)."""
+    ``mark`` (a plain lock would wait for itself forever). The callback is called here as the
+    collector calls it, around a pass of 200 ms (a full pass's census included)."""
     import builtins
     import threading
 
@@ -49,38 +50,41 @@ def test_gc_marks_import_nothing_and_may_come_while_this_thread_is_inside_a_mark
     tl = tl_module.Timeline(str(tmp_path / "tl.jsonl"))
     monkeypatch.setattr(tl_module, "_timeline", tl)
     timer = host_probe._GcTimer()
-    timer.mark_min_ms = 0.0  # every pass is marked
+    timer.mark_min_ms = 1.0
     timer.install()
+    gc.callbacks.remove(timer)  # called by hand below, not by real passes
+
+    def long_pass() -> None:
+        timer("start", {"generation": 2})
+        timer.started -= 0.2
+        timer("stop", {"generation": 2, "collected": 0})
+
+    real_import = builtins.__import__
+
+    def no_import(*args, **kwargs):
+        raise AssertionError("the GC callback imported something")
+
+    builtins.__import__ = no_import
     try:
-        real_import = builtins.__import__
-
-        def no_import(*args, **kwargs):
-            raise AssertionError("the GC callback imported something")
-
-        builtins.__import__ = no_import
-        try:
-            gc.collect()
-        finally:
-            builtins.__import__ = real_import
-        first = len(tl._marks)
-        assert first >= 1  # the callback ran to its mark without importing
-
-        done = threading.Event()
-
-        def pass_inside_a_mark() -> None:
-            with tl._lock:  # as if the pass started inside mark()
-                gc.collect()
-            done.set()
-
-        worker = threading.Thread(target=pass_inside_a_mark, daemon=True)
-        worker.start()
-        worker.join(10)
-        assert done.is_set(), "a GC mark waited for the timeline lock its own thread holds"
+        long_pass()
     finally:
-        gc.callbacks.remove(timer)
+        builtins.__import__ = real_import
+    done = threading.Event()
+
+    def pass_inside_a_mark() -> None:
+        with tl._lock:  # as if the pass started inside mark()
+            long_pass()
+        done.set()
+
+    worker = threading.Thread(target=pass_inside_a_mark, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done.is_set(), "a GC mark waited for the timeline lock its own thread holds"
     tl.flush()
-    marks = [json.loads(line) for line in open(tmp_path / "tl.jsonl")]
-    assert sum(m["ev"] == "gc" for m in marks) >= first + 1
+    marks = [json.loads(line) for line in open(tmp_path / "tl.jsonl") if line.strip()]
+    gcs = [m for m in marks if m["ev"] == "gc"]
+    assert len(gcs) == 2 and all(m["ms"] >= 200 for m in gcs)
+    assert gcs[0]["tracked"] > 0 and gcs[0]["top"]  # the census ran, without an import
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
