@@ -166,6 +166,8 @@ class _GcTimer:
         self._timeline: Any = None
 
     def install(self) -> None:
+        if self in gc.callbacks:  # engine_counters asks before every timed request
+            return
         # Everything the callback needs is imported here, never inside it: a pass can start
         # while importlib holds a module lock half taken, and an import from the callback then
         # breaks that lock's bookkeeping (CPython: ``KeyError`` in ``_ModuleLock.acquire``,
@@ -173,8 +175,7 @@ class _GcTimer:
         from kvtier.connectors.timeline import timeline
 
         self._timeline = timeline
-        if self not in gc.callbacks:
-            gc.callbacks.append(self)
+        gc.callbacks.append(self)
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":

@@ -16,14 +16,14 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
-from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402
-from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
 from kvtier.transfer.cuda import CudaCpuToGpuHandler, CudaGpuToCpuHandler  # noqa: E402
 from kvtier.transfer.cuda.direct import LayeredJob  # noqa: E402
 from kvtier.transfer.cuda.one_launch import PinnedArgRing  # noqa: E402
 from kvtier.transfer.cuda.page_movers import cupy_available  # noqa: E402
 
-from test_cuda_transfer import CASES, DEV, make_caches, random_bytes, reference_slots  # noqa: E402
+from test_cuda_transfer import (  # noqa: E402
+    CASES, DEV, assert_untouched, case_view_and_pool, reference_slots, scrambled_destination,
+    view_and_filled_pool)
 
 pytestmark.append(pytest.mark.skipif(not cupy_available(), reason="one-launch loads need CuPy"))
 
@@ -41,11 +41,8 @@ def test_a_small_load_is_one_launch_and_bit_exact(layout, dtype, page_bytes, lay
     seed = hash((layout, page_bytes, per, "one")) & 0xFFFFF
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rng = random.Random(seed)
-    num_blocks = 40 if page_bytes < (1 << 20) else 12
-    view = GpuKvView(make_caches(layout, layers, num_blocks, page_bytes, dtype, gen), layout=layout)
-    geo = view.geometry(per)
-    pool = CpuBlockPool(geo, num_slots=16, chunk_bytes=geo.block_bytes * 5)
-    pool.wait_ready()
+    view, pool, num_blocks = case_view_and_pool(layout, dtype, page_bytes, layers, per, gen)
+    geo = pool.geometry
     store = CudaGpuToCpuHandler(view, pool)
     load = CudaCpuToGpuHandler(view, pool)  # auto: these jobs are far under LAYERED_MIN_BYTES
     seen = spy(load)
@@ -54,30 +51,18 @@ def test_a_small_load_is_one_launch_and_bit_exact(layout, dtype, page_bytes, lay
     slots = rng.sample(range(16), n)  # scattered over pool chunks
     want = reference_slots(view, ids, per)
     store.finish(store.start(LoadStoreSpec.gpu(ids), LoadStoreSpec.cpu(slots)))
-    free = [b for b in range(num_blocks) if b not in ids]
-    dst = rng.sample(free, n * per) if len(free) >= n * per else ids
-    for layer in view.layers:
-        layer.pages[:, dst] = random_bytes((view.kv_parts, len(dst), view.page_bytes), gen)
-    before = {b: [layer.pages[:, b].clone() for layer in view.layers]
-              for b in range(num_blocks) if b not in dst}
+    dst, before = scrambled_destination(view, ids, num_blocks, rng, gen)
     pending = load.start(LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst))
     assert len(seen) == 1 and seen[0] is pending.job and not isinstance(pending.job, LayeredJob)
     out = load.finish(pending)
     assert out.bytes == n * geo.block_bytes and out.seconds > 0
     assert torch.equal(reference_slots(view, dst, per), want)
-    for b, pages in before.items():  # nothing else was written
-        for layer, p in zip(view.layers, pages):
-            assert torch.equal(layer.pages[:, b], p), f"engine block {b} was overwritten"
+    assert_untouched(view, before)
 
 
-def filled(gen, slots: int = 8):
-    view = GpuKvView(make_caches("kv_first", 3, 32, 8 << 10, torch.bfloat16, gen),
-                     layout="kv_first")
-    pool = CpuBlockPool(view.geometry(1), num_slots=slots)
-    pool.wait_ready()
-    for s in range(slots):
-        pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
-    return view, pool
+def filled(gen):
+    """3 layers of 32 engine blocks (8 KiB pages) and a pinned pool of 8 random slots."""
+    return view_and_filled_pool(gen, layers=3, blocks=32, page_bytes=8 << 10, slots=8)
 
 
 def test_an_argument_buffer_is_reused_only_after_its_kernel_ran():

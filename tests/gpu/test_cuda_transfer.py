@@ -49,15 +49,47 @@ def reference_slots(view: GpuKvView, ids: list[int], per: int) -> torch.Tensor:
     return torch.stack(rows).reshape(len(rows), -1).cpu()  # [n, L, K, E, P] flattened
 
 
-def view_and_filled_pool(gen) -> tuple[GpuKvView, CpuBlockPool]:
-    """4 layers of 64 engine blocks (32 KiB pages) and a pinned pool of 32 random slots."""
-    view = GpuKvView(make_caches("kv_first", 4, 64, 32 << 10, torch.bfloat16, gen),
+def view_and_filled_pool(gen, layers: int = 4, blocks: int = 64, page_bytes: int = 32 << 10,
+                         slots: int = 32) -> tuple[GpuKvView, CpuBlockPool]:
+    """``layers`` layers of ``blocks`` engine blocks (kv_first, bf16) and a pinned pool of
+    ``slots`` random slots."""
+    view = GpuKvView(make_caches("kv_first", layers, blocks, page_bytes, torch.bfloat16, gen),
                      layout="kv_first")
-    pool = CpuBlockPool(view.geometry(1), num_slots=32)
+    pool = CpuBlockPool(view.geometry(1), num_slots=slots)
     pool.wait_ready()
-    for s in range(32):
+    for s in range(slots):
         pool.slot(s).copy_(torch.randint(0, 256, (pool.geometry.block_bytes,), dtype=torch.uint8))
     return view, pool
+
+
+def scrambled_destination(view, ids, num_blocks, rng, gen):
+    """Engine blocks to load ``ids``' bytes into (others if there are enough free ones),
+    scrambled first so a skipped page cannot pass by luck, and a copy of every other block
+    (``assert_untouched``)."""
+    free = [b for b in range(num_blocks) if b not in ids]
+    dst = rng.sample(free, len(ids)) if len(free) >= len(ids) else ids
+    for layer in view.layers:
+        layer.pages[:, dst] = random_bytes((view.kv_parts, len(dst), view.page_bytes), gen)
+    before = {b: [layer.pages[:, b].clone() for layer in view.layers]
+              for b in range(num_blocks) if b not in dst}
+    return dst, before
+
+
+def assert_untouched(view, before) -> None:
+    for b, pages in before.items():  # nothing else was written
+        for layer, p in zip(view.layers, pages):
+            assert torch.equal(layer.pages[:, b], p), f"engine block {b} was overwritten"
+
+
+def case_view_and_pool(layout, dtype, page_bytes, layers, per, gen):
+    """One of ``CASES``: its KV caches (40 engine blocks, 12 for pages of 1 MiB and more) and
+    an empty pinned pool of 16 slots in chunks of 5. Returns (view, pool, engine blocks)."""
+    num_blocks = 40 if page_bytes < (1 << 20) else 12
+    view = GpuKvView(make_caches(layout, layers, num_blocks, page_bytes, dtype, gen), layout=layout)
+    geo = view.geometry(per)
+    pool = CpuBlockPool(geo, num_slots=16, chunk_bytes=geo.block_bytes * 5)
+    pool.wait_ready()
+    return view, pool, num_blocks
 
 
 def run(coro):
@@ -88,11 +120,8 @@ def test_round_trip_is_bit_exact(backend, loads, layout, dtype, page_bytes, laye
     seed = hash((backend, layout, page_bytes, per)) & 0xFFFFF
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rng = random.Random(seed)
-    num_blocks = 40 if page_bytes < (1 << 20) else 12
-    view = GpuKvView(make_caches(layout, layers, num_blocks, page_bytes, dtype, gen), layout=layout)
-    geo = view.geometry(per)
-    pool = CpuBlockPool(geo, num_slots=16, chunk_bytes=geo.block_bytes * 5)
-    pool.wait_ready()
+    view, pool, num_blocks = case_view_and_pool(layout, dtype, page_bytes, layers, per, gen)
+    geo = pool.geometry
     # staging of a few pages (not a multiple of the block) so chunks straddle blocks and slots
     staging = max(view.page_bytes, 3 * view.page_bytes + 7)
     kw = dict(backend=backend, staging_bytes=staging, ring_slots=2, max_ctas=8)
@@ -123,21 +152,14 @@ def test_round_trip_is_bit_exact(backend, loads, layout, dtype, page_bytes, laye
         assert torch.equal(pool.slot(s), want[i]), f"stored slot {s} differs"
 
     # load into other engine blocks, after scrambling them
-    free = [b for b in range(num_blocks) if b not in ids]
-    dst = rng.sample(free, n * per) if len(free) >= n * per else ids
-    for layer in view.layers:
-        layer.pages[:, dst] = random_bytes((view.kv_parts, len(dst), view.page_bytes), gen)
-    before = {b: [layer.pages[:, b].clone() for layer in view.layers]
-              for b in range(num_blocks) if b not in dst}
+    dst, before = scrambled_destination(view, ids, num_blocks, rng, gen)
     out = run(load.run(LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst)))
     assert out.bytes == n * geo.block_bytes
     if loads != "staged":
         assert [j.uva for j in taken] == [loads != "layered" or not copy2d]
     # completion was reported only after the copy finished: read on another stream, no sync
     assert torch.equal(reference_slots(view, dst, per), want)
-    for b, pages in before.items():  # nothing else was written
-        for layer, p in zip(view.layers, pages):
-            assert torch.equal(layer.pages[:, b], p), f"engine block {b} was overwritten"
+    assert_untouched(view, before)
 
 
 def test_empty_job_is_a_no_op_and_bad_jobs_raise():
