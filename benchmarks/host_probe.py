@@ -172,7 +172,7 @@ class _GcTimer:
         # while importlib holds a module lock half taken, and an import from the callback then
         # breaks that lock's bookkeeping (CPython: ``KeyError`` in ``_ModuleLock.acquire``,
         # seen once in CI as a child dying while it imported torch)
-        from kvtier.connectors.timeline import timeline
+        from kvtier.observe.timeline import timeline
 
         self._timeline = timeline
         gc.callbacks.append(self)

@@ -144,8 +144,8 @@ def measure(policy: str, resident: int, batches: int, disk_lag: int | None = Non
 
 
 def measure_resync(resident: int) -> dict:
-    from kvtier.events import resident_blocks
-    from kvtier.events.resync import DEFAULT_CHUNK, ChunkedWalk, walk_resident
+    from kvtier.observe.events import resident_blocks
+    from kvtier.observe.events.resync import DEFAULT_CHUNK, ChunkedWalk, walk_resident
 
     m = TieredOffloadingManager(cpu_blocks=resident)
     for start in range(0, resident, 8192):

@@ -314,7 +314,7 @@ def progress(msg: str) -> None:
 
 def mark(a, ev: str, **fields) -> None:
     if a.timeline:
-        from kvtier.connectors.timeline import timeline
+        from kvtier.observe.timeline import timeline
 
         timeline().mark("client", ev, **fields)
 
@@ -439,7 +439,7 @@ def main(argv=None) -> None:
         with open(a.snapshot) as f:
             result["kvtier_stats"] = json.load(f)
     print("RESULT " + json.dumps(result), flush=True)
-    from kvtier.connectors.timeline import timeline
+    from kvtier.observe.timeline import timeline
 
     timeline().flush()  # os._exit skips atexit
     os._exit(0)  # skip vLLM's slow teardown; the parent only needs the line above

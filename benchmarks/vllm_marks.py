@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from kvtier.connectors.timeline import timeline
+from kvtier.observe.timeline import timeline
 
 PHASES = [
     ("vllm.v1.engine.core", "EngineCore", "step"),

@@ -220,7 +220,7 @@ def flush_marks(server: Server) -> None:
 
 def mark(ev: str, **fields) -> None:
     """A client mark on kvtier's timeline (``--timeline``; one clock with the server's)."""
-    from kvtier.connectors.timeline import timeline
+    from kvtier.observe.timeline import timeline
 
     timeline().mark("client", ev, **fields)
 

@@ -19,7 +19,7 @@ import argparse
 import time
 from collections import Counter, defaultdict
 
-from kvtier.events import (
+from kvtier.observe.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -185,7 +185,7 @@ def test_manager_lookup_loads_from_a_fast_disk_and_without_a_model():
 def test_measured_recompute_turns_cost_aware_loading_on():
     """Without a ``cost:`` section the connector's measurements of the engine's forwards
     switch cost-aware loading on: a disk measured slower than recomputing is skipped."""
-    from kvtier.connectors.forward_timer import RecomputeEstimate
+    from kvtier.connectors.vllm.recompute import RecomputeEstimate
 
     m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8, initial_disk_keys=[b"d1", b"d2"])
     assert m.cost is None and m.lookup([b"d1", b"d2"]).num_hits == 2
@@ -210,7 +210,7 @@ def test_a_configured_recompute_time_is_not_overridden_by_measurements():
 
 
 def test_forward_timer_reports_large_cpu_forwards_only():
-    from kvtier.connectors.forward_timer import ForwardTimer
+    from kvtier.connectors.vllm.worker.forward_timer import ForwardTimer
 
     t = ForwardTimer("cpu")
     t.begin(100)

@@ -28,8 +28,8 @@ from replica_common import (BLOCK, DISK_BLOCKS, PAGE, geometry, pattern,  # noqa
                             rank_config, view_for)
 
 from kvtier.config import load_config  # noqa: E402
-from kvtier.connectors.disk_keys import restored_keys  # noqa: E402
-from kvtier.connectors.settings import ConnectorSettings  # noqa: E402
+from kvtier.tiers.disk.inventory import restored_keys  # noqa: E402
+from kvtier.connectors.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.manager.factory import build_manager  # noqa: E402
 from kvtier.manager.specs import LoadStoreSpec, Medium  # noqa: E402
 from kvtier.runtime.worker import WorkerRuntime  # noqa: E402

@@ -45,7 +45,7 @@ def test_gc_marks_import_nothing_and_may_come_while_this_thread_is_inside_a_mark
     import builtins
     import threading
 
-    from kvtier.connectors import timeline as tl_module
+    from kvtier.observe import timeline as tl_module
 
     tl = tl_module.Timeline(str(tmp_path / "tl.jsonl"))
     monkeypatch.setattr(tl_module, "_timeline", tl)

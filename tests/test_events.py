@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvtier.cli.main import cli
 from kvtier.config import ConfigError, load_config
 from kvtier.config.schema import EventsConfig, endpoint_problem
-from kvtier.events import (
+from kvtier.observe.events import (
     AllBlocksCleared,
     BlockAccessed,
     BlockMeta,
@@ -37,9 +37,9 @@ from kvtier.events import (
     encode_batch,
     resident_blocks,
 )
-from kvtier.events.convert import EventConverter
-from kvtier.events.replay import ReplayBuffer
-from kvtier.events.wire import END_SEQ, DecodeError, ReplayGap, decode_gap, seq_bytes, seq_of
+from kvtier.observe.events.convert import EventConverter
+from kvtier.observe.events.replay import ReplayBuffer
+from kvtier.observe.events.wire import END_SEQ, DecodeError, ReplayGap, decode_gap, seq_bytes, seq_of
 from kvtier.manager import events as mgr
 from kvtier.manager.specs import Medium
 from kvtier.manager.tiered import TieredOffloadingManager

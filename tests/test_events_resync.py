@@ -12,8 +12,8 @@ import random
 from pathlib import Path
 
 from kvtier.config.schema import EventsConfig
-from kvtier.events import EventPublisher, EventSubscriber, ManagerFeed, resident_blocks
-from kvtier.events.resync import DEFAULT_CHUNK
+from kvtier.observe.events import EventPublisher, EventSubscriber, ManagerFeed, resident_blocks
+from kvtier.observe.events.resync import DEFAULT_CHUNK
 from kvtier.manager.specs import Medium
 from kvtier.manager.tiered import TieredOffloadingManager
 

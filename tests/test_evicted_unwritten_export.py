@@ -13,7 +13,7 @@ from kvtier.cli.main import cli
 from kvtier.config.schema import MetricsConfig
 from kvtier.manager.specs import Medium
 from kvtier.manager.tiered import TieredOffloadingManager
-from kvtier.metrics import MetricsExporter, metric_families
+from kvtier.observe.metrics import MetricsExporter, metric_families
 
 
 def live_stats() -> dict:

@@ -2,7 +2,7 @@
 engine block ids in the order the store's CPU slots are in (a mismatch stores one block's
 bytes under another's key)."""
 
-from kvtier.connectors.requests import KeyMap
+from kvtier.connectors.vllm.scheduler.requests import KeyMap
 
 
 def test_allocated_skips_blocks_with_a_null_engine_block():

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from kvtier.cli.main import cli
 from kvtier.config import ConfigError, load_config
 from kvtier.config.schema import MetricsConfig
-from kvtier.events import EventSubscriber
-from kvtier.metrics import SPECS, MetricsExporter, ScrapeError, metric_families, parse, scrape
-from kvtier.metrics.families import enrich
+from kvtier.observe.events import EventSubscriber
+from kvtier.observe.metrics import SPECS, MetricsExporter, ScrapeError, metric_families, parse, scrape
+from kvtier.observe.metrics.families import enrich
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -198,7 +198,7 @@ WORKLOAD = textwrap.dedent("""
     from kvtier.bench.replay import Replay
     from kvtier.bench.trace import load_trace
     from kvtier.config import load_config
-    from kvtier.events import resident_blocks
+    from kvtier.observe.events import resident_blocks
 
     config = load_config(sys.argv[1])
     trace = load_trace(None, 120)

@@ -1,8 +1,8 @@
-"""The scheduler times its own promotions (kvtier/connectors/promotion_clock.py)."""
+"""The scheduler times its own promotions (kvtier/connectors/vllm/scheduler/promotion_clock.py)."""
 
 from __future__ import annotations
 
-from kvtier.connectors.promotion_clock import PromotionClock
+from kvtier.connectors.vllm.scheduler.promotion_clock import PromotionClock
 from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.specs import Medium
 

@@ -42,9 +42,9 @@ import kvtier
 from kvtier.bench.trace import TraceError, load_trace, parse_line
 from kvtier.cli.stats_cmd import collect_stats, print_stats
 from kvtier.config import ENV_OVERRIDES, ConfigError, KvtierConfig, load_config
-from kvtier.events.wire import DecodeError, decode_batch, decode_gap
+from kvtier.observe.events.wire import DecodeError, decode_batch, decode_gap
 from kvtier.manager.tiered import TieredOffloadingManager
-from kvtier.metrics.scrape import ScrapeError, parse as parse_metrics
+from kvtier.observe.metrics.scrape import ScrapeError, parse as parse_metrics
 from kvtier.runtime.snapshot import read_snapshot, write_snapshot
 from kvtier.tiers.disk import (
     DiskIndexUnreadable,

@@ -10,7 +10,7 @@ import json
 from click.testing import CliRunner
 
 from kvtier.cli.main import cli as main
-from kvtier.metrics.exporter import metric_families
+from kvtier.observe.metrics.exporter import metric_families
 from remote.fixtures import valkey  # noqa: F401 - pytest fixture
 
 

@@ -259,8 +259,8 @@ def test_with_tensor_parallelism_a_block_is_held_only_if_every_rank_shard_is(req
 def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replicated):
     """The connector's directory and its workers agree: with TP 2 the workers each write their
     rank's shard (one shared one when replicated), and the scheduler asks for exactly those."""
-    from kvtier.connectors.remote import open_remote_directory
-    from kvtier.connectors.settings import ConnectorSettings
+    from kvtier.tiers.remote.presence import open_remote_directory
+    from kvtier.connectors.vllm.settings import ConnectorSettings
     from kvtier.tiers.remote.connect import connect_remote
 
     url = valkey().url
@@ -275,7 +275,8 @@ def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replica
                for r in range(2)]
     payload = [memoryview(bytes(settings.geometry(0).block_bytes))]
     assert workers[0].put([b"blk"], payload) == [True]  # rank 1 has not written its shard
-    directory = open_remote_directory(settings)
+    directory = open_remote_directory(cfg.remote, settings.geometry(0), settings.world_size,
+                                      settings.replicated)
     try:
         assert directory.shards == (1 if replicated else 2)
         assert _answers(directory, [b"blk"]) == [replicated]

@@ -13,7 +13,7 @@ import pytest
 from kvtier.bench.replay import Replay
 from kvtier.bench.trace import load_trace
 from kvtier.config import load_config
-from kvtier.events.convert import wire_medium
+from kvtier.observe.events.convert import wire_medium
 from kvtier.manager.specs import Medium
 from remote.fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
 

@@ -54,7 +54,7 @@ def test_manager_replay_with_hints_matches_the_simulator():
 
 
 def _action(kind: str, payload, version: str = "1"):
-    from kvtier.connectors.compat.hints import KvHint  # what the connector hands the manager
+    from kvtier.connectors.vllm.compat.hints import KvHint  # what the connector hands the manager
 
     return KvHint(kind, version, "a", payload)
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.cli.main import cli
-from kvtier.metrics.scrape import ScrapeError, fetch, parse
+from kvtier.observe.metrics.scrape import ScrapeError, fetch, parse
 
 
 class DripServer:

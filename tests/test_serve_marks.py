@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import serve_phases  # noqa: E402
 import vllm_marks  # noqa: E402
-from kvtier.connectors import timeline as timeline_mod  # noqa: E402
+from kvtier.observe import timeline as timeline_mod  # noqa: E402
 
 FAKE = textwrap.dedent('''
     class Thing:

@@ -4,8 +4,8 @@ import json
 import threading
 import time
 
-from kvtier.connectors import timeline as tl_mod
-from kvtier.connectors.timeline import Timeline
+from kvtier.observe import timeline as tl_mod
+from kvtier.observe.timeline import Timeline
 
 
 def test_marks_are_written_in_order_on_flush(tmp_path):

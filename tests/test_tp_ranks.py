@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reliability.corrupt import flip_payload  # noqa: E402
 
 from kvtier.config import load_config  # noqa: E402
-from kvtier.connectors.disk_keys import restored_keys  # noqa: E402
-from kvtier.connectors.settings import ConnectorSettings  # noqa: E402
+from kvtier.tiers.disk.inventory import restored_keys  # noqa: E402
+from kvtier.connectors.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.manager.factory import build_manager  # noqa: E402
 from kvtier.manager.specs import LoadStoreSpec, Medium  # noqa: E402
 from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402

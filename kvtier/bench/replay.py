@@ -30,10 +30,10 @@ import xxhash
 from kvtier.bench.step_timer import SchedulerCallTimer
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.config import KvtierConfig
-from kvtier.events import EventPublisher, ManagerFeed, MetadataCache
+from kvtier.observe.events import EventPublisher, ManagerFeed, MetadataCache
 from kvtier.manager.factory import build_manager
 from kvtier.manager.specs import LoadStoreSpec, Medium, RequestContext
-from kvtier.metrics import MetricsExporter
+from kvtier.observe.metrics import MetricsExporter
 from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
                                      transient_load_keys)
 from kvtier.runtime.snapshot import SnapshotWriter

@@ -12,7 +12,7 @@ import zmq
 
 from kvtier.cli.errors import user_errors
 from kvtier.config import ConfigError, load_config
-from kvtier.events import (
+from kvtier.observe.events import (
     AllBlocksCleared,
     BlockAccessed,
     BlockRemoved,

@@ -22,7 +22,7 @@ from rich.table import Table
 from kvtier.cli.errors import user_errors
 from kvtier.config import ConfigError, format_size, load_config
 from kvtier.config.schema import STATS_FILE_NAME
-from kvtier.metrics import ScrapeError, enrich, scrape
+from kvtier.observe.metrics import ScrapeError, enrich, scrape
 from kvtier.runtime.snapshot import read_snapshot
 from kvtier.tiers.disk import DiskStore
 

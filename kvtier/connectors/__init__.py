@@ -1,4 +1,4 @@
-"""Engine connectors. ``kvtier.connectors.vllm`` holds ``KVTierConnector`` for vLLM 0.32.
+"""Engine connectors: ``kvtier.connectors.vllm`` is kvtier as a vLLM KV connector.
 
 Nothing is imported here, so ``import kvtier`` never pulls in an engine.
 """

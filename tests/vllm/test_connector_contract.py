@@ -17,7 +17,7 @@ import test_connector_concurrency as concurrency  # noqa: E402
 import test_connector_features as features  # noqa: E402
 import test_connector_scheduler as scheduler  # noqa: E402
 
-import kvtier.connectors.scheduler_side as scheduler_side  # noqa: E402
+import kvtier.connectors.vllm.scheduler.side as scheduler_side  # noqa: E402
 from kvtier.manager.abstract import OffloadingManager  # noqa: E402
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402

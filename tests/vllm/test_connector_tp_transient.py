@@ -81,8 +81,8 @@ def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(model_dir, 
 def test_a_key_is_transient_only_if_no_rank_failed_it_otherwise():
     """Worker reports are summed across ranks, possibly over several steps: a key corrupt on
     one rank and unreadable for a moment on another is corruption, not a transient failure."""
-    from kvtier.connectors.jobs import Job, JobLedger
-    from kvtier.connectors.metadata import KVTierWorkerMetadata as Meta
+    from kvtier.connectors.vllm.scheduler.ledger import Job, JobLedger
+    from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata as Meta
 
     r0 = Meta(done={1: 1, 2: 1, 3: 1}, failed={1: (b"x", b"y"), 2: (b"z",), 3: (b"w",)},
               transient={1: (b"x",), 3: (b"w",)})

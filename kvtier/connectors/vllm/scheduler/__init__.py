@@ -1,0 +1,1 @@
+"""The scheduler half of the vLLM connector (engine-core process): plans, never copies."""

@@ -1,0 +1,390 @@
+"""The scheduler half: owns the tiered manager, plans every transfer, never touches a tensor.
+
+Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``):
+
+* ``lookup`` (get_num_new_matched_tokens): leading run of the prompt's blocks that some tier
+  holds, block aligned; one that reaches the last prompt token is reported one token short
+  with its last block loaded whole (:mod:`hit_claim`). A hit held wholly in CPU memory, within
+  this step's ``sync_load_budget_bytes``, loads *synchronously*: vLLM schedules the request in
+  this very step, the worker enqueues the copy before the forward and orders the forward after
+  it on the GPU (no extra engine step, no host wait). Disk hits and what exceeds the budget
+  load asynchronously (the request waits in WAITING_FOR_REMOTE_KVS).
+* ``plan_load`` (update_state_after_alloc): ``prepare_shared_load`` pins the blocks; a block
+  whose disk promotion another request has in flight is joined, not read twice and not cut
+  (vLLM #44294: concurrent requests on one prefix neither queue nor recompute).
+* ``build_meta``: stores of every block that the *previous* steps completed (write-through,
+  admission and per-request ``kv_transfer_params`` applied), the manager's background moves,
+  and the fence: store jobs whose source blocks are written this step. Stores are planned one
+  step late on purpose: planning a 512-block store costs the scheduler ~5-10 ms and its
+  GPU -> CPU copy, queued right behind the forward, holds up the sampled tokens' own device
+  -> host copy (the copy engine serves them in order: ~4.8 ms for 256 MiB on an H100), so a
+  request that stores would pay both before its first token. One step later both run after
+  its token is out, and the copy overlaps the next step's forward instead of its output.
+  Sliding-window and hybrid models plan in the step itself: vLLM frees a running request's
+  blocks that leave the window at the next step's allocation, before a late plan could read
+  them. With vLLM's async scheduling "the next step" is launched before the prompt step's
+  token is returned, so a prompt's store waits one step more (``_first_token_pending``).
+* ``on_worker_output``: counts worker reports per job; a complete job settles the manager's
+  prepare call (``complete_load`` with the failed keys, ``complete_store``,
+  ``complete_background``). A load that joined a promotion settles after it.
+* ``request_finished``: delay freeing a request's blocks while its stores are in flight or
+  still to be planned (its last step's blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+from kvtier.connectors.vllm.handoff import WorkerHandoff
+from kvtier.connectors.vllm.compat.hints import request_hints
+from kvtier.tiers.disk.inventory import restored_keys
+from kvtier.tiers.remote.presence import open_remote_directory
+from kvtier.connectors.vllm.scheduler.vllm_events import VllmEventConverter
+from kvtier.connectors.vllm.group_keys import GroupKeyMap
+from kvtier.connectors.vllm.scheduler.hit_claim import claim
+from kvtier.connectors.vllm.scheduler.hit_prefetch import HitPrefetch
+from kvtier.connectors.vllm.recompute import RecomputeEstimate
+from kvtier.connectors.vllm.scheduler.ledger import Job, JobLedger
+from kvtier.connectors.vllm.scheduler.observability import SchedulerObservability
+from kvtier.connectors.vllm.scheduler.promotion_clock import PromotionClock
+from kvtier.connectors.vllm.metadata import (
+    BackgroundJob,
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadJob,
+)
+from kvtier.connectors.vllm.scheduler.requests import KeyMap, RequestParams, RequestTrack
+from kvtier.connectors.vllm.settings import ConnectorSettings
+from kvtier.connectors.vllm.scheduler.settle import JobSettling
+from kvtier.connectors.vllm.scheduler.store_plan import StorePlanning
+from kvtier.connectors.vllm.stats import KVTierStats
+from kvtier.observe.timeline import timeline
+from kvtier.manager.admission.wrappers import OffloadRatioAdmission
+from kvtier.manager.factory import build_manager
+from kvtier.manager.retention import apply_retention_hint
+from kvtier.manager.specs import BlockKey, Medium
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerSide(JobSettling, StorePlanning):
+    def __init__(self, settings: ConnectorSettings, handoff: WorkerHandoff) -> None:
+        self.settings = settings
+        self.handoff = handoff  # a worker in this thread takes synchronous loads when planned
+        bb = settings.block_bytes
+        disk_keys, partial_keys = restored_keys(settings.disk_paths(),
+                                                settings.disk_geometries())
+        self.remote = open_remote_directory(settings.config.remote, settings.geometry(0),
+                                            settings.world_size, settings.replicated)
+        manager = build_manager(settings.config, bb, disk_keys, partial_keys, remote=self.remote)
+        if not isinstance(manager, OffloadRatioAdmission):
+            # a no-op by default; lets per-request kv_transfer_params limit offloading
+            manager = OffloadRatioAdmission(manager, 1.0, None)
+        self.manager = manager
+        if len(settings.groups) > 1:  # hybrid allocator: one kvtier block per (block, group)
+            self.keymap: KeyMap = GroupKeyMap(settings.block_tokens, settings.hash_block_size,
+                                              settings.block_size, len(settings.groups))
+        else:
+            self.keymap = KeyMap(settings.block_tokens, settings.hash_block_size,
+                                 settings.block_size)
+        self.ledger = JobLedger(settings.world_size)
+        self.tracks: dict[str, RequestTrack] = {}
+        self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound after construction
+        self._promoting: dict[BlockKey, int] = {}  # key -> load job promoting it from disk
+        self._promotions = PromotionClock(settings.block_bytes)  # disk-hit wall times
+        self._parked: dict[int, Job] = {}  # complete loads waiting for the loads they joined
+        self._sources: dict[int, set[int]] = {}  # engine block -> unsettled stores reading it
+        self._step_loads: list[LoadJob] = []
+        self._store_due: list[str] = []  # scheduled last step: their blocks are planned next
+        # plan stores one step late unless vLLM frees blocks of running requests (windows)
+        self.late_stores = settings.sliding_window is None and len(settings.groups) <= 1
+        self._step_watch: list[str] = []
+        self._step_forget: list[int] = []
+        self._step_untaint: list[str] = []
+        self._step_background: list[BackgroundJob] = []
+        self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
+        self._prefetch = HitPrefetch(handoff)
+        self._recompute = RecomputeEstimate()
+        # hit_claim's bound; benchmarks/vllm_e2e.py's A/B flips it
+        self.whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
+        self._tl = timeline()
+        # token ids are needed until a block's last event (its demotion to disk at the latest,
+        # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
+        self._events = VllmEventConverter(settings.block_tokens,
+                                          2 * settings.config.cpu_slots(bb) + 1024,
+                                          settings.groups)
+        # Token ids and parents are only kept when some event stream publishes them
+        self._describe = settings.vllm_kv_events or settings.config.events is not None
+        self._stats = KVTierStats()
+        self.observability = SchedulerObservability(
+            settings.config, manager, block_tokens=settings.block_tokens, block_bytes=bb,
+            metadata=self._events.metadata, wire_hash=self._events.wire_hash)
+        log.info("kvtier: scheduler side ready: %d CPU blocks, %d disk blocks (%d restored), "
+                 "%d B per block", settings.config.cpu_slots(bb),
+                 settings.config.disk_blocks(bb), len(disk_keys), bb)
+
+    # ------------------------------------------------------------------ requests
+    def track(self, request: Any) -> RequestTrack:
+        t = self.tracks.get(request.request_id)
+        if t is None:
+            t = RequestTrack(request, RequestParams.parse(request.kv_transfer_params),
+                             hints=request_hints(request))
+            self.tracks[request.request_id] = t
+            apply_retention_hint(self.manager, t.req_id, request.kv_transfer_params, t.hints)
+        return t
+
+    def _drop_if_done(self, t: RequestTrack) -> None:
+        if t.finished and t.idle:
+            self.tracks.pop(t.req_id, None)
+
+    # ------------------------------------------------------------------ loads
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._prefetch.drop()  # one lookup -> plan pass at a time (hit_prefetch)
+        t = self.track(request)
+        if t.load_job is not None:  # our previous load of it has not settled yet
+            return None, False
+        bt, per = self.settings.block_tokens, self.keymap.per_block
+        if t.params.skip_load or num_computed_tokens % bt:
+            return 0, False
+        start = num_computed_tokens // bt * per
+        # the block holding the last token counts too (hit_claim: it is loaded whole)
+        stop = min(request.num_tokens // bt * per, self.keymap.num_keyed(request))
+        if stop <= start:
+            return 0, False
+        keys = self.keymap.keys(request, start, stop)
+        # all of them loaded, the step computes the last token only (hit_claim.py)
+        ends = stop // per * bt >= request.num_tokens - 1
+        found = self.manager.lookup(keys, sighting=not t.sighted, ends_prompt=ends)
+        t.sighted = True
+        if found.pending:  # the shared tier is being asked: vLLM asks again next step
+            return None, False
+        hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
+        self._stats.add("lookup_tokens", (stop - start) // per * bt)
+        room = request.num_tokens - 1 - num_computed_tokens
+        hits, claimed = claim(hits, per, bt, room, self.settings.block_bytes,
+                              self.whole_tail_max_bytes)
+        if hits == 0:
+            if self._tl.enabled:
+                self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
+            return 0, False
+        t.lookup_start = num_computed_tokens
+        nbytes = hits * self.settings.block_bytes
+        t.sync_load = (all(m == Medium.CPU for m in found.tiers[:hits])
+                       and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
+        if t.sync_load:
+            self._step_sync_bytes += nbytes
+            if per == 1:  # its copy may start now, while vLLM allocates (hit_prefetch)
+                self._prefetch.start(self.manager, keys[:hits], nbytes, whole=claimed == room)
+        if self._tl.enabled:
+            self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
+                          sync=t.sync_load)
+        return claimed, not t.sync_load
+
+    def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        t = self.track(request)
+        bt, bs, per = self.settings.block_tokens, self.settings.block_size, self.keymap.per_block
+        start, n = t.lookup_start // bt * per, num_external_tokens // bt * per
+        # A hit ending one token short of the prompt's end, off a block boundary, is a whole
+        # tail (hit_claim: a block-aligned claim never ends there unless the end is aligned):
+        # its last block is loaded whole; it ends at the prompt's end, so every engine block
+        # of it is allocated
+        whole_tail = (num_external_tokens % bt != 0
+                      and t.lookup_start + num_external_tokens == request.num_tokens - 1)
+        if whole_tail:
+            n += per
+        block_ids = self.keymap.table(blocks.get_block_ids())
+        epb = self.keymap.engine_per_block
+        # one group (per == 1): the units' engine ids are one flat slice of the block table
+        flat = self.keymap.engine_ids(block_ids, start, n) if per == 1 else None
+        # vLLM may trim a hit to its own block size; engine blocks of a partial kvtier block
+        # were claimed but cannot be loaded: they are reported as load errors (recomputed)
+        partial = ([] if whole_tail else
+                   self.keymap.gpu_ids(block_ids, start + n)[:(num_external_tokens % bt) // bs])
+        keys = self.keymap.keys(request, start, start + n)
+        # Blocks left outside a sliding window are null (id 0): nothing to load into them.
+        # Without any (the common case) everything below is slices, not per-block loops.
+        wanted: Any = range(n)
+        if flat is None or 0 in flat:
+            gpu = ([flat[i * epb:(i + 1) * epb] for i in range(n)] if flat is not None
+                   else [self.keymap.gpu_ids(block_ids, start + i) for i in range(n)])
+            wanted = [i for i in range(n) if 0 not in gpu[i]]
+            keys = [keys[i] for i in wanted]
+            gpu = [gpu[i] for i in wanted]
+        plan = self.manager.prepare_shared_load(keys)
+        sync = t.sync_load
+        # the step computes the prompt's last token only: it waits for the whole load
+        whole = sync and t.lookup_start + num_external_tokens == request.num_tokens - 1
+        if sync and (any(plan.from_disk) or any(plan.joined or ())):
+            # cannot happen (lookup saw every key READY in CPU within this schedule() call);
+            # if it did, the worker's fence waits for the disk read on the host: slow, right
+            log.warning("kvtier: synchronous load of %s includes disk blocks", t.req_id)
+        got = len(plan.keys)
+        loaded = wanted[:got]
+        if isinstance(wanted, range):
+            gpu_ids, unloaded = flat[:got * epb], flat[got * epb:] + partial
+        else:
+            gpu_ids = [b for ids in gpu[:got] for b in ids]
+            unloaded = [b for ids in gpu[got:] for b in ids] + partial
+        joined = plan.joined or (False,) * len(plan.keys)
+        after = sorted({self._promoting[k] for k, j in zip(plan.keys, joined)
+                        if j and k in self._promoting})
+        job = Job("load", t.req_id, tuple(plan.keys), tuple(plan.from_disk), after=tuple(after))
+        job_id = self.ledger.add(job)
+        if not sync:
+            self._promotions.started(job_id, plan.from_disk, plan.from_remote)
+        for key, from_disk in zip(plan.keys, plan.from_disk):
+            if from_disk:
+                self._promoting[key] = job_id
+        self._step_loads.append(LoadJob(
+            job_id=job_id, req_id=t.req_id, keys=tuple(plan.keys),
+            cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
+            gpu_ids=tuple(gpu_ids), joined=tuple(joined),
+            after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
+            from_remote=tuple(plan.from_remote), whole=whole,
+        ))
+        if sync and not after:  # a worker in this thread starts it now (handoff.py)
+            worker = self.handoff.worker_here()
+            if worker is not None:
+                worker.submit_ahead(self._step_loads[-1], tuple(self._stores_reading(gpu_ids)))
+        self._prefetch.drop()  # used by the load submitted ahead, if its slots matched
+        t.load_job = job_id
+        t.load_first_index = start
+        if self._tl.enabled:
+            self._tl.mark("sched", "plan_load", req=t.req_id, job=job_id, blocks=len(plan.keys),
+                          sync=sync, disk=sum(plan.from_disk))
+        disk = sum(1 for f, j in zip(plan.from_disk, joined) if f or j)
+        remote = sum(plan.from_remote)
+        t.hit_tokens = {"CPU": (len(plan.keys) - disk - remote) * bt // per,
+                        "DISK": disk * bt // per}
+        self._stats.add("hit_tokens_cpu", t.hit_tokens["CPU"])
+        self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
+        if remote:
+            t.hit_tokens["REMOTE"] = remote * bt
+            self._stats.add("hit_tokens_remote", remote * bt)
+        over = sum(t.hit_tokens.values()) - num_external_tokens  # a whole tail's last token
+        if over > 0:  # is computed, not loaded: vLLM checks the sources add up to its count
+            last = ("REMOTE" if plan.from_remote and plan.from_remote[-1] else
+                    "DISK" if plan.from_disk[-1] or joined[-1] else "CPU")
+            t.hit_tokens[last] -= over
+        self._stats.add("unloadable_tokens", len(unloaded) * bs)
+        t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
+        if self._describe:
+            known = self._events.metadata  # a lookup refreshes a known block's entry: cheaper
+            for i, key, from_disk in zip(loaded, plan.keys, plan.from_disk):  # than remembering
+                if from_disk or known(key) is None:
+                    self._remember(request, start + i, key)
+
+    def hit_sources(self, request: Any) -> dict[str, int]:
+        t = self.tracks.get(request.request_id)
+        return dict(t.hit_tokens) if t is not None else {}
+
+    # ------------------------------------------------------------------ per step
+    def build_meta(self, so: Any) -> KVTierConnectorMetadata:
+        self._prefetch.drop()
+        written = self._written_blocks(so)
+        flush = self._stores_reading(written)
+        stores = []
+        due, self._store_due = self._store_due, []
+        for req_id in due:  # blocks the last step completed (a preempted request: none)
+            t = self.tracks.get(req_id)
+            if t is None:
+                continue
+            if self._first_token_pending(t):
+                self._store_due.append(req_id)  # after its first token is out
+                continue
+            t.store_due = False
+            job = self._plan_store(t)
+            if job is not None:
+                stores.append(job)
+            self._drop_if_done(t)
+        for req_id, num_scheduled in so.num_scheduled_tokens.items():
+            t = self.tracks.get(req_id)
+            if t is None or t.params.skip_store:
+                continue
+            if not self.late_stores:
+                job = self._plan_store(t, num_scheduled)
+                if job is not None:
+                    stores.append(job)
+            elif not t.store_due:
+                t.store_due = True
+                self._store_due.append(req_id)
+        self._take_background()
+        background, self._step_background = self._step_background, []
+        self._step_sync_bytes = 0
+        if self._tl.enabled and (self._step_loads or stores or background):
+            self._tl.mark("sched", "build_meta", loads=[j.job_id for j in self._step_loads],
+                          stores=len(stores), background=len(background))
+        meta = KVTierConnectorMetadata(
+            loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
+            watch=tuple(self._step_watch), forget=tuple(self._step_forget),
+            step_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
+            untaint=tuple(self._step_untaint),
+        )
+        self._step_loads, self._step_watch, self._step_forget = [], [], []
+        self._step_untaint = []
+        return meta
+
+    def _take_background(self) -> None:
+        """Turn the manager's queued moves (demotions, deletions) into jobs for the workers."""
+        for bg in self.manager.take_background_transfers():
+            job_id = self.ledger.add(Job("background", transfer_id=bg.id, keys=bg.keys))
+            self._step_background.append(BackgroundJob(job_id, bg.src, bg.dst))
+
+    def on_worker_output(self, meta: Any) -> None:
+        if not isinstance(meta, KVTierWorkerMetadata):
+            return
+        for medium, nbytes, seconds in meta.load_hops:  # the cost model learns real loads
+            self.manager.record_load(Medium(medium), nbytes, seconds)
+        for tokens, seconds in meta.forwards:  # ... and what recomputing costs here
+            per_token = self._recompute.add(tokens, seconds)
+            if per_token is not None:
+                self.manager.measured_recompute(per_token, self.settings.block_tokens,
+                                                self.settings.block_bytes)
+        for job_id, job in self.ledger.record(meta):
+            self._settle(job_id, job)
+        self._step_untaint.extend(meta.tainted)  # seen, with vLLM's rewind (load_taint)
+        self._take_background()  # settling may plan demotions: they count as pending work
+
+    def request_finished(self, request: Any) -> bool:
+        """True: vLLM keeps the blocks until workers report the request's stores done."""
+        t = self.tracks.get(request.request_id)
+        if t is None:
+            return False
+        t.finished = True
+        if t.store_due and self.kv_cache_manager is not None \
+                and self._store_stop(t) <= t.next_store:
+            t.store_due = False  # nothing new to store: free the blocks now
+        if t.store_jobs or t.store_due:
+            self._step_watch.append(t.req_id)
+            return True
+        self._drop_if_done(t)
+        return False
+
+    def has_delayed_frees(self) -> bool:
+        return any(t.finished and (t.store_jobs or t.store_due) for t in self.tracks.values())
+
+    # ------------------------------------------------------------------ reporting
+    def has_pending_work(self) -> bool:
+        return bool(len(self.ledger) or self._parked or self._step_loads or self._step_watch
+                    or self._step_forget or self._step_background or self._store_due
+                    or self._step_untaint)
+
+    def take_events(self) -> Iterable[Any]:
+        events = list(self.manager.take_events())
+        self.observability.publish(events)
+        return self._events.convert(events) if self.settings.vllm_kv_events else []
+
+    def shutdown(self) -> None:
+        self.observability.close()
+        if self.remote is not None:
+            self.remote.close()
+            self.remote.store.close()
+
+    def take_stats(self) -> KVTierStats | None:
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVTierStats()
+        return out

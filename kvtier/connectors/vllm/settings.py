@@ -1,0 +1,326 @@
+"""What both halves of the connector derive from vLLM's config, identically.
+
+The scheduler (engine-core process) and every worker build their own connector instance and
+share nothing but the per-step metadata, so anything both must agree on — the kvtier config,
+block size in tokens, bytes per block, the disk geometry fingerprint — is computed here from
+``VllmConfig`` + ``KVCacheConfig`` by one function both roles call.
+
+Refusals happen here, at start-up, with the setting to change: cache kinds without one page
+per block and layer (Mamba/SSM state, chunked-local attention), pipeline or context
+parallelism, a kvtier block that is not a whole number of vLLM blocks. Hybrid models
+(full-attention + sliding-window groups of vLLM's hybrid allocator) are served per group
+(:mod:`group_keys`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvtier.config import KvtierConfig, load_config
+from kvtier.config.sizes import parse_size
+from kvtier.tiers.layout import BlockGeometry
+
+log = logging.getLogger(__name__)
+
+EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes")
+DEFAULT_SYNC_LOAD_BUDGET = 4 << 30
+"""Per engine step, CPU hits up to this many bytes (per rank) load inside the step that
+computes their request (see ``scheduler_side``); 4 GiB covers a 32k-token Llama-8B prefix."""
+HMA_FLAG = "--disable-hybrid-kv-cache-manager"
+UNSTABLE_HASHES = ("xxhash", "xxhash_cbor")  # random per-process seed unless PYTHONHASHSEED
+
+
+class ConnectorSetupError(ValueError):
+    """The engine's configuration cannot be served by kvtier; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One KV cache group as events describe it (vLLM's spec kind, window in tokens)."""
+
+    kind: str
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    config: KvtierConfig
+    block_size: int  # vLLM tokens per engine block
+    hash_block_size: int  # tokens per entry of request.block_hashes
+    block_tokens: int  # tokens per kvtier block (a multiple of both)
+    layer_names: tuple[str, ...]  # the KV cache group's layers, in the group's order
+    page_bytes: int  # bytes of one engine block of one layer (one rank)
+    sliding_window: int | None  # tokens, when the only group is a sliding-window group
+    world_size: int  # workers that each report every job
+    tp_size: int
+    kv_dtype: str  # dtype of the cache pages (informational part of the geometry)
+    identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
+    sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
+    whole_tail_layer_bytes: int = 24 << 20  # per layer of the hit: connectors/hit_claim.py
+    vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
+    groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
+    replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
+    engine_id: str = ""  # vLLM's engine id: a worker in the scheduler's process (handoff.py)
+
+    @property
+    def engine_blocks_per_block(self) -> int:
+        return self.block_tokens // self.block_size
+
+    @property
+    def hashes_per_block(self) -> int:
+        return self.block_tokens // self.hash_block_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
+
+    def geometry(self, tp_rank: int) -> BlockGeometry:
+        """The byte geometry of one rank's blocks; the rank is part of the identity because
+        tensor-parallel ranks hold different heads of the same block."""
+        return BlockGeometry(
+            num_layers=self.num_layers,
+            kv_parts=1,  # vLLM 0.32 keeps K and V side by side inside one page
+            engine_blocks_per_block=self.engine_blocks_per_block,
+            page_bytes=self.page_bytes,
+            dtype=self.kv_dtype,
+            model=f"{self.identity};tp={tp_rank}/{self.tp_size}",
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        return self.geometry(0).block_bytes
+
+    def rank_config(self, tp_rank: int) -> KvtierConfig:
+        """The config one worker runs: with several workers, each gets its own disk directory
+        (``<path>/rank<r>``), since each holds a different slice of every block."""
+        if self.config.disk is None or self.world_size <= 1:
+            return self.config
+        disk = replace(self.config.disk, path=self.config.disk.path / f"rank{tp_rank}")
+        return replace(self.config, disk=disk)
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the same bytes (MLA) and there are several: each block is stored
+        once, by rank 0, in the disk and the shared tiers."""
+        return self.replicated_kv and self.world_size > 1
+
+    def disk_ranks(self) -> list[int]:
+        """The ranks whose disk directories hold blocks: every rank's, or rank 0's alone for
+        a replicated layout (the other ranks read it; see runtime/replicated_disk.py)."""
+        if self.config.disk is None:
+            return []
+        return [0] if self.replicated else list(range(self.world_size))
+
+    def disk_paths(self) -> list[Path]:
+        """The disk directories the scheduler reads at start-up (see ``disk_ranks``)."""
+        return [self.rank_config(r).disk.path for r in self.disk_ranks()]
+
+    def disk_geometries(self) -> list[BlockGeometry]:
+        """The geometry each of ``disk_paths`` was written for."""
+        return [self.geometry(r) for r in self.disk_ranks()]
+
+
+def sync_load_budget(extra: Mapping[str, Any] | None) -> int:
+    """``kv_connector_extra_config.sync_load_budget_bytes``: bytes (``"2GiB"`` works too) of
+    CPU hits per step loaded synchronously; 0 loads every hit asynchronously."""
+    value = (extra or {}).get("sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET)
+    try:
+        n = parse_size(value)
+    except (ValueError, TypeError) as exc:
+        raise ConnectorSetupError(
+            f"kv_connector_extra_config.sync_load_budget_bytes: {exc}") from None
+    if n < 0:
+        raise ConnectorSetupError("kv_connector_extra_config.sync_load_budget_bytes must be >= 0")
+    return n
+
+
+def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
+    """``kv_connector_extra_config``: ``{"config": "/path.yaml"}`` or ``{"kvtier": {...}}``
+    (the YAML's keys inline); neither means defaults. ``KVTIER_*`` variables override both."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConnectorSetupError(
+            f"kv_connector_extra_config: unknown key(s) {unknown}; kvtier reads "
+            f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline), "
+            f"and 'sync_load_budget_bytes'"
+        )
+    if "config" in extra and "kvtier" in extra:
+        raise ConnectorSetupError(
+            "kv_connector_extra_config: give either 'config' (a YAML path) or 'kvtier' (inline), "
+            "not both"
+        )
+    if "config" in extra:
+        path = extra["config"]
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConnectorSetupError("kv_connector_extra_config.config must be a file path")
+        return load_config(path)
+    if "kvtier" in extra:
+        data = extra["kvtier"]
+        if not isinstance(data, Mapping):
+            raise ConnectorSetupError(
+                "kv_connector_extra_config.kvtier must be a mapping of kvtier config keys"
+            )
+        return load_config(data=data)
+    return load_config()
+
+
+def _model_identity(vllm_config: Any, spec: Any, layout: str | None, hash_algo: str) -> str:
+    """Everything that changes the bytes stored under one block hash, or what a hash means."""
+    mc = vllm_config.model_config
+    try:
+        hf = mc.hf_config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - a config that cannot be dumped still has a repr
+        hf = repr(mc.hf_config)
+    parts = {
+        "model": str(mc.model),
+        "revision": str(getattr(mc, "revision", None)),
+        "quantization": str(getattr(mc, "quantization", None)),
+        "hf_config": hashlib.sha256(hf.encode()).hexdigest()[:16],
+        "dtype": str(mc.dtype),
+        "kv_dtype": str(spec.dtype).replace("torch.", ""),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "layout": str(layout),
+        "block_size": str(spec.block_size),
+        "hash": hash_algo,
+        "hashseed": os.environ.get("PYTHONHASHSEED", "unset"),
+    }
+    return ";".join(f"{k}={v}" for k, v in parts.items())
+
+
+def _check_spec(spec: Any) -> int | None:
+    """The group's spec must keep one dense page per engine block per layer; returns the
+    sliding window (tokens) of a sliding-window group, else None."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kind = type(spec).__name__
+    if "Mamba" in kind or "State" in kind:
+        raise ConnectorSetupError(
+            f"kvtier: KV cache spec {kind} (Mamba/SSM recurrent state) is not supported: kvtier "
+            "stores attention pages only. Serve hybrid SSM models (Jamba, Bamba, Nemotron-H, "
+            "...) without kvtier's --kv-transfer-config")
+    if isinstance(spec, SlidingWindowSpec) and kind in ("SlidingWindowSpec",):
+        return int(spec.sliding_window)
+    if isinstance(spec, FullAttentionSpec) and kind in (
+        "FullAttentionSpec", "MLAAttentionSpec"
+    ):
+        if getattr(spec, "attention_chunk_size", None):
+            raise ConnectorSetupError(
+                "kvtier: chunked-local attention caches are not supported; start vLLM with "
+                f"{HMA_FLAG} (every layer is then cached as full attention)")
+        return None
+    raise ConnectorSetupError(
+        f"kvtier: KV cache spec {kind} is not supported (supported: full attention, MLA, "
+        "sliding window)"
+    )
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config``): only then do kvtier's events
+    need token ids and wire hashes on vLLM's path, which cost ~15 us per block on every hit."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
+def _hybrid_groups(groups: list, windows: list[int | None]) -> tuple[GroupInfo, ...]:
+    """Several groups (vLLM's hybrid allocator): same block size and page size in every
+    group, as the allocator guarantees; each group's kind for events and the log."""
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    specs = [g.kv_cache_spec for g in groups]
+    if len({int(s.block_size) for s in specs}) > 1 or len(
+            {int(s.real_page_size_bytes) for s in specs}) > 1:
+        raise ConnectorSetupError(
+            "kvtier: KV cache groups with different block or page sizes are not supported; "
+            f"start vLLM with {HMA_FLAG}")
+    return tuple(GroupInfo(str(get_kv_cache_spec_kind(s).value), w)
+                 for s, w in zip(specs, windows))
+
+
+def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
+    kvt = vllm_config.kv_transfer_config
+    extra = kvt.kv_connector_extra_config if kvt is not None else None
+    config = load_kvtier_config(extra)
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    if not groups:
+        raise ConnectorSetupError("kvtier: the model has no KV cache group to offload")
+    windows = [_check_spec(g.kv_cache_spec) for g in groups]
+    spec = groups[0].kv_cache_spec
+    window = windows[0] if len(groups) == 1 else None
+    hybrid = _hybrid_groups(groups, windows)
+    pc = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size",
+                 "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) > 1:
+            raise ConnectorSetupError(f"kvtier does not support {name} > 1 yet")
+    block_size = int(spec.block_size)
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    bt = config.block_tokens
+    if bt % block_size or bt % hash_block_size:
+        raise ConnectorSetupError(
+            f"kvtier block_tokens={bt} must be a multiple of vLLM's block size {block_size}"
+            + (f" and hash block size {hash_block_size}" if hash_block_size != block_size else "")
+            + f"; set block_tokens: {max(block_size, hash_block_size)} in the kvtier config "
+            f"(or KVTIER_BLOCK_TOKENS={max(block_size, hash_block_size)})"
+        )
+    if any(w is not None for w in windows) and bt != block_size:
+        raise ConnectorSetupError(
+            f"kvtier: a sliding-window model needs block_tokens equal to vLLM's block size "
+            f"({block_size}), got {bt}"
+        )
+    if len(groups) > 1 and bt != block_size:
+        raise ConnectorSetupError(
+            f"kvtier: hybrid KV cache groups need block_tokens equal to vLLM's block size "
+            f"({block_size}), got {bt}; or start vLLM with {HMA_FLAG}"
+        )
+    hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if hash_algo in UNSTABLE_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        log.warning(
+            "kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED gives new block hashes "
+            "in every process: disk-tier blocks of earlier runs can never hit. Set "
+            "PYTHONHASHSEED (same value everywhere) or use sha256.", hash_algo,
+        )
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    settings = ConnectorSettings(
+        config=config,
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        block_tokens=bt,
+        layer_names=tuple(n for g in groups for n in g.layer_names),
+        page_bytes=int(spec.real_page_size_bytes),
+        sliding_window=window,
+        world_size=int(pc.world_size),
+        tp_size=int(pc.tensor_parallel_size),
+        kv_dtype=str(spec.dtype).replace("torch.", ""),
+        identity=_model_identity(vllm_config, spec, layout, hash_algo)
+        + (f";groups={'/'.join(g.kind for g in hybrid)}" if len(groups) > 1 else ""),
+        sync_load_budget_bytes=sync_load_budget(extra),
+        vllm_kv_events=kv_events_enabled(vllm_config),
+        groups=hybrid,
+        replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
+        engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or ""),
+    )
+    config.check_block_bytes(settings.block_bytes)
+    return settings
+
+
+def describe(settings: ConnectorSettings) -> str:
+    c = settings.config
+    return json.dumps({
+        "block_tokens": settings.block_tokens,
+        "block_bytes": settings.block_bytes,
+        "cpu_blocks": c.cpu_slots(settings.block_bytes),
+        "disk_blocks": c.disk_blocks(settings.block_bytes),
+        "disk": str(c.disk.path) if c.disk is not None else None,
+        "sync_load_budget_bytes": settings.sync_load_budget_bytes,
+        "kv_cache_groups": [g.kind + (f"(window {g.sliding_window})" if g.sliding_window else "")
+                            for g in settings.groups],
+    })

@@ -1,0 +1,1 @@
+"""The worker half of the vLLM connector (one per GPU worker): executes, decides nothing."""

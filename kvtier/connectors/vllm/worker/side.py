@@ -1,0 +1,304 @@
+"""The worker half: owns CPU pool, disk store and transfer engine; executes, decides nothing.
+
+Per step (vLLM's model runner calls these in this order):
+
+0. (``submit_ahead``, from the scheduler in this same thread, :mod:`..handoff`): a
+   synchronous load is submitted when planned, before vLLM prepares the step.
+1. ``handle_preemptions(meta)``: before the forward, fence the store jobs the scheduler
+   flagged (their source blocks are rewritten this step): on CUDA the forward's stream waits
+   for those copies on the GPU; elsewhere the host waits. Then the step's synchronous loads
+   not submitted yet are: it is the step's first hook (the copy is ordered after the device
+   work enqueued so far, as at ``start_load``; it needs only its pages, the request's now).
+2. ``bind(meta)``: the step's stores and the manager's background moves (demotions,
+   deletions) are submitted here, every step, forward or not. A store copies blocks that
+   earlier steps computed (the scheduler plans them one step late), so it is ordered on the
+   GPU after the work enqueued so far and its device -> host copy runs beside this step's
+   forward, not between the last forward and its sampled tokens' copy to the host.
+3. ``start_load``: submit this step's other loads (before the forward for a synchronous
+   load, after it otherwise) and fence the synchronous ones: the forward reading their blocks
+   is ordered after the copy on the GPU, per layer when vLLM runs the per-layer hooks
+   (:mod:`layer_fences`), else whole. A load that joined another load's disk promotion waits
+   (here, not in the engine) until that load finished on this worker, then copies what the
+   promotion read; keys it failed to read are failed here too.
+4. ``wait_for_save``: the forward is enqueued: per-layer fences are checked, and stores of
+   blocks this very forward computes (sliding-window models, whose windows free blocks
+   before a late plan) are submitted, their copy ordered after the forward on the GPU.
+5. ``get_finished``: collect finished jobs; asynchronous loads report their request in
+   ``finished_recving`` (and the engine blocks that could not be filled as load errors, in
+   the same step), watched finished requests with no store left in ``finished_sending``.
+6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys and which of
+   them failed transiently, errors, and the measured load hops that feed its cost model).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Mapping
+
+import torch
+
+from kvtier.connectors.vllm.handoff import WorkerHandoff
+from kvtier.connectors.vllm.worker.forward_timer import ForwardTimer
+from kvtier.connectors.vllm.worker.kv_view import engine_view
+from kvtier.connectors.vllm.worker.layer_fences import LayerFences
+from kvtier.connectors.vllm.worker.load_taint import LoadTaint
+from kvtier.observe.timeline import timeline
+from kvtier.connectors.vllm.worker.jobs import Running, WorkerJobs
+from kvtier.tiers.disk.inventory import register_open_store, unregister_open_store
+from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob
+from kvtier.connectors.vllm.settings import ConnectorSettings
+from kvtier.connectors.vllm.stats import KVTierStats, WorkerStatsTaker
+from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.runtime.worker import WorkerRuntime
+from kvtier.tiers.disk import DiskStore
+from kvtier.tiers.gpu_view import GpuKvView
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide(WorkerJobs):
+    def __init__(self, settings: ConnectorSettings, tp_rank: int,
+                 handoff: WorkerHandoff | None = None) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.handoff = handoff or WorkerHandoff()  # the scheduler of this engine, if in-process
+        self.runtime: WorkerRuntime | None = None
+        self.view: GpuKvView | None = None
+        self._running: dict[int, Running] = {}
+        self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
+        self._promotions: dict[int, frozenset[BlockKey]] = {}  # finished load -> keys it failed
+        self._stores_of: dict[str, set[int]] = {}
+        self._watch: set[str] = set()
+        self._meta: KVTierConnectorMetadata | None = None
+        self._loads_taken = self._saves_taken = True
+        self._recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._done: dict[int, int] = {}
+        self._failed: dict[int, tuple[BlockKey, ...]] = {}
+        self._transient: dict[int, tuple[BlockKey, ...]] = {}  # of _failed: EIO, EMFILE ...
+        self._errors: dict[int, int] = {}
+        self._load_hops: list[tuple[str, int, float]] = []
+        self._forward: ForwardTimer | None = None
+        self._stats: WorkerStatsTaker | None = None
+        self._tl = timeline()
+        self._fences = LayerFences(settings.layer_names)
+        self._sync_reqs: dict[int, str] = {}  # this step's synchronous loads: job -> request
+        self._taint = LoadTaint()
+        self._ahead: set[int] = set()  # sync loads submitted before start_load
+        self.early_loads = True  # False: submit at start_load (benchmarks/vllm_e2e.py's A/B)
+        self.prefetch_loads = True  # False: no copy starts at the lookup (the same A/B)
+        self.hook_thread: int | None = None  # the thread vLLM runs this worker's hooks on
+        self.asleep = False  # sleep mode: no GPU copies between unregister and restore
+        self._sleep_addresses: tuple[int, ...] = ()
+
+    # ------------------------------------------------------------------ set-up
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        view = engine_view(self.settings, kv_caches)
+        self._forward = ForwardTimer(view.device)
+        self.view = view  # the engine's pages as kvtier sees them (tests and checks read it)
+        geometry = self.settings.geometry(self.tp_rank)
+        config = self.settings.rank_config(self.tp_rank)
+        replicated = self.settings.replicated  # MLA: rank 0 writes the disk and shared tiers
+        self.runtime = WorkerRuntime.create(
+            config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
+            rank0_geometry=self.settings.geometry(0) if replicated else None,
+            replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0])
+        if isinstance(self.runtime.store, DiskStore):  # a child's store: LMDB opens it here too
+            register_open_store(config.disk.path, self.runtime.store)
+        if self.settings.world_size == 1:
+            self.handoff.attach(self)
+        self._stats = WorkerStatsTaker(self.runtime)
+        log.info("kvtier: worker rank %d: %d layers, %s, %d CPU slots%s", self.tp_rank,
+                 view.num_layers, geometry.describe(), self.runtime.pool.num_slots,
+                 f", disk {config.disk.path}" if config.disk is not None else "")
+
+    def shutdown(self) -> None:
+        self.handoff.detach(self)
+        rt, self.runtime = self.runtime, None
+        if rt is None:
+            return
+        store = rt.store
+        try:
+            rt.close()
+        finally:
+            if isinstance(store, DiskStore):
+                unregister_open_store(store.root, store)
+
+    def _rt(self) -> WorkerRuntime:
+        if self.runtime is None:
+            raise RuntimeError("kvtier: register_kv_caches was not called before transfers")
+        return self.runtime
+
+    # ------------------------------------------------------------------ step hooks
+    def handle_preemptions(self, meta: Any) -> None:
+        self.hook_thread = threading.get_ident()
+        if not isinstance(meta, KVTierConnectorMetadata):
+            return
+        if meta.flush:
+            self._poll()
+            self._fence_stores(meta.flush)
+        sync = [job for job in meta.loads if job.sync and job.job_id not in self._ahead]
+        self._start_ahead(sync, "early_load")
+
+    def submit_ahead(self, job: LoadJob, flush: tuple[int, ...]) -> None:
+        """A synchronous load handed over by the scheduler when it planned it (step 0)."""
+        self._fence_stores(flush)
+        self._start_ahead([job], "load_ahead")
+
+    def _fence_stores(self, job_ids: Any) -> None:
+        ids = [j for j in job_ids if j in self._running and self._running[j].kind == "store"]
+        if ids:
+            self._rt().engine.fence(ids)
+
+    def _start_ahead(self, sync: list[LoadJob], ev: str) -> None:
+        """Submit synchronous loads before ``start_load``, which decides how the forward
+        waits for them (it knows the forward)."""
+        sync = [job for job in sync if not job.after]
+        if not sync or self.runtime is None or not self.early_loads:
+            return
+        if self._tl.enabled:  # marked before: the copy starts with the first submit
+            self._tl.mark("worker", ev, sync=[j.job_id for j in sync])
+        for job in sync:
+            self._submit_load(job)
+            self._ahead.add(job.job_id)
+        if self._tl.enabled:
+            self._tl.mark("worker", ev + "_enqueued", prefetches=self._rt().engine.prefetch_counts())
+
+    def prefetch_min_bytes(self) -> int | None:
+        """The smallest synchronous CPU hit whose copy may start at the lookup; None: none."""
+        if self.runtime is None or self.asleep or not (self.early_loads and self.prefetch_loads):
+            return None
+        return self.runtime.engine.prefetch_min_bytes(Medium.CPU, Medium.GPU)
+
+    def prefetch_load(self, slots: list[int], whole: bool = False) -> bool:
+        """The scheduler's lookup found a synchronous CPU hit in these slots (step 0, before
+        vLLM allocates its blocks): the copy's first pieces start now
+        (:mod:`kvtier.transfer.cuda.prefetch`); its load, submitted ahead, uses them.
+        ``whole``: the load will be ``LoadJob.whole``."""
+        if self.runtime is None or self.asleep:
+            return False
+        started = self.runtime.engine.prefetch(LoadStoreSpec.cpu(slots), Medium.GPU, whole)
+        if self._tl.enabled:
+            self._tl.mark("worker", "prefetch", blocks=len(slots), started=started, whole=whole)
+        return started
+
+    def drop_prefetch(self) -> None:
+        """An unused prefetch is dropped before its slots could be reassigned."""
+        if self.runtime is not None:
+            self.runtime.engine.drop_prefetches()
+
+    def bind(self, meta: Any) -> None:
+        self.hook_thread = threading.get_ident()
+        if not isinstance(meta, KVTierConnectorMetadata):
+            raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
+        self._meta = meta
+        self._loads_taken = self._saves_taken = False
+        self._fences.begin_step()
+        if self._forward is not None and not any(j.sync for j in meta.loads):
+            self._forward.begin(meta.step_tokens)  # a fenced load would inflate the time
+        if meta.forget:
+            self._poll()
+            self._submit_ready_loads()  # nothing waiting may still need a forgotten result
+            for job_id in meta.forget:
+                self._promotions.pop(job_id, None)
+        self._watch.update(meta.watch)
+        self._taint.acknowledged(meta.untaint)  # planned after the scheduler saw the failure
+        self._submit_stores(meta.stores, this_step=False)
+        if meta.background:
+            rt = self._rt()
+            for bg in meta.background:
+                self._running[bg.job_id] = Running("background")
+                self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
+                             bg.job_id)
+
+    def start_load(self, per_layer: bool = False) -> None:
+        """``per_layer``: this step's forward runs vLLM's per-layer hooks (not a full graph)."""
+        meta = self._meta
+        if meta is None or self._loads_taken:
+            return
+        self._loads_taken = True  # the metadata object is shared: never modify it
+        if not meta.loads:
+            return
+        self._poll()
+        sync = [job for job in meta.loads if job.sync]
+        self._deferred.extend(job for job in meta.loads if not job.sync)
+        early = 0
+        for job in sync:  # never deferred: their forward runs in this step
+            if job.job_id in self._ahead:
+                self._ahead.discard(job.job_id)
+                early += 1
+            else:
+                self._submit_load(job)
+        self._sync_reqs = {job.job_id: job.req_id for job in sync}
+        per_layer = bool(sync) and per_layer and self._fences.arm(
+            {job.job_id: job.gpu_ids for job in sync})
+        if sync and not per_layer:
+            self._rt().engine.fence([job.job_id for job in sync])
+        if self._tl.enabled:
+            self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
+                          jobs=[j.job_id for j in meta.loads], per_layer=per_layer,
+                          early=early)
+        self._submit_ready_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._fences.on_layer(layer_name, lambda ids, l: self._rt().engine.fence_layer(ids, l))
+
+    def _end_layer_fences(self) -> None:
+        """After the forward: learn whether vLLM runs the hooks; catch a layer it skipped."""
+        seen = self._fences.hooks_seen
+        for job_id, gpu_ids in self._fences.end_step(self._rt().engine.fence).items():
+            self._load_errors.update(gpu_ids)
+            if job_id in self._sync_reqs:
+                self._taint.taint(self._sync_reqs[job_id])
+        self._sync_reqs = {}
+        if self._fences.hooks_seen and not seen and self._tl.enabled:
+            self._tl.mark("worker", "layer_hooks_seen")
+
+    def wait_for_save(self) -> None:
+        self.start_load()  # in case vLLM skipped start_load_kv this step
+        meta = self._meta
+        if meta is None or self._saves_taken:
+            return
+        self._saves_taken = True
+        self._end_layer_fences()
+        if self._forward is not None:
+            self._forward.end()
+        # stores of blocks this forward computes (sliding-window models): ordered after it on
+        # the GPU (the copy waits for the submitting stream's position), no host sync
+        self._submit_stores(meta.stores, this_step=True)
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        self._poll()
+        recving, self._recving = self._recving, set()
+        if self._tl.enabled and recving:
+            self._tl.mark("worker", "finished_recving", reqs=sorted(recving))
+        sending = {r for r in self._watch if not self._stores_of.get(r)}
+        self._watch -= sending
+        return sending or None, recving or None
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def build_worker_meta(self) -> KVTierWorkerMetadata | None:
+        forwards = self._forward.take() if self._forward is not None else ()
+        tainted = self._taint.take_report()
+        if not (self._done or self._failed or self._errors or self._load_hops or forwards
+                or tainted):
+            return None
+        meta = KVTierWorkerMetadata(self._done, self._failed, self._errors,
+                                    tuple(self._load_hops), forwards, self._transient, tainted)
+        self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
+        self._transient = {}
+        return meta
+
+    def take_stats(self) -> KVTierStats | None:
+        """Transfer counters since the last call, or None (:class:`WorkerStatsTaker`)."""
+        return self._stats.take() if self._stats is not None and self.runtime else None
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._deferred)

@@ -1,8 +1,0 @@
-"""Prometheus metrics of a running instance (``kvtier_`` prefix) and reading them back."""
-
-from kvtier.metrics.exporter import MetricsExporter, metric_families
-from kvtier.metrics.families import SPECS, MetricSpec, enrich
-from kvtier.metrics.scrape import ScrapeError, parse, scrape
-
-__all__ = ["SPECS", "MetricSpec", "MetricsExporter", "ScrapeError", "enrich", "metric_families",
-           "parse", "scrape"]
