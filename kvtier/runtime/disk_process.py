@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import queue
 import socket
 import subprocess
@@ -52,6 +53,13 @@ log = logging.getLogger(__name__)
 # the standard library
 _BOOT = ("import sys; sys.path.append(sys.argv[1]); "
          "from kvtier.runtime.disk_server import main; sys.exit(main(sys.argv[1:]))")
+# The child maps the whole CPU pool, so whatever it imports can read and overwrite every cached
+# block. ``-I`` (isolated mode: no script/current directory on sys.path, no PYTHON* variables,
+# no user site-packages) and a fixed working directory keep a module planted in the directory
+# the server was started from (say a json.py in /tmp) out of it; kvtier itself is found in the
+# interpreter's site-packages (an editable install's finder included) or the directory passed
+# explicitly above.
+CHILD_CWD = "/"
 START_TIMEOUT_S = 120.0  # opening a large store checks its index and segments
 RESPAWN_AFTER_S = 5.0  # a lost child is replaced by the first call this long after the loss
 RESPAWN_MAX_S = 60.0  # backoff cap between failed replacements
@@ -65,6 +73,12 @@ def store_options(disk: DiskTierConfig) -> dict:
     the child."""
     return {"compression": disk.compression, "zstd_level": disk.zstd_level,
             "fsync": disk.fsync, "segment_bytes": disk.segment_bytes}
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment without the interpreter's own switches (``PYTHON*``: a
+    path, a start-up file, a hash seed ...); ``-I`` ignores them too, this says so twice."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
 
 
 class DiskProcessGone(errors.DiskWriteError):
@@ -105,7 +119,7 @@ class DiskProcess:
         self._closed = False
         self._pool_fd = pool.shared_fd
         self._spec = {
-            "path": str(self.root), "geometry": asdict(geometry), "num_slots": pool.num_slots,
+            "path": os.path.abspath(self.root), "geometry": asdict(geometry), "num_slots": pool.num_slots,
             "store": store_options(disk), "pool_fd": pool.shared_fd,
             "gil_switch_interval_ms": gil_switch_interval_ms,
             "log_level": logging.getLogger("kvtier").getEffectiveLevel(),
@@ -130,8 +144,9 @@ class DiskProcess:
         here = str(Path(kvtier.__file__).resolve().parent.parent)  # kvtier importable there too
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, here, json.dumps(spec)],
-                pass_fds=[self._pool_fd, *spec["sockets"]], stdin=subprocess.DEVNULL)
+                [sys.executable, "-I", "-c", _BOOT, here, json.dumps(spec)],
+                pass_fds=[self._pool_fd, *spec["sockets"]], stdin=subprocess.DEVNULL,
+                cwd=CHILD_CWD, env=child_environment())
         finally:
             for _, theirs in pairs:
                 theirs.close()

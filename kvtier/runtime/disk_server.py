@@ -1,9 +1,9 @@
 """The disk I/O process: owns a worker's disk store and moves blocks between it and the
 worker's CPU pool, which it maps from the memfd the worker passed in (see disk_process.py).
 
-Started by the worker (``DiskProcess``: ``python -c`` calling :func:`main`); never by hand. The
-spec names the store's settings, the pool's memfd and the socket descriptors to serve, one
-thread per socket. The first reply on the first socket says whether the store opened (or
+Started by the worker (``DiskProcess``: ``python -I -c`` calling :func:`main`, isolated from
+the starting directory and PYTHON* variables); never by hand. The spec names the store's
+settings, the pool's memfd and the socket descriptors to serve, one thread per socket. The first reply on the first socket says whether the store opened (or
 which error it raised). When the worker goes away its sockets close, every thread ends, and
 the store is closed cleanly.
 """
