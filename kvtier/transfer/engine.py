@@ -13,7 +13,8 @@ and the caller treats them as errors), matching how the manager settles partial 
 
 Immediate routes (:class:`ImmediateHandler`, the CUDA GPU<->CPU copies) bypass the loop: their
 hops are enqueued on the submitting thread and their completion is polled by ``get_finished``
-and ``wait`` on the caller's thread. A chain whose later hop is immediate (DISK->CPU->GPU) parks
+and ``wait`` on the caller's thread (:class:`~kvtier.transfer.immediate.ImmediateHops`, a
+collaborator the engine owns). A chain whose later hop is immediate (DISK->CPU->GPU) parks
 after its loop hop until the caller's next call starts it. ``fence`` orders the caller's later
 device work after given jobs (a stream wait for immediate hops, a host wait otherwise), so a
 forward can consume a load without the host ever blocking on the GPU.
@@ -28,10 +29,10 @@ import time
 from dataclasses import replace
 from typing import Iterable, Sequence
 
-from kvtier.manager.specs import LoadStoreSpec
+from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
 from kvtier.transfer.immediate import ImmediateHops
-from kvtier.transfer.lanes import Job, Lane, check_handler
+from kvtier.transfer.lanes import JobProgress, Lane, check_handler
 from kvtier.transfer.jobs import (
     DirectionStats,
     JobResult,
@@ -44,7 +45,7 @@ from kvtier.transfer.jobs import (
 log = logging.getLogger(__name__)
 
 
-class TransferEngine(ImmediateHops):
+class TransferEngine:
     def __init__(self, handlers: Iterable[TransferHandler], *, name: str = "kvtier-transfer") -> None:
         self._handlers: dict[Route, TransferHandler] = {}
         for h in handlers:
@@ -66,9 +67,10 @@ class TransferEngine(ImmediateHops):
         self._closed = False
         self._stopped = False
         self._lanes: dict[Route, Lane] = {}
-        self._immediate: dict[int, Job] = {}  # immediate hops running on a device queue
-        self._parked: list[Job] = []  # jobs whose next hop is immediate, waiting for a caller
-        self._imm_lock = threading.RLock()  # callers' side of immediate hops
+        self._immediate = ImmediateHops(
+            name, self._handlers, lane_of=self._lane, account=self._hop_done,
+            finish=self._finish,
+            to_loop=lambda job: self._loop.call_soon_threadsafe(self._dispatch, job))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
@@ -95,18 +97,15 @@ class TransferEngine(ImmediateHops):
                 lane.worker = asyncio.ensure_future(self._worker(lane))
             self._lanes[route] = lane
 
-    def _is_immediate(self, job: Job) -> bool:
-        return isinstance(self._handlers[route_of(job.hops[job.next_hop])], ImmediateHandler)
-
-    def _lane(self, job: Job) -> Lane:
+    def _lane(self, job: JobProgress) -> Lane:
         """The lane of the job's next (or running) hop."""
         return self._lanes[route_of(job.hops[job.next_hop])]
 
-    def _dispatch(self, job: Job) -> None:
+    def _dispatch(self, job: JobProgress) -> None:
         """Loop thread: queue the job's next hop, or park it for the caller if immediate."""
-        if self._is_immediate(job):
+        if self._immediate.takes(job):
+            self._immediate.park(job)
             with self._cond:
-                self._parked.append(job)
                 self._cond.notify_all()  # a waiter must start it
             return
         self._lane(job).queue.put_nowait(job)
@@ -126,7 +125,7 @@ class TransferEngine(ImmediateHops):
             lane.running[task] = job
             task.add_done_callback(lambda t, lane=lane: lane.running.pop(t, None))
 
-    async def _run_hop(self, lane: Lane, job: Job) -> None:
+    async def _run_hop(self, lane: Lane, job: JobProgress) -> None:
         src, dst = job.hops[job.next_hop]
         outcome = TransferOutcome()
         error: str | None = None
@@ -157,7 +156,7 @@ class TransferEngine(ImmediateHops):
         else:
             self._finish(job)
 
-    def _hop_done(self, lane: Lane, job: Job, outcome: TransferOutcome, error: str | None,
+    def _hop_done(self, lane: Lane, job: JobProgress, outcome: TransferOutcome, error: str | None,
                   seconds: float, ended_at: float | None = None) -> None:
         """Account one hop (one lock hold: a stats snapshot never sees its time without its
         bytes). ``ended_at``: a loop hop's end (busy time spans overlapping hops); else an
@@ -182,7 +181,7 @@ class TransferEngine(ImmediateHops):
         job.last_route = lane.route
         job.error = error
 
-    def _finish(self, job: Job) -> None:
+    def _finish(self, job: JobProgress) -> None:
         failed = tuple(dict.fromkeys(job.failed_keys))
         result = JobResult(
             job_id=job.job_id,
@@ -260,17 +259,16 @@ class TransferEngine(ImmediateHops):
                     raise ValueError(f"job id {jid} is already in use")
             self._live.add(jid)
             self._pending += 1
-            job = Job(jid, hops)
-            if not self._is_immediate(job):
+            job = JobProgress(jid, hops)
+            if not self._immediate.takes(job):
                 self._loop.call_soon_threadsafe(self._dispatch, job)
                 return jid
-        with self._imm_lock:
-            self._start_immediate(job)
+        self._immediate.start(job)
         return jid
 
     def get_finished(self) -> list[JobResult]:
         """Results completed since the last call, in completion order. Never waits for a job."""
-        self._advance()
+        self._immediate.advance()
         with self._lock:
             out = [r for jid, r in self._finished.items() if jid not in self._reserved]
             for r in out:
@@ -303,11 +301,12 @@ class TransferEngine(ImmediateHops):
                         raise TimeoutError(
                             f"{len(missing)} of {len(ids)} jobs unfinished after {timeout}s"
                         )
-                    if self._parked or any(i in self._immediate for i in missing):
+                    if self._immediate.has_parked() or any(
+                            self._immediate.is_running(i) for i in missing):
                         # immediate hops move only on a caller's thread: this one
                         self._cond.release()
                         try:
-                            self._advance(block_on=missing)
+                            self._immediate.advance(block_on=missing)
                         finally:
                             self._cond.acquire()
                         continue
@@ -335,6 +334,49 @@ class TransferEngine(ImmediateHops):
                 out[lane.name] = s
         return out
 
+    # ---- immediate hops: ordering the caller's device work, prefetch hints ------------------
+
+    def fence(self, job_ids: Iterable[int]) -> None:
+        """Order device work the caller enqueues from now on after these jobs: a stream wait
+        for a job on an immediate hop (the host goes on at once), else a host wait until the
+        job finished. Results stay collectable by ``get_finished``."""
+        ids = [int(i) for i in job_ids]
+        while True:
+            self._immediate.advance()
+            with self._cond:
+                waiting = [i for i in ids if i in self._live and i not in self._finished
+                           and not self._immediate.is_running(i)]
+                if not waiting:
+                    break
+                self._cond.wait(0.002)
+        self._immediate.fence(ids)
+
+    def fence_layer(self, job_ids: Iterable[int], layer: int) -> None:
+        """``fence`` for the pages of one layer: on a handler that copies layer by layer, the
+        caller's stream waits only for that layer of these jobs (vLLM's per-layer hook)."""
+        rest = self._immediate.fence_layer([int(i) for i in job_ids], layer)
+        if rest:  # finished already (nothing to wait for) or not on an immediate hop yet
+            self.fence(rest)
+
+    def prefetch(self, src: LoadStoreSpec, to: Medium, whole: bool = False) -> bool:
+        """Hint that ``src`` will probably be copied to ``to`` next (the handler may start
+        reading it: ``ImmediateHandler.prefetch``; ``whole``: the copy's destination will be
+        ``LoadStoreSpec.whole``). A failure only logs: the hop itself will run in full when
+        submitted."""
+        return self._immediate.prefetch(src, to, whole)
+
+    def drop_prefetches(self) -> None:
+        """Drop every unused prefetch (before the prefetched sources may be reassigned)."""
+        self._immediate.drop_prefetches()
+
+    def prefetch_counts(self) -> dict[str, int]:
+        """Prefetch hints used by a hop and dropped unused, over all handlers (timelines)."""
+        return self._immediate.prefetch_counts()
+
+    def prefetch_min_bytes(self, src: Medium, to: Medium) -> int | None:
+        """The smallest hop ``src -> to`` worth a prefetch hint; None: none is taken."""
+        return self._immediate.prefetch_min_bytes(src, to)
+
     @property
     def routes(self) -> tuple[Route, ...]:
         return tuple(self._handlers)
@@ -356,7 +398,7 @@ class TransferEngine(ImmediateHops):
                     break
                 self._cond.release()
                 try:
-                    self._advance(block_on=list(self._immediate))
+                    self._immediate.advance(block_on=list(self._immediate.running))
                 finally:
                     self._cond.acquire()
                 self._cond.wait(min(left, 0.002))

@@ -1,32 +1,84 @@
-"""The caller-thread half of the transfer engine: hops of :class:`ImmediateHandler` routes.
+"""Hops of :class:`ImmediateHandler` routes, run on the callers' threads, never on the loop.
 
 Such hops (the CUDA GPU<->CPU copies) are enqueued on the submitting thread and polled from the
-caller's ``get_finished`` / ``wait``, never handed to the loop thread; ``fence`` and
-``fence_layer`` order the caller's later device work after them. A mixin of
-:class:`~kvtier.transfer.engine.TransferEngine`, whose state it shares (``_immediate``,
-``_parked``, ``_imm_lock``, ``_lock``/``_cond``, ``_live``, ``_finished``).
+caller's ``get_finished`` / ``wait``; ``fence`` and ``fence_layer`` order the caller's later
+device work after them. :class:`~kvtier.transfer.engine.TransferEngine` owns one
+:class:`ImmediateHops` and talks to it only through the methods below; what the hops need
+back from the engine (the lane of a hop, accounting a finished hop, ending a job, queueing a
+later hop on the loop) is handed in at construction as callables.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable, Mapping
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
-from kvtier.transfer.handlers import ImmediateHandler
-from kvtier.transfer.jobs import TransferOutcome
-from kvtier.transfer.lanes import Job
+from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
+from kvtier.transfer.jobs import Route, TransferOutcome, route_of
+from kvtier.transfer.lanes import JobProgress, Lane
 
 log = logging.getLogger(__name__)
 
+AccountHop = Callable[[Lane, JobProgress, TransferOutcome, "str | None", float], None]
+
 
 class ImmediateHops:
-    # ---- immediate hops (caller threads, under _imm_lock) ---------------------------------------
+    """The immediate hops running on a device queue and the jobs parked for one.
 
-    def _start_immediate(self, job: Job) -> None:
+    Thread-safe: every method may be called from any caller thread; ``park`` is also called
+    from the engine's loop thread (a chained job whose next hop is immediate waits here for
+    the next caller).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        handlers: Mapping[Route, TransferHandler],
+        *,
+        lane_of: Callable[[JobProgress], Lane],
+        account: AccountHop,
+        finish: Callable[[JobProgress], None],
+        to_loop: Callable[[JobProgress], None],
+    ) -> None:
+        """``lane_of``: the lane of a job's next hop; ``account``: record one finished hop
+        (lane, job, outcome, error, seconds); ``finish``: hand the ended job's result over;
+        ``to_loop``: queue the job's next (non-immediate) hop on the engine's loop."""
+        self.name = name
+        self._handlers = {r: h for r, h in handlers.items() if isinstance(h, ImmediateHandler)}
+        self._lane_of = lane_of
+        self._account = account
+        self._finish = finish
+        self._to_loop = to_loop
+        self.running: dict[int, JobProgress] = {}  # job id -> its hop on a device queue
+        self._parked: list[JobProgress] = []  # jobs whose next hop waits for a caller
+        self._parked_lock = threading.Lock()
+        self._lock = threading.RLock()  # the callers' side: starting, polling, fencing
+
+    def takes(self, job: JobProgress) -> bool:
+        """Whether the job's next hop runs here (its route has an immediate handler)."""
+        return route_of(job.hops[job.next_hop]) in self._handlers
+
+    def is_running(self, job_id: int) -> bool:
+        return job_id in self.running
+
+    def has_parked(self) -> bool:
+        return bool(self._parked)
+
+    def park(self, job: JobProgress) -> None:
+        """Keep the job until a caller's next call starts its hop (loop thread)."""
+        with self._parked_lock:
+            self._parked.append(job)
+
+    def start(self, job: JobProgress) -> None:
+        with self._lock:
+            self._start(job)
+
+    def _start(self, job: JobProgress) -> None:
         """Enqueue the job's next hop on its device queue now; a refusal fails the job."""
-        lane = self._lane(job)
+        lane = self._lane_of(job)
         src, dst = job.hops[job.next_hop]
         job.started = time.perf_counter()
         try:
@@ -34,54 +86,72 @@ class ImmediateHops:
         except Exception as exc:  # noqa: BLE001 - a refused hop is a failed job, like on the loop
             error = f"{lane.name}: {type(exc).__name__}: {exc}"
             log.warning("%s: job %d failed: %s", self.name, job.job_id, error)
-            self._hop_done(lane, job, TransferOutcome(), error, 0.0)
+            self._account(lane, job, TransferOutcome(), error, 0.0)
             self._finish(job)
             return
-        self._immediate[job.job_id] = job
+        self.running[job.job_id] = job
 
-    def _complete_immediate(self, job: Job, outcome: TransferOutcome) -> None:
-        lane = self._lane(job)
-        del self._immediate[job.job_id]
+    def _complete(self, job: JobProgress, outcome: TransferOutcome) -> None:
+        lane = self._lane_of(job)
+        del self.running[job.job_id]
         job.pending = None
         seconds = outcome.seconds
         if seconds is None:
             seconds = time.perf_counter() - job.started
-        self._hop_done(lane, job, outcome, None, seconds)
+        self._account(lane, job, outcome, None, seconds)
         if job.next_hop + 1 < len(job.hops):
             job.next_hop += 1
-            if self._is_immediate(job):
-                self._start_immediate(job)
+            if self.takes(job):
+                self._start(job)
             else:
-                self._loop.call_soon_threadsafe(self._dispatch, job)
+                self._to_loop(job)
         else:
             self._finish(job)
 
-    def _advance(self, block_on: Iterable[int] = ()) -> None:
-        """Start parked immediate hops, collect the finished ones (``block_on``: wait for those
-        job ids' immediate hops, if running)."""
-        with self._imm_lock:
-            with self._lock:
+    def advance(self, block_on: Iterable[int] = ()) -> None:
+        """Start parked hops, collect the finished ones (``block_on``: wait for those job ids'
+        hops, if running)."""
+        with self._lock:
+            with self._parked_lock:
                 parked, self._parked = self._parked, []
             for job in parked:
-                self._start_immediate(job)
+                self._start(job)
             for jid in block_on:
-                job = self._immediate.get(jid)
+                job = self.running.get(jid)
                 if job is not None:
-                    self._complete_immediate(job, self._lane(job).handler.finish(job.pending))
-            for job in list(self._immediate.values()):
-                outcome = self._lane(job).handler.poll(job.pending)
+                    self._complete(job, self._lane_of(job).handler.finish(job.pending))
+            for job in list(self.running.values()):
+                outcome = self._lane_of(job).handler.poll(job.pending)
                 if outcome is not None:
-                    self._complete_immediate(job, outcome)
+                    self._complete(job, outcome)
+
+    def fence(self, job_ids: Iterable[int]) -> None:
+        """The caller's stream waits for those of these jobs running here (others: nothing)."""
+        with self._lock:
+            for i in job_ids:
+                job = self.running.get(i)
+                if job is not None:
+                    self._lane_of(job).handler.fence(job.pending)
+
+    def fence_layer(self, job_ids: Iterable[int], layer: int) -> list[int]:
+        """The caller's stream waits for one layer of those jobs running here; returns the
+        others (finished already, or not on an immediate hop yet)."""
+        rest = []
+        with self._lock:
+            for i in job_ids:
+                job = self.running.get(i)
+                if job is None:
+                    rest.append(i)
+                else:
+                    self._lane_of(job).handler.fence_layer(job.pending, layer)
+        return rest
 
     def prefetch(self, src: LoadStoreSpec, to: Medium, whole: bool = False) -> bool:
-        """Hint that ``src`` will probably be copied to ``to`` next (the handler may start
-        reading it: ``ImmediateHandler.prefetch``; ``whole``: the copy's destination will be
-        ``LoadStoreSpec.whole``). A failure only logs: the hop itself will run in full when
-        submitted."""
+        """See :meth:`TransferEngine.prefetch`."""
         handler = self._handlers.get((src.medium, to))
-        if not isinstance(handler, ImmediateHandler):
+        if handler is None:
             return False
-        with self._imm_lock:
+        with self._lock:
             try:
                 return handler.prefetch(src, whole)
             except Exception as exc:  # noqa: BLE001 - a hint; the load runs without it
@@ -91,14 +161,11 @@ class ImmediateHops:
                 return False
 
     def drop_prefetches(self) -> None:
-        """Drop every unused prefetch (before the prefetched sources may be reassigned)."""
-        with self._imm_lock:
+        with self._lock:
             for handler in self._handlers.values():
-                if isinstance(handler, ImmediateHandler):
-                    handler.drop_prefetch()
+                handler.drop_prefetch()
 
     def prefetch_counts(self) -> dict[str, int]:
-        """Prefetch hints used by a hop and dropped unused, over all handlers (timelines)."""
         out = {"used": 0, "dropped": 0}
         for handler in self._handlers.values():
             for k, v in getattr(handler, "prefetches", {}).items():
@@ -106,40 +173,5 @@ class ImmediateHops:
         return out
 
     def prefetch_min_bytes(self, src: Medium, to: Medium) -> int | None:
-        """The smallest hop ``src -> to`` worth a prefetch hint; None: none is taken."""
         handler = self._handlers.get((src, to))
-        return handler.prefetch_min_bytes if isinstance(handler, ImmediateHandler) else None
-
-    def fence(self, job_ids: Iterable[int]) -> None:
-        """Order device work the caller enqueues from now on after these jobs: a stream wait
-        for a job on an immediate hop (the host goes on at once), else a host wait until the
-        job finished. Results stay collectable by ``get_finished``."""
-        ids = [int(i) for i in job_ids]
-        while True:
-            self._advance()
-            with self._cond:
-                waiting = [i for i in ids if i in self._live and i not in self._finished
-                           and i not in self._immediate]
-                if not waiting:
-                    break
-                self._cond.wait(0.002)
-        with self._imm_lock:
-            for i in ids:
-                job = self._immediate.get(i)
-                if job is not None:
-                    self._lane(job).handler.fence(job.pending)
-
-    def fence_layer(self, job_ids: Iterable[int], layer: int) -> None:
-        """``fence`` for the pages of one layer: on a handler that copies layer by layer, the
-        caller's stream waits only for that layer of these jobs (vLLM's per-layer hook)."""
-        ids = [int(i) for i in job_ids]
-        with self._imm_lock:
-            rest = []
-            for i in ids:
-                job = self._immediate.get(i)
-                if job is None:
-                    rest.append(i)
-                else:
-                    self._lane(job).handler.fence_layer(job.pending, layer)
-        if rest:  # finished already (nothing to wait for) or not on an immediate hop yet
-            self.fence(rest)
+        return handler.prefetch_min_bytes if handler is not None else None

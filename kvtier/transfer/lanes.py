@@ -11,7 +11,10 @@ from kvtier.transfer.jobs import DirectionStats, Hop, Route, route_name
 
 
 @dataclass
-class Job:
+class JobProgress:
+    """One submitted job's progress through its hops and what they have added up to so far
+    (becomes a :class:`~kvtier.transfer.jobs.JobResult` when it ends)."""
+
     job_id: int
     hops: tuple[Hop, ...]
     next_hop: int = 0
@@ -22,7 +25,7 @@ class Job:
     error: str | None = None
     last_route: Route | None = None
     hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run
-    pending: object = None  # an immediate hop's handle (while in the engine's immediate hops)
+    pending: object = None  # an immediate hop's handle (while :class:`ImmediateHops` runs it)
     started: float = 0.0
 
 
