@@ -242,8 +242,17 @@ def check_meta(index: BlockIndex, root: Path, geometry: BlockGeometry) -> tuple[
         stored_geometry = (v.meta("geometry") or b"?").decode(errors="replace")
         next_seq = v.meta_int("next_seq")
         next_seg = v.meta_int("next_segment")
-        ages = v.keys_by_age() if next_seq == 0 and v.num_blocks() else []
-    if fingerprint is None:
+        held = v.num_blocks()
+        ages = v.keys_by_age() if next_seq == 0 and held else []
+    if fingerprint is None and held:  # its blocks' geometry is unknown: never adopt them
+        raise DiskLayoutMismatch(
+            f"disk tier directory {root} holds {held} blocks but no geometry fingerprint "
+            f"(recorded geometry: [{stored_geometry}]), and this run uses "
+            f"[{geometry.describe()}] (fingerprint {geometry.fingerprint()}). Its blocks cannot "
+            f"be proven to match this geometry: use another directory for this model/block size,"
+            f" or delete {root} to start afresh."
+        )
+    if fingerprint is None:  # a new (or emptied) index: record this run's geometry
         with IndexWriter(index) as w:
             w.set_meta("fingerprint", geometry.fingerprint().encode())
             w.set_meta("geometry", geometry.describe().encode())
