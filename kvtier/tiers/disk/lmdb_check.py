@@ -51,6 +51,21 @@ def lmdb_errno(exc: BaseException) -> int | None:
     return next((c for c in errno.errorcode if os.strerror(c) == text), None)
 
 
+# LMDB errors of a read that say nothing about the index's pages (a full reader table, a map
+# another process grew, no memory): the read is retried later. Any other error from an open
+# index (CorruptedError, PageNotFoundError, BadTxnError, BadDbiError ...) means its pages are
+# not what LMDB wrote.
+_READ_NOT_DAMAGE = (lmdb.ReadersFullError, lmdb.MapResizedError, lmdb.TlsFullError,
+                    lmdb.MemoryError)
+
+
+def is_live_damage(exc: lmdb.Error) -> bool:
+    """Whether an LMDB error from a read of the open index means the index is damaged."""
+    if isinstance(exc, _READ_NOT_DAMAGE):
+        return False
+    return lmdb_errno(exc) not in _NOT_DAMAGE
+
+
 def open_error(exc: BaseException, ix_path: Path, root: Path) -> DiskIndexUnreadable:
     """What to raise for an error opening the index: say what really happened."""
     code = exc.errno if isinstance(exc, OSError) else lmdb_errno(exc)

@@ -14,8 +14,10 @@ never see an exception for bad data.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -26,7 +28,13 @@ from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.compaction import Compactor
 from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskWriteError, describe_os_error
 from kvtier.tiers.disk.index import BlockIndex, IndexEntry, IndexWriter
-from kvtier.tiers.disk.reader import CHECKSUM_FAILURE, ReadFailure, ReadStatus, read_into
+from kvtier.tiers.disk.reader import (
+    CHECKSUM_FAILURE,
+    READ_ERROR,
+    ReadFailure,
+    ReadStatus,
+    read_into,
+)
 from kvtier.tiers.disk.segments import Buffer, SegmentFiles
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.disk.writer import SegmentWriter, as_bytes_view, valid_key
@@ -133,6 +141,8 @@ class DiskStore:
         budget = compact_budget_bytes if compact_budget_bytes is not None else segment_bytes // 8
         self._compactor = Compactor(self._writer, compact_threshold, max(0, budget))
         self._writer.compactor = self._compactor
+        self.index_damage: str | None = None  # set once a read finds the live index damaged
+        self._damage_lock = threading.Lock()
         self._closed = False
         replica.note_owner(self._dir.index_fd, self._index)  # see replica.py: one env a process
         try:  # lets ranks on this host read this store (replicated layouts, see host.py)
@@ -150,7 +160,8 @@ class DiskStore:
             replica.note_owner(self._dir.index_fd, None)
             self._files.close()
             self._index.close()
-            if self.fsync:  # every commit was synced: the file at rest is consistent
+            if self.fsync and self.index_damage is None:  # synced and never seen damaged:
+                # the file at rest is consistent (a damaged one is verified at the next open)
                 lmdb_check.mark_clean(self._dir.index_fd)
             directory.release(self._dir)
 
@@ -173,6 +184,8 @@ class DiskStore:
         the batch indexed). A key already present is replaced; its old record becomes dead.
         """
         self._check_open()
+        if self.index_damage is not None:
+            raise DiskWriteError(errno.EIO, self.index_damage)
         prepared = [self._writer.prepare(k, p) for k, p in items]  # compression runs unlocked
         if prepared:
             self._writer.put(prepared)
@@ -194,8 +207,39 @@ class DiskStore:
         transient failures apart from corruption."""
         self._check_open()
         view = self._out_view(out)
-        if not valid_key(key):
+        if not valid_key(key) or self.index_damage is not None:
             return ReadStatus.MISS
+        try:
+            return self._fetch(key, view)
+        except lmdb.Error as exc:  # the index failed under the read: never into the engine
+            return self._index_failed(key, exc)
+
+    @property
+    def healthy(self) -> bool:
+        """False once a read found the open index damaged: reads miss, writes fail."""
+        return self.index_damage is None
+
+    def _index_failed(self, key: bytes, exc: lmdb.Error) -> ReadStatus:
+        """A read's LMDB error: TRANSIENT for a passing condition (a full reader table ...);
+        otherwise the index is damaged, so this and every later read is a miss, every write
+        fails (the manager stops writing back) and the index is verified at the next open."""
+        self._writer.count(READ_ERROR)
+        if not lmdb_check.is_live_damage(exc):
+            log.warning("kvtier disk tier: block %s not read this time (kept): index: %s",
+                        key.hex()[:32], exc)
+            return ReadStatus.TRANSIENT
+        with self._damage_lock:
+            first = self.index_damage is None
+            if first:
+                self.index_damage = (
+                    f"kvtier disk tier: the index of {self.root} is damaged "
+                    f"({type(exc).__name__}: {exc}); disk reads miss and writes fail until it "
+                    f"is reopened (delete {self.root} if it is refused then)")
+        if first:
+            log.error("%s", self.index_damage)
+        return ReadStatus.MISS
+
+    def _fetch(self, key: bytes, view: memoryview) -> ReadStatus:
         raw = self._index.get_raw(key)
         if raw is None:
             return ReadStatus.MISS
@@ -233,7 +277,13 @@ class DiskStore:
 
     def contains(self, key: bytes) -> bool:
         self._check_open()
-        return valid_key(key) and self._index.get(key) is not None
+        if not valid_key(key) or self.index_damage is not None:
+            return False
+        try:
+            return self._index.get(key) is not None
+        except lmdb.Error as exc:
+            self._index_failed(key, exc)
+            return False
 
     def _transient(self, key: bytes, failure: ReadFailure) -> None:
         self._writer.count(failure.kind)
