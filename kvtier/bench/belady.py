@@ -14,7 +14,7 @@ import heapq
 import time
 from typing import Sequence
 
-from kvtier.bench.policy_sim import SimResult
+from kvtier.bench.sim_result import SimResult
 from kvtier.bench.trace import TraceRequest
 
 NEVER = 1 << 62

@@ -24,9 +24,10 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from kvtier.bench.belady import belady
+from kvtier.bench.sim_result import SimResult
 from kvtier.bench.trace import TraceRequest, load_trace
 from kvtier.manager.admission import AdmissionPolicy, make_admission
 from kvtier.manager.policies import EvictionPolicy, make_policy
@@ -36,33 +37,6 @@ from kvtier.manager.admission import reuse_gate as _reuse_gate  # noqa: F401,E40
 from kvtier.manager.admission.reuse_gate import ReuseGate  # noqa: E402
 from kvtier.manager.hints import KEEP, ONE_OFF, HintBook, RetentionHint  # noqa: E402
 from kvtier.manager.policies.hinted import HintedEviction  # noqa: E402
-
-
-@dataclass
-class SimResult:
-    policy: str
-    capacity: int
-    blocks: int = 0  # blocks looked up
-    hit_blocks: int = 0
-    tokens: int = 0
-    hit_tokens: int = 0
-    written: int = 0  # blocks stored into the cache
-    wasted: int = 0  # written blocks evicted before their first hit
-    evicted: int = 0
-    seconds: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.tokens if self.tokens else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d.update(hit_rate=self.hit_rate, token_hit_rate=self.token_hit_rate)
-        return d
 
 
 HINTS = "+hints"
@@ -203,7 +177,6 @@ def compare(
     """Every spec at every capacity (LRU always included, first), then Belady's two bounds.
     ``run(trace, capacity, spec) -> SimResult`` replays one spec (default: this simulator;
     ``kvtier.bench.compare`` passes the real manager)."""
-    from kvtier.bench.belady import belady
 
     run = run or simulate
     specs = ["lru"] + [s for s in dict.fromkeys(specs) if s != "lru"]

@@ -25,7 +25,7 @@ from yaml.nodes import ScalarNode
 
 from kvtier.config.errors import ConfigError
 from kvtier.config.machine import make_private_dir, physical_memory
-from kvtier.config.remote import build_remote
+from kvtier.config.remote_reader import build_remote
 from kvtier.config.reader import (
     _ADMISSION,
     _POLICY,

@@ -140,7 +140,7 @@ class DiskStore:
         )
         budget = compact_budget_bytes if compact_budget_bytes is not None else segment_bytes // 8
         self._compactor = Compactor(self._writer, compact_threshold, max(0, budget))
-        self._writer.compactor = self._compactor
+        self._writer.drop_empty = self._compactor.drop_empty
         self.index_damage: str | None = None  # set once a read finds the live index damaged
         self._damage_lock = threading.Lock()
         self._closed = False

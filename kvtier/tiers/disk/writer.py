@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import lmdb
 
@@ -37,9 +37,6 @@ from kvtier.tiers.disk.index import BlockIndex, IndexEntry, IndexWriter
 from kvtier.tiers.disk.record import MAX_KEY_BYTES, data_checksum, encode_head, record_length
 from kvtier.tiers.disk.segments import Buffer, SegmentFiles
 from kvtier.tiers.layout import LAYOUT_VERSION
-
-if TYPE_CHECKING:
-    from kvtier.tiers.disk.compaction import Compactor
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +75,9 @@ class SegmentWriter:
         self._unsaved: dict[str, int] = {}  # counters not yet written to the index
         self._inflight: dict[int, int] = {}  # segment -> groups appended, not yet committed
         self._group: GroupCommit[list[Prepared]] = GroupCommit(self._write_group)
-        self.compactor: Compactor | None = None
+        # set by the store: unlink those of the given segments left empty (the compactor's
+        # drop_empty); a callable, so the writer needs nothing of compaction.py
+        self.drop_empty: Callable[[set[int]], int] | None = None
         self.closed = False
 
     @contextmanager
@@ -174,8 +173,8 @@ class SegmentWriter:
         finally:
             self.settle(sealed)
             try:
-                if self.compactor is not None:
-                    self.compactor.drop_empty(freed)
+                if self.drop_empty is not None:
+                    self.drop_empty(freed)
             finally:
                 self.commit_lock.release()
 
