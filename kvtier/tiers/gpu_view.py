@@ -130,7 +130,3 @@ class GpuKvView:
             dtype=dtype,
             model=model,
         )
-
-    def check_block_ids(self, block_ids: torch.Tensor) -> None:
-        if block_ids.numel() and (int(block_ids.min()) < 0 or int(block_ids.max()) >= self.num_blocks):
-            raise IndexError(f"engine block id out of range [0, {self.num_blocks})")

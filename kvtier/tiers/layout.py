@@ -64,33 +64,3 @@ class BlockGeometry:
             f"{self.num_layers} layers x {self.kv_parts} kv x {self.engine_blocks_per_block} pages "
             f"x {self.page_bytes} B ({self.dtype}, model={self.model or '?'})"
         )
-
-    @classmethod
-    def for_attention(
-        cls,
-        *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype_bytes: int,
-        block_tokens: int,
-        engine_block_tokens: int | None = None,
-        kv_parts: int = 2,
-        dtype: str = "bfloat16",
-        model: str = "",
-    ) -> "BlockGeometry":
-        """Geometry of a standard attention KV cache (vLLM's ``[.., block, heads, dim]`` pages)."""
-        engine_block_tokens = engine_block_tokens or block_tokens
-        if block_tokens % engine_block_tokens:
-            raise ValueError(
-                f"block_tokens={block_tokens} must be a multiple of the engine block size "
-                f"{engine_block_tokens}"
-            )
-        return cls(
-            num_layers=num_layers,
-            kv_parts=kv_parts,
-            engine_blocks_per_block=block_tokens // engine_block_tokens,
-            page_bytes=engine_block_tokens * num_kv_heads * head_dim * dtype_bytes,
-            dtype=dtype,
-            model=model,
-        )

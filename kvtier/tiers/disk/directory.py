@@ -72,19 +72,6 @@ def check_owner_mode(st: os.stat_result, path: Path) -> None:
         )
 
 
-def check_private(path: Path, follow: bool) -> None:
-    """Refuse a directory another user could write to (or that belongs to another user).
-
-    Blocks are derived from users' prompts, and a planted record or a swapped sub-directory
-    would be read back as KV: the store directory must be ours alone. ``follow``: whether a
-    symbolic link is acceptable.
-    """
-    st = os.stat(path) if follow else os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise _link_error(path)
-    check_owner_mode(st, path)
-
-
 def _link_error(path: Path) -> UnsafeDiskDirectory:
     return UnsafeDiskDirectory(
         f"disk tier directory {path} is a symbolic link; kvtier refuses links (whoever can "

@@ -182,15 +182,6 @@ class SegmentFiles:
         self.active_fd = -1
         self.active_end = 0
 
-    @classmethod
-    def open_path(cls, root: Path, **kw) -> "SegmentFiles":
-        """Open ``root`` (no symlink followed); a missing directory lists no segments."""
-        try:
-            fd = open_dir(root)
-        except FileNotFoundError:
-            fd = -1
-        return cls(root, fd, **kw)
-
     def path(self, seg: int) -> Path:
         return self.root / segment_name(seg)
 
