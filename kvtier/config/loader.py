@@ -218,6 +218,9 @@ class _Builder(_Reader):
             store_threshold=threshold,
             admission=self.disk_admission(threshold),
             io_process=self.get_bool("tiers.disk.io_process", True),
+            request_timeout_s=self.get_float("tiers.disk.request_timeout_s", 5.0,
+                                             "seconds, from 0.1 to 3600",
+                                             lambda s: 0.1 <= s <= 3600),
         )
 
 

@@ -69,9 +69,12 @@ class DiskTierConfig:
     store_threshold: int = 1  # demote a block to disk only once it was seen this many times
     admission: str = "all"  # all | threshold (store_threshold sightings, at least 2) | reuse_gate
     io_process: bool = True  # serve the store from a child process (runtime/disk_process.py)
+    request_timeout_s: float = 5.0  # a disk I/O child slower than this is hung: replaced
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
+        if not self.request_timeout_s > 0:
+            raise ValueError("tiers.disk.request_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

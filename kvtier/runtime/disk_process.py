@@ -22,6 +22,13 @@ first call ``respawn_after_s`` after the loss starts a new one on the same direc
 checksummed as after any restart, a record it was still writing was never indexed, so its key
 reads as a miss). A replacement that fails to start waits twice as long, up to
 ``RESPAWN_MAX_S``, before the next try; the worker log says each time.
+
+Hangs: every request has a deadline (``tiers.disk.request_timeout_s`` for each started
+``DEADLINE_BYTES`` of blocks it moves, at least one). A child that misses it (stopped, stuck in
+the kernel on a dead disk ...) is declared lost exactly as if it had died: it is killed, so
+every other request it holds fails at once too, the load is reported failed (the engine
+recomputes), the write fails, and it is replaced as above. A caller never waits longer than its
+deadline.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ CHILD_CWD = "/"
 START_TIMEOUT_S = 120.0  # opening a large store checks its index and segments
 RESPAWN_AFTER_S = 5.0  # a lost child is replaced by the first call this long after the loss
 RESPAWN_MAX_S = 60.0  # backoff cap between failed replacements
+# a request moving more block bytes than this gets one more request_timeout_s per started share
+DEADLINE_BYTES = 256 << 20
 _RAISED_AS_IS = {c.__name__: c for c in (
     errors.DiskLayoutMismatch, errors.NotADiskStore, errors.UnsafeDiskDirectory,
     errors.DiskStoreBusy, errors.DiskIndexUnreadable, errors.DiskFull)}
@@ -125,6 +134,7 @@ class DiskProcess:
             "log_level": logging.getLogger("kvtier").getEffectiveLevel(),
         }
         self._connections = max(1, connections)
+        self.request_timeout_s = disk.request_timeout_s
         self._start_timeout = start_timeout
         self.respawn_after_s = respawn_after_s  # None: a lost child stays lost
         self.respawns = 0  # children started to replace a lost one
@@ -169,7 +179,6 @@ class DiskProcess:
             raise errors.DiskIndexUnreadable(
                 f"kvtier: the disk I/O process for {self.root} {what} (its log is above)"
             ) from exc
-        first.settimeout(None)
         if status == wire.ERROR:
             self._stop(kill=False)
             raise _exception(payload)
@@ -178,6 +187,7 @@ class DiskProcess:
     def _call(self, op: int, slots: Sequence[int] = (), keys: Sequence[bytes] = ()
               ) -> memoryview:
         request = wire.encode_request(op, slots, keys)  # bad keys raise before anything is sent
+        allowed = self.deadline_s(op, len(keys))
         if self._broken:
             self._maybe_respawn()
         while True:
@@ -191,10 +201,14 @@ class DiskProcess:
                 raise DiskProcessGone(errno.EPIPE, self._broken)
             self._sock_gen.pop(sock, None)  # left over from a replaced child: drop it
             sock.close()
+        deadline = time.monotonic() + allowed
         try:
+            sock.settimeout(allowed)  # sendall: the whole send within it (a full socket buffer)
             sock.sendall(request)
-            status, payload = wire.read_reply(sock)
-        except OSError as exc:
+            status, payload = wire.read_reply(sock, deadline)
+        except OSError as exc:  # TimeoutError included: a child past its deadline is lost
+            if isinstance(exc, TimeoutError):
+                exc = TimeoutError(f"no answer to a request within {allowed:g} s, killed")
             self._lost(sock, exc)
             raise DiskProcessGone(errno.EPIPE, self._broken or str(exc)) from exc
         self._free.put(sock)
@@ -202,17 +216,27 @@ class DiskProcess:
             raise _exception(payload)
         return payload
 
+    def deadline_s(self, op: int, n_keys: int) -> float:
+        """Seconds a request may take: ``request_timeout_s`` per started ``DEADLINE_BYTES``
+        of blocks it moves (at least one), so a large batch on a busy disk is not a hang."""
+        moved = n_keys * self.geometry.block_bytes if op in (wire.PUT, wire.FETCH) else 0
+        return self.request_timeout_s * max(1, -(-moved // DEADLINE_BYTES))
+
     def _lost(self, sock: socket.socket, exc: BaseException) -> None:
         sock.close()
         if self._sock_gen.get(sock) != self._gen:  # an earlier child's: already replaced
             self._sock_gen.pop(sock, None)
             return
+        code = self._proc.poll()
+        hung = isinstance(exc, TimeoutError)
+        if hung and code is None:
+            self._proc.kill()  # its other requests fail now, not at their own deadlines
         self._free.put(sock)  # a caller waiting for a connection gets it, fails, and says so
         if self._broken is None:
-            code = self._proc.poll()
             after = self.respawn_after_s
+            why = exc if hung or code is None else f"exit code {code}"
             self._broken = (f"kvtier disk tier: the disk I/O process {self.pid} for {self.root} "
-                            f"is gone ({'exit code ' + str(code) if code is not None else exc});"
+                            f"is {'hung' if hung else 'gone'} ({why});"
                             " disk reads miss and writes fail "
                             + (f"until a new one starts (in {after:g} s)" if after is not None
                                else "from now on"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from array import array
 from typing import Sequence
 
@@ -32,11 +33,18 @@ class WireError(OSError):
     """The other side closed the connection or sent a frame that does not parse."""
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """``n`` bytes; ``deadline`` (``time.monotonic()``): TimeoutError once it passes, however
+    the bytes trickle in (a per-``recv`` timeout would restart with every byte)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes by the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise WireError("the disk I/O connection closed")
@@ -108,11 +116,12 @@ def error_payload(exc: BaseException) -> bytes:
                        "message": str(exc)}).encode()
 
 
-def read_reply(sock: socket.socket) -> tuple[int, memoryview]:
-    status, length = _REPLY.unpack(recv_exact(sock, _REPLY.size))
+def read_reply(sock: socket.socket, deadline: float | None = None) -> tuple[int, memoryview]:
+    """The next reply; TimeoutError if it is not complete by ``deadline`` (monotonic)."""
+    status, length = _REPLY.unpack(recv_exact(sock, _REPLY.size, deadline))
     if status not in (OK, ERROR) or length > MAX_PAYLOAD:
         raise WireError(f"bad reply frame (status {status}, {length} bytes)")
-    return status, memoryview(recv_exact(sock, length))
+    return status, memoryview(recv_exact(sock, length, deadline))
 
 
 def encode_positions(failed: Sequence[int], transient: Sequence[int]) -> bytes:
