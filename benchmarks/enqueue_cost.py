@@ -9,8 +9,7 @@ GPU idle (synchronised before) and busy (a queue of bf16 matmuls on the current 
 the previous step's forward still runs), in the same run; the ratio is the figure. Also timed:
 the two primitives the job issues most, a pinned upload of 8 bytes and an event record.
 
-Cases: loads (the default one-launch path for these small jobs, and the staging ring's,
-``small="staged"``, in the same run) and stores of 1, 8 and 125 blocks (125 = a 2,000-token
+Cases: loads (the one-launch path these small jobs take) and stores of 1, 8 and 125 blocks (125 = a 2,000-token
 prompt) of the Llama-3.2-1B KV shape (16 layers, 8 KV heads, head dim 64, bf16, 16-token
 blocks) and, with ``--shape 8b``, Llama-3.1-8B's; CPU slots contiguous or scattered
 (``--scattered``: every block its own DMA).
@@ -70,7 +69,6 @@ def main() -> None:
     pool = CpuBlockPool(view.geometry(1), num_slots=ENGINE_BLOCKS)
     pool.wait_ready()
     handlers = {"load": CudaCpuToGpuHandler(view, pool),  # one launch (one_launch.py)
-                "load staged": CudaCpuToGpuHandler(view, pool, small="staged"),
                 "store": CudaGpuToCpuHandler(view, pool)}
     mat = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     rng = random.Random(0)

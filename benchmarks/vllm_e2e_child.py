@@ -323,7 +323,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--connector", required=True,
-                   choices=["none", "kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch", "kvtier_ab_whole", "kvtier_staged", "kvtier_disk", "native",
+                   choices=["none", "kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch", "kvtier_ab_whole", "kvtier_disk", "native",
                             "check"])
     p.add_argument("--lengths", default="1024,2048,8192,32768")
     p.add_argument("--reps", type=int, default=5)
@@ -394,8 +394,6 @@ def main(argv=None) -> None:
         mark_gc_pauses()
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
-    if a.connector == "kvtier_staged":  # the A/B: whole-load copies through the staging ring
-        os.environ["KVTIER_CUDA_LOADS"] = "staged"
     os.makedirs(a.workdir, exist_ok=True)
     model_dir = write_model(os.path.join(a.workdir, f"model-{a.shape}"), a.shape, a.max_len)
     if a.connector == "check":

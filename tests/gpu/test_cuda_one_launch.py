@@ -19,6 +19,7 @@ from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
 from kvtier.transfer.cuda import CudaCpuToGpuHandler, CudaGpuToCpuHandler  # noqa: E402
 from kvtier.transfer.cuda.direct import LayeredJob  # noqa: E402
 from kvtier.transfer.cuda.one_launch import PinnedArgRing  # noqa: E402
+from kvtier.transfer.cuda.pipeline import EnqueuedJob  # noqa: E402
 from kvtier.transfer.cuda.page_movers import cupy_available  # noqa: E402
 
 from test_cuda_transfer import (  # noqa: E402
@@ -127,23 +128,26 @@ def test_a_one_launch_load_waits_for_the_submitting_stream():
     assert torch.equal(snapshot, old), "the load overwrote pages before earlier compute read them"
 
 
-def test_staged_small_loads_leave_the_argument_ring_out():
+def test_without_an_argument_ring_small_loads_are_staged():
+    """The staging ring is the fallback of a small load (no argument ring: no CuPy loader),
+    never a layered copy, and lands bit-exact."""
     gen = torch.Generator(device=DEV).manual_seed(53)
     view, pool = filled(gen)
-    load = CudaCpuToGpuHandler(view, pool, small="staged")
-    assert load._args is None
+    load = CudaCpuToGpuHandler(view, pool)
+    assert load._args is not None  # the rule as shipped: small loads in one launch
+    load._args = None
     want = torch.stack([pool.slot(s) for s in range(2)])
-    load.finish(load.start(LoadStoreSpec.cpu([0, 1]), LoadStoreSpec.gpu([11, 12])))
+    pending = load.start(LoadStoreSpec.cpu([0, 1]), LoadStoreSpec.gpu([11, 12]))
+    assert isinstance(pending.job, EnqueuedJob), type(pending.job)
+    load.finish(pending)
     assert torch.equal(reference_slots(view, [11, 12], 1), want)
-    with pytest.raises(ValueError, match="small-load mode"):
-        CudaCpuToGpuHandler(view, pool, small="sideways")
 
 
 def test_a_whole_load_goes_in_one_launch_above_the_layered_size():
     """``LoadStoreSpec.whole`` (the forward waits for all of it): one launch at a size the
     handler would otherwise copy layer by layer, and no prefetch is started for it; the same
-    load not marked whole is layered. Both land bit-exact. ``whole_max_bytes = 0`` (or
-    ``loads="layered"``) ignores the mark."""
+    load not marked whole is layered. Both land bit-exact. ``whole_max_bytes = 0`` ignores
+    the mark."""
     gen = torch.Generator(device=DEV).manual_seed(59)
     view, pool = filled(gen)
     block = pool.geometry.block_bytes
@@ -168,4 +172,9 @@ def test_a_whole_load_goes_in_one_launch_above_the_layered_size():
     load.finish(old)
     assert torch.equal(reference_slots(view, [20, 21, 22], 1),
                        torch.stack([pool.slot(s) for s in (6, 7, 0)]))
-    assert CudaCpuToGpuHandler(view, pool, loads="layered").whole_max_bytes == 0
+    narrow = CudaCpuToGpuHandler(view, pool, layered_min_bytes=2 * block, whole_max_bytes=0)
+    marked = narrow.start(LoadStoreSpec.cpu([0, 1, 2]), LoadStoreSpec.gpu([24, 25, 26], whole=True))
+    assert isinstance(marked.job, LayeredJob)
+    narrow.finish(marked)
+    assert torch.equal(reference_slots(view, [24, 25, 26], 1),
+                       torch.stack([pool.slot(s) for s in range(3)]))

@@ -96,6 +96,25 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def staged_only(handler: CudaCpuToGpuHandler) -> CudaCpuToGpuHandler:
+    """Every load of ``handler`` through the staging ring, the fallback it takes without a
+    pinned pool or CuPy (and for a whole load no argument buffer can take)."""
+    handler.direct = None
+    handler._args = None
+    handler.whole_max_bytes = 0.0
+    handler.prefetch_min_bytes = None
+    return handler
+
+
+def load_handler(view, pool, path: str, **kw) -> CudaCpuToGpuHandler:
+    """A load handler whose loads of any size take one path: ``"rule"`` (the size rule as
+    shipped), ``"layered"`` (its bounds at 0: layer by layer) or ``"staged"``."""
+    if path == "layered":
+        kw.update(layered_min_bytes=0, whole_max_bytes=0)
+    handler = CudaCpuToGpuHandler(view, pool, **kw)
+    return staged_only(handler) if path == "staged" else handler
+
+
 CASES = [
     # layout, dtype, page_bytes, layers, engine blocks per kvtier block
     ("kv_first", torch.bfloat16, 32 << 10, 4, 1),
@@ -126,8 +145,7 @@ def test_round_trip_is_bit_exact(backend, loads, layout, dtype, page_bytes, laye
     staging = max(view.page_bytes, 3 * view.page_bytes + 7)
     kw = dict(backend=backend, staging_bytes=staging, ring_slots=2, max_ctas=8)
     store = CudaGpuToCpuHandler(view, pool, **kw)
-    load = CudaCpuToGpuHandler(view, pool, loads="staged" if loads == "staged" else "layered",
-                               **kw)
+    load = load_handler(view, pool, "staged" if loads == "staged" else "layered", **kw)
     taken = []
     if load.direct is not None:  # which way the job's layers went
         real = load.direct.enqueue
@@ -303,7 +321,7 @@ def test_fence_layer_orders_a_kernel_after_that_layers_pages_only(uva):
     view, pool = view_and_filled_pool(gen)
     ids = list(range(1, 64, 2))
     want = torch.stack([pool.slot(s) for s in range(32)]).view(32, 4, -1)  # [block, layer, ..]
-    handler = CudaCpuToGpuHandler(view, pool, loads="layered")
+    handler = load_handler(view, pool, "layered")
     if uva:  # the fallback: the kernel reads the pinned slots through their UVA addresses
         handler.direct._copy2d = None
     else:
@@ -329,24 +347,24 @@ def test_fence_layer_orders_a_kernel_after_that_layers_pages_only(uva):
             f"layer {layer} was read before its pages were loaded"
 
 
-def test_layered_loads_need_a_pinned_pool_and_auto_falls_back_to_staged():
+def test_layered_loads_need_a_pinned_pool_else_loads_are_staged():
     gen = torch.Generator(device=DEV).manual_seed(29)
     view = GpuKvView(make_caches("kv_first", 2, 8, 8 << 10, torch.bfloat16, gen),
                      layout="kv_first")
     pool = CpuBlockPool(view.geometry(1), num_slots=4, pin=False)
     pool.wait_ready()
-    assert CudaCpuToGpuHandler(view, pool).direct is None
+    load = CudaCpuToGpuHandler(view, pool, layered_min_bytes=0)
+    assert load.direct is None and load._args is None and load.whole_max_bytes == 0
+    assert load.prefetch_min_bytes is None
     with pytest.raises(ValueError, match="pinned"):
-        CudaCpuToGpuHandler(view, pool, loads="layered")
-    with pytest.raises(ValueError, match="load mode"):
-        CudaCpuToGpuHandler(view, pool, loads="sideways")
+        load._layered(None)
 
 
 @pytest.mark.skipif(not cupy_available(), reason="layered loads need CuPy")
-def test_auto_loads_small_jobs_whole_and_large_ones_layer_by_layer(monkeypatch):
-    """The default mode: a load under LAYERED_MIN_BYTES goes whole (one launch, else staged: a
-    layered job costs the host ~0.1 ms per layer whatever its size: 3.4 ms of schedule() for
-    a one-block hit in real vLLM), a larger one layer by layer; both land bit-exact."""
+def test_the_rule_loads_small_jobs_whole_and_large_ones_layer_by_layer():
+    """A load under ``layered_min_bytes`` (LAYERED_MIN_BYTES as shipped) goes whole (one
+    launch, else staged: a layered job costs the host a fixed amount per layer whatever its
+    size), a larger one layer by layer; both land bit-exact."""
     from kvtier.transfer.cuda import handlers
 
     gen = torch.Generator(device=DEV).manual_seed(31)
@@ -355,9 +373,8 @@ def test_auto_loads_small_jobs_whole_and_large_ones_layer_by_layer(monkeypatch):
     pool = CpuBlockPool(view.geometry(1), num_slots=8)
     pool.wait_ready()
     block = pool.geometry.block_bytes
-    monkeypatch.setattr(handlers, "LAYERED_MIN_BYTES", 4 * block)
     store = CudaGpuToCpuHandler(view, pool)
-    load = CudaCpuToGpuHandler(view, pool)  # auto
+    load = CudaCpuToGpuHandler(view, pool, layered_min_bytes=4 * block)
     assert load.direct is not None and load.layered_min_bytes == 4 * block
     want = reference_slots(view, list(range(8)), 1)
     run(store.run(LoadStoreSpec.gpu(range(8)), LoadStoreSpec.cpu(range(8))))
@@ -367,10 +384,12 @@ def test_auto_loads_small_jobs_whole_and_large_ones_layer_by_layer(monkeypatch):
         assert isinstance(pending.job, LayeredJob) == layered, n
         load.finish(pending)
         assert torch.equal(reference_slots(view, dst, 1), want[:n])
-    assert CudaCpuToGpuHandler(view, pool, loads="layered").layered_min_bytes == 0
+    shipped = CudaCpuToGpuHandler(view, pool)
+    assert shipped.layered_min_bytes == handlers.LAYERED_MIN_BYTES
+    assert shipped.whole_max_bytes == handlers.WHOLE_ONE_LAUNCH_MAX_BYTES
 
 
-@pytest.mark.parametrize("loads", ["auto", "layered", "staged"])
+@pytest.mark.parametrize("loads", ["rule", "layered", "staged"])
 def test_a_load_queued_behind_compute_reports_the_copy_time_not_the_wait(loads):
     """The seconds a load reports feed the cost model's bandwidth; a load queued behind a long
     forward must not report the forward's time (the model would then find CPU hits slower
@@ -380,7 +399,7 @@ def test_a_load_queued_behind_compute_reports_the_copy_time_not_the_wait(loads):
                      layout="kv_first")
     pool = CpuBlockPool(view.geometry(1), num_slots=4)
     pool.wait_ready()
-    load = CudaCpuToGpuHandler(view, pool, loads=loads)
+    load = load_handler(view, pool, loads)
     compute = torch.cuda.Stream(DEV)
     before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -396,7 +415,7 @@ def test_a_load_queued_behind_compute_reports_the_copy_time_not_the_wait(loads):
     assert 0 < out.seconds < wait_s / 4, (out.seconds, wait_s)
 
 
-@pytest.mark.parametrize("loads", ["auto", "layered", "staged"])
+@pytest.mark.parametrize("loads", ["rule", "layered", "staged"])
 def test_shared_pool_round_trip_through_the_disk_process_is_bit_exact(tmp_path, loads):
     """The default disk configuration: the CPU pool is a memfd registered with CUDA (not
     torch's pinned allocator) and a child process writes and reads it. GPU -> CPU -> disk
@@ -424,7 +443,7 @@ def test_shared_pool_round_trip_through_the_disk_process_is_bit_exact(tmp_path, 
         assert disk.fetch_slots(keys, list(range(8, 14))) == ([], [])
     finally:
         disk.close()
-    load = CudaCpuToGpuHandler(view, pool, loads=loads)
+    load = load_handler(view, pool, loads)
     run(load.run(LoadStoreSpec.cpu(range(8, 14)), LoadStoreSpec.gpu(range(10, 16))))
     torch.cuda.synchronize()
     assert torch.equal(reference_slots(view, list(range(10, 16)), 1), want)
@@ -442,8 +461,7 @@ def test_a_prefetched_load_lands_bit_exact_and_unused_prefetches_give_their_buff
     gen = torch.Generator(device=DEV).manual_seed(37)
     view, pool = view_and_filled_pool(gen)
     layer_bytes = pool.geometry.block_bytes // 4
-    load = CudaCpuToGpuHandler(view, pool, loads="layered", staging_bytes=3 * layer_bytes,
-                               ring_slots=2)
+    load = load_handler(view, pool, "layered", staging_bytes=3 * layer_bytes, ring_slots=2)
     assert load.direct._copy2d is not None and load.prefetch_min_bytes == 1
     load.layered_min_bytes = 3 * pool.geometry.block_bytes  # 2-slot loads go whole
     rng = random.Random(37)

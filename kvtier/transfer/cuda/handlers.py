@@ -16,22 +16,20 @@ the GPU, never by host syncs:
 * ``poll`` queries the job's completion event (never blocks); ``finish`` synchronises on it.
   Timing events give the copy's device time, which feeds the cost model.
 
-Loads go layer by layer straight from the pinned slots (``loads="layered"``, the default when
-the pool is pinned and CuPy is there) or through the staging ring (``"staged"``). By default
-(``"auto"``) a load under ``LAYERED_MIN_BYTES`` goes whole: enqueueing a layered job costs the
-host ~0.1 ms per layer whatever its size (a one-block hit of the Llama-8B shape: 3.4 ms of
-``schedule()`` in real vLLM on an H100, for a 40 us copy), and a forward gains nothing from
-following a copy that short layer by layer. A whole load is one kernel launch over all layers
-with its arguments in reusable pinned memory (``small="one_launch"``, :mod:`one_launch`: a
-few CUDA calls instead of ~15), or goes through the staging ring when no argument buffer is
-free (or ``small="staged"``). A load whose reader waits for all of it (``LoadStoreSpec.whole``:
-the forward computes only the prompt's last token) also goes in one launch up to
-``WHOLE_ONE_LAUNCH_MAX_BYTES``: layer events buy that forward nothing, and the layered enqueue
-costs the engine thread ~1 ms more. Above it the layered copy wins anyway: its DMAs start at the
-lookup (:mod:`prefetch`) and need not wait for the compute stream's earlier work, which the one
-launch, writing the engine's pages, must. Measured in real vLLM (8B shape, lent H200, paired in
-one engine, ``vllm_e2e.py --connectors kvtier_ab_whole``), one launch against layered: 128 MiB
-10.8 vs 12.1 ms, 256 MiB 13.9 vs 14.2, 512 MiB 20.1 vs 19.2, 750 MiB 26.3 vs 24.0.
+One rule picks a load's path (the A/Bs that settled it: docs/design-measurements.md, and
+benchmarks/results/). When the pool is pinned and CuPy is there, a load of
+``layered_min_bytes`` (``LAYERED_MIN_BYTES``) or more goes layer by layer straight from the
+pinned slots; a smaller one goes whole, since enqueueing a layered job costs the host a fixed
+amount per layer whatever its size and a forward gains nothing from following a short copy
+layer by layer. A whole load is one kernel launch over all layers with its arguments in
+reusable pinned memory (:mod:`one_launch`: a few CUDA calls instead of ~15). A load whose
+reader waits for all of it (``LoadStoreSpec.whole``: the forward computes only the prompt's
+last token) also goes in one launch up to ``whole_max_bytes`` (``WHOLE_ONE_LAUNCH_MAX_BYTES``):
+layer events buy that forward nothing and the layered enqueue costs the engine thread more.
+Above it the layered copy wins anyway: its DMAs start at the lookup (:mod:`prefetch`) and need
+not wait for the compute stream's earlier work, which the one launch, writing the engine's
+pages, must. The staging ring is the fallback, not a choice: every load goes through it
+without a pinned pool or CuPy, and a whole load does when no argument buffer is free.
 
 Loads run on higher-priority streams than stores, and the two directions use separate
 streams and staging rings, so both PCIe directions run at once. Enqueueing a job costs a few
@@ -65,10 +63,8 @@ from kvtier.transfer.jobs import TransferOutcome
 log = logging.getLogger(__name__)
 
 
-LOAD_MODES = ("auto", "layered", "staged")
-LAYERED_MIN_BYTES = 64 << 20  # "auto": smaller loads go whole (one launch, else staged)
-WHOLE_ONE_LAUNCH_MAX_BYTES = 256 << 20  # "auto": whole loads (LoadStoreSpec.whole) up to it too
-SMALL_LOAD_MODES = ("one_launch", "staged")
+LAYERED_MIN_BYTES = 64 << 20  # smaller loads go whole (one launch, else staged)
+WHOLE_ONE_LAUNCH_MAX_BYTES = 256 << 20  # whole loads (LoadStoreSpec.whole) up to it too
 
 
 @dataclass
@@ -89,14 +85,11 @@ class _CudaHandler(ImmediateHandler):
         backend: str = "auto",
         max_ctas: int | None = None,
         compute_stream: torch.cuda.Stream | None = None,
-        loads: str = "auto",
-        small: str = "one_launch",
+        layered_min_bytes: int = LAYERED_MIN_BYTES,
+        whole_max_bytes: int = WHOLE_ONE_LAUNCH_MAX_BYTES,
     ) -> None:
-        if loads not in LOAD_MODES:
-            raise ValueError(f"unknown CUDA load mode {loads!r}; use one of {LOAD_MODES}")
-        if small not in SMALL_LOAD_MODES:
-            raise ValueError(f"unknown CUDA small-load mode {small!r}; use one of "
-                             f"{SMALL_LOAD_MODES}")
+        """``layered_min_bytes`` / ``whole_max_bytes``: the bounds of the load rule (module
+        docstring); the defaults are the measured ones, tests narrow them to small caches."""
         if view.device.type != "cuda":
             raise ValueError(f"{type(self).__name__} needs a CUDA KV view, got {view.device}")
         self.view = view
@@ -110,22 +103,16 @@ class _CudaHandler(ImmediateHandler):
             staging_bytes=staging_bytes, ring_slots=ring_slots, priority=priority,
         )
         self.direct: DirectLayerLoader | None = None
-        self.layered_min_bytes = LAYERED_MIN_BYTES if loads == "auto" else 0
-        self.whole_max_bytes = 0.0  # whole loads (LoadStoreSpec.whole) up to it: one launch
-        if self.to_gpu and loads == "layered":
-            self.direct = self._layered(max_ctas)
-        elif self.to_gpu and loads == "auto" and pool.pin and backend != "torch" \
-                and cupy_available():
+        if self.to_gpu and pool.pin and backend != "torch" and cupy_available():
             try:
                 self.direct = self._layered(max_ctas)
             except Exception as exc:  # noqa: BLE001 - the staged path is always there
                 log.warning("kvtier: layer-by-layer loads unavailable (%s); loads are staged", exc)
-
+        self.layered_min_bytes = layered_min_bytes
         # loads the layered path does not take, in one launch (one_launch.py), else staged
-        self._args = (PinnedArgRing() if self.direct is not None and small == "one_launch"
-                      else None)
-        if self._args is not None and loads == "auto":
-            self.whole_max_bytes = float(WHOLE_ONE_LAUNCH_MAX_BYTES)
+        self._args = PinnedArgRing() if self.direct is not None else None
+        # whole loads (LoadStoreSpec.whole) up to it: one launch
+        self.whole_max_bytes = float(whole_max_bytes) if self._args is not None else 0.0
         self._prefetch: Prefetch | None = None
         self.prefetches = {"used": 0, "dropped": 0}  # what became of prefetch hints
         if self.direct is not None and self.direct.can_prefetch:
