@@ -9,9 +9,8 @@ attribute test.
 
 Marks are kept in memory and written as JSON lines by :meth:`Timeline.flush` (every
 ``FLUSH_EVERY`` marks, at exit, when vLLM shuts the connector down, or when a caller asks):
-writing each mark as it came cost a system call and a JSON encoding, 20-80 us a mark on the
-lent H100's host, which is the same order as the steps being timed and slowed the marked
-process itself. ``vllm serve``'s engine processes may be killed without running exit
+writing each mark as it came cost a system call and a JSON encoding per mark, the same order
+as the steps being timed, and slowed the marked process itself (docs/design-measurements.md). ``vllm serve``'s engine processes may be killed without running exit
 handlers or the connector's shutdown: with ``KVTIER_TIMELINE_FLUSH_S`` set, the first mark
 that many seconds after the last write also writes (``benchmarks/vllm_serve.py`` sets 1),
 losing at most that much at a kill. It is off otherwise, so a write never lands inside a

@@ -1,21 +1,18 @@
 """The GIL switch interval while kvtier shares the process with vLLM's engine loop.
 
 vLLM's engine loop is a Python thread that rarely blocks: while a load is in flight it runs
-step after step (one every ~0.6 ms on an H100). A thread that wants the GIL back after a
+step after step, a fraction of a millisecond apart. A thread that wants the GIL back after a
 blocking call (a disk read, an fsync, a socket) gets it only when the holder blocks or when
 the interpreter's switch interval runs out: 5 ms by default. A disk read or write is a chain
 of such hand-offs (engine loop -> reader thread -> each syscall -> completion), so each one
-waits up to 5 ms. Measured (benchmarks/gil_starvation.py, this repository's 2-core CI
-machine): with a busy Python thread beside it, reading one 512 KiB block through the disk
-tier took 49 ms instead of 0.8 ms, 64 blocks 291 ms instead of 9 ms; in real vLLM on the
-lent H100 one block's DISK -> CPU hop took 7.2 ms and 32 MiB from the page cache 28 ms.
+waits up to 5 ms: with a busy Python thread beside it, a disk read takes tens of times as
+long (benchmarks/gil_starvation.py; figures in docs/design-measurements.md).
 
 The same holds for threads that are not kvtier's: under ``vllm serve`` the engine-core process
 hands each step's output to its own output thread (and takes requests from an input thread)
 while the engine loop goes on into the next step; with kvtier's per-step work in that loop,
-measured on the lent H100 (``benchmarks/vllm_serve.py``, 1B shape, kvtier's CPU tier only,
-same machine): 1k / 2k CPU hits 19.5 / 21.5 ms at Python's 5 ms against 15.6 / 18.2 ms at
-0.2 ms, and a request kvtier neither loads nor stores 33.5 / 35.6 against 29.5 / 29.9 ms. So
+TTFT under ``vllm serve`` was lower at the short interval, for hits and for requests kvtier
+neither loads nor stores alike (``benchmarks/vllm_serve.py``; docs/design-measurements.md). So
 the runtime applies it with every tier configuration, not only with I/O threads.
 
 A shorter interval only matters while some thread waits for the GIL (a lone thread is never

@@ -148,7 +148,7 @@ class CpuBlockPool:
         """Host address of each slot (int64, in order), for kernels that read pinned slots
         through their UVA addresses. Vectorised and without tensor views: it runs on vLLM's
         engine thread before a load's launch (``pool.slot(s).data_ptr()`` per slot, or a
-        tensor per run, cost ~0.15 ms for a one-block load). Waits for a chunk still being
+        tensor per run, cost more host time than a one-block load's copy). Waits for a chunk still being
         allocated."""
         s = np.asarray(slots, dtype=np.int64)
         if s.size and (s.min() < 0 or s.max() >= self.num_slots):

@@ -9,7 +9,7 @@ axes swapped. The pool splits slots into chunks, so the work is done per chunk.
 
 Bytes are moved as the widest integer word that divides the page (int64 for every real
 model): torch's index kernels copy element by element, so on uint8 they run about ten times
-slower than on int64 (measured: 0.6 vs 5-6 GB/s for a 64 MiB job on CPU).
+slower than on int64 (docs/design-measurements.md).
 
 The copies also run on CUDA tensors (one host staging copy per layer): correct but not fast;
 the fast CUDA path lives elsewhere. Copies run on the handler's thread, never on the event loop.

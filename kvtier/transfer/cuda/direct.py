@@ -1,7 +1,7 @@
 """Layer-by-layer loads straight from pinned CPU slots into the engine's pages.
 
-Why: a CPU hit of a long prompt costs the copy (1 GiB for 8k tokens of a Llama-8B shape, ~20 ms
-over PCIe) plus the forward of the few tokens left to compute. The staged path
+Why: a CPU hit of a long prompt costs the copy (1 GiB for 8k tokens of a Llama-8B shape, tens
+of ms over PCIe) plus the forward of the few tokens left to compute. The staged path
 (:mod:`pipeline`) moves a job in slot order (block by block, every layer of a block together),
 so no layer is complete before the whole job is, and the forward has to wait for all of it.
 Here a job is copied *layer by layer*, one kernel launch per layer, each followed by an event:
@@ -17,7 +17,7 @@ chunk, run of slots) into a staging buffer, then a kernel scatters the chunk int
 pages (addresses computed as in the staged kernel). That keeps the copy engines' full rate;
 one DMA request per (slot, layer) piece would be tens of thousands of small requests for one
 8k hit. Without CuPy's 2-D copy, the kernel reads the pinned slots through their unified
-(UVA) addresses instead (no staging; ~6 % slower on the H100).
+(UVA) addresses instead (no staging; somewhat slower than the DMA).
 """
 
 from __future__ import annotations
@@ -104,11 +104,12 @@ MIN_AVG_RUN = 16  # blocks per run of neighbouring slots below which a job reads
 def scattered(runs: int, blocks: int) -> bool:
     """Whether a job's slots are too scattered for one strided DMA per (layer, run).
 
-    Each DMA request costs the host ~5-8 us to enqueue while a block's layer (32-64 KiB)
-    crosses PCIe in ~1 us, so short runs leave the copy engines waiting on the host: a 32k hit
-    of single-slot runs took 260-380 ms instead of ~100 (H100, the slots a LIFO free chain had
-    reversed). The kernel reading the slots through their UVA addresses is one launch per
-    layer whatever the runs, ~6 % slower than the DMA on long runs."""
+    Each DMA request costs the host several times longer to enqueue than a block's layer
+    (32-64 KiB) takes to cross PCIe, so short runs leave the copy engines waiting on the host
+    (a long hit of single-slot runs, the slots a LIFO free chain had reversed, took a few
+    times as long: docs/design-measurements.md). The kernel reading the slots through their
+    UVA addresses is one launch per layer whatever the runs, a little slower than the DMA on
+    long runs."""
     return runs > max(4, blocks // MIN_AVG_RUN)
 
 
@@ -128,7 +129,7 @@ class DirectLayerLoader:
     With CuPy's 2-D copy (the default) each (layer, chunk of blocks) is one strided DMA per
     run of neighbouring slots (row = the layer's bytes of one slot, pitch = the slot size)
     into a staging buffer, then one kernel scatters it into the pages: the copy engines keep
-    their full PCIe rate (UVA reads by the SMs measured ~6 % slower on the H100) and the DMA of
+    their full PCIe rate (UVA reads by the SMs are a little slower) and the DMA of
     chunk i + 1 overlaps the scatter of chunk i. Without it the kernel reads the pinned slots
     through their UVA addresses, no staging.
     """

@@ -5,8 +5,9 @@ thread before the step's forward is launched, so every host microsecond of the e
 the request's first-token path. The staged path (:mod:`pipeline`) issues ~15 CUDA calls for
 a one-chunk job (fresh events, stream waits, a pinned upload of the engine block ids, a DMA,
 a scatter kernel), and with the GPU busy (the previous step's forward still running, as under
-vLLM's async scheduling) each call costs 2-5x its idle time: 0.4-0.96 ms for a one-block
-load on an H100 (``benchmarks/results/enqueue_cost_*``), against a 40 us copy. A small load
+vLLM's async scheduling) each call costs several times its idle time, so the enqueue of a
+one-block load costs far more host time than its copy takes on the GPU
+(docs/design-measurements.md). A small load
 is instead one launch of the layer kernel over *all* layers (:mod:`direct`), reading the
 pinned slots through their UVA addresses, and the engine block ids and slot addresses are
 written into a pinned buffer the kernel also reads through UVA: no upload, no staging buffer,

@@ -7,8 +7,8 @@ DMA that follows is one big request. The kernel's work is ~1 % of the transfer's
 
 Grid size (``max_ctas``, default two CTAs per multiprocessor): while the model computes, a
 gather only gets SMs in the gaps between compute kernels, so it must finish its chunk within
-such a gap. Measured on an H200 beside a bf16 matmul loop: 64 CTAs kept the copy at ~37 GB/s,
-264 CTAs at ~50 GB/s, with no measurable slowdown of the matmuls either way.
+such a gap. Beside a matmul loop, more CTAs kept the copy faster with no measurable slowdown
+of the matmuls (docs/design-measurements.md).
 
 Two implementations of one interface:
 

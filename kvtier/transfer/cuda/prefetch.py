@@ -1,12 +1,12 @@
 """A load's first pieces copied into the staging ring before its engine blocks are known.
 
 Why: in real vLLM a CPU hit's copy can start only once the scheduler has allocated the
-request's engine blocks and planned the load (``update_state_after_alloc``), 1.3 ms after the
-lookup for an 8k prompt of the Llama-8B shape on the lent H100 and 4.7 ms for 32k (vLLM's block
-allocation, pinning 2k keys, building the job). The host -> staging half of a layered load
+request's engine blocks and planned the load (``update_state_after_alloc``), milliseconds
+after the lookup for a long prompt (vLLM's block allocation, pinning thousands of keys,
+building the job; docs/design-measurements.md). The host -> staging half of a layered load
 (:mod:`direct`) needs only the CPU slots, which the lookup already knows; only the scatter into
 the engine's pages needs the blocks. So the scheduler names the slots at the lookup and the
-first pieces (as many as the ring has buffers: 128 MiB by default, ~2.5 ms of PCIe) are on the
+first pieces (as many as the ring has buffers: 128 MiB by default) are on the
 wire while vLLM allocates; the load, once planned, scatters them and copies the rest.
 
 Safety: the prefetch only *reads* pinned slots into staging buffers that nothing else uses
