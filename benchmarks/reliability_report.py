@@ -1,6 +1,6 @@
 """Reliability figures: crash kills, corruption, disk faults, model checking and a soak, in one run.
 
-Runs the same machinery as tests/test_reliability_*.py (helpers in tests/reliability/) for
+Runs the same machinery as tests/reliability/test_reliability_*.py (helpers beside them) for
 longer and prints what the issue asks for: runs, kills, injected faults by kind, wrong blocks
 served (must be 0), pins leaked (must be 0) and peak RSS, plus per-section detail.
 

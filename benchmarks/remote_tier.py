@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from remote.servers import Server  # noqa: E402
+from support.valkey_servers import Server  # noqa: E402
 
 from kvtier.bench.replay import Replay  # noqa: E402
 from kvtier.bench.shared import run_shared  # noqa: E402

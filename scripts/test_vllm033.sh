@@ -24,14 +24,14 @@ else
 fi
 
 SUITE=(
-  tests/vllm/test_compat.py
-  tests/vllm/test_connector_scheduler.py
-  tests/vllm/test_connector_features.py
-  tests/vllm/test_connector_concurrency.py
-  tests/vllm/test_connector_sleep.py
-  tests/vllm/test_connector_hybrid.py
-  tests/vllm/test_connector_layer_fences.py
-  tests/vllm/test_connector_contract.py
+  tests/connectors/vllm/test_compat.py
+  tests/connectors/vllm/test_connector_scheduler.py
+  tests/connectors/vllm/test_connector_features.py
+  tests/connectors/vllm/test_connector_concurrency.py
+  tests/connectors/vllm/test_connector_sleep.py
+  tests/connectors/vllm/test_connector_hybrid.py
+  tests/connectors/vllm/test_connector_layer_fences.py
+  tests/connectors/vllm/test_connector_contract.py
 )
 say "scheduler-level suite against vLLM $VERSION"
 PYTHONPATH="$DIR:$PWD${PYTHONPATH:+:$PYTHONPATH}" KVTIER_EXPECT_VLLM=$VERSION \

@@ -1,5 +1,13 @@
 """Shared pytest options.
 
+Layout: one folder per layer of kvtier (config, tiers, manager, transfer, runtime,
+connectors/vllm, observe, cli), plus reliability (the stack under faults), benchmarks (tests of
+benchmarks/ code), scripts and gpu. Test file basenames are unique across folders: pytest's
+default ``prepend`` import mode imports a test file in a folder without ``__init__.py`` under its
+basename. The same mode puts tests/ itself on sys.path for this file, which is what makes the
+shared helper packages ``support`` and ``reliability`` importable from every folder; a helper
+used by one folder only sits in that folder (importable by its basename).
+
 --runslow            also run the long variants (soak, many crash iterations)
 KVTIER_REQUIRE_VLLM=1  a test skipped because vLLM is missing fails instead (CI sets it: the
                      test environment must have vLLM, and a skipped proof proves nothing).

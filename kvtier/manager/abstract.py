@@ -6,7 +6,7 @@ matching prepare took. The manager never touches a tensor; it returns addresses
 (:mod:`kvtier.manager.specs`) that the worker side moves bytes between.
 
 This class is the whole contract: the vLLM connector, ``kvtier bench``, the reliability rig
-and the events feed use nothing else of a manager (``tests/vllm/test_connector_contract.py``
+and the events feed use nothing else of a manager (``tests/connectors/vllm/test_connector_contract.py``
 runs the connector against a manager that exposes only what is declared here). Methods for
 optional features (shared promotions, background work, the cost model, resident tiers) have
 defaults that describe a manager without that feature, so a minimal manager implements only

@@ -1,6 +1,6 @@
 """A hybrid model and a sleep/wake cycle in a real vLLM engine on the GPU, one process.
 
-Gemma-3-style model (tests/vllm/hybrid_model.py, 4 layers: sliding/full alternating, seeded
+Gemma-3-style model (tests/connectors/vllm/hybrid_model.py, 4 layers: sliding/full alternating, seeded
 weights), bf16, block size 16, hybrid allocator on (kvtier is SupportsHMA), sleep mode on.
 Prompts are generated once (kvtier stores every group's blocks), again (vLLM's own GPU
 prefix-cache hit: the reference), then after a prefix-cache reset (kvtier hit), then after
@@ -17,7 +17,7 @@ import sys
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "vllm"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "connectors", "vllm"))
 
 BLOCK = 16
 

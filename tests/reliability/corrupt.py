@@ -1,6 +1,6 @@
 """Ways to damage a disk store behind its back, and the check that a load survives each one.
 
-Shared by tests/test_reliability_corruption.py and benchmarks/reliability_report.py.
+Shared by tests/reliability/test_reliability_corruption.py and benchmarks/reliability_report.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
-from disk_records import record_entry
+from support.disk_records import record_entry
 from reliability.blocks import key
 from reliability.rig import StackRig
 

@@ -1,1 +1,0 @@
-"""Real Redis/Valkey servers for the shared-tier tests (started here, stopped by PID)."""
