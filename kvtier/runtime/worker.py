@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvtier.config import KvtierConfig
 from kvtier.runtime.disk_process import DiskProcess, store_options
+from kvtier.runtime.remote_process import RemoteIOProcesses
 from kvtier.runtime.gil import SwitchInterval
 from kvtier.runtime.replicated_disk import ReplicatedDisk
 from kvtier.tiers.cpu_pool import CpuBlockPool
@@ -22,9 +23,8 @@ from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
-from kvtier.tiers.remote.blocks import RemoteBlocks
-from kvtier.tiers.remote.connect import connect_remote
-from kvtier.tiers.remote.store import RemoteStore
+from kvtier.tiers.remote.connect import remote_keys
+from kvtier.tiers.remote.secrets import RemoteSecrets
 from kvtier.transfer import JobResult, TransferEngine, TransferHandler
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.disk_io import CpuToDiskHandler, DiskDropHandler, DiskToCpuHandler
@@ -51,7 +51,7 @@ class WorkerRuntime:
     pool: CpuBlockPool
     store: DiskStore | DiskProcess | None  # DiskProcess: served by a child (disk_process.py)
     engine: TransferEngine
-    remote: RemoteStore | None = None
+    remote: RemoteIOProcesses | None = None  # the shared tier's I/O (remote_process.py)
     replica: ReplicatedDisk | None = None  # rank > 0 of a replicated layout: rank 0's disk
     switch: SwitchInterval | None = None  # lowered GIL switch interval, put back on close
 
@@ -67,8 +67,9 @@ class WorkerRuntime:
         d = config.disk
         reads_rank0 = replicated and rank > 0 and rank0_disk is not None  # replicated_disk.py
         own_process = d is not None and d.io_process and not reads_rank0
+        # the disk's and the shared tier's I/O processes map the pool: it must be shareable
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin,
-                            shared=own_process)
+                            shared=own_process or config.remote is not None)
         store = replica = None
         handlers = gpu_handlers(view, pool)
         if d is not None:
@@ -93,12 +94,13 @@ class WorkerRuntime:
                 handlers += [CpuToDiskHandler(pool, disk), DiskToCpuHandler(pool, disk),
                              DiskDropHandler(disk)]
         remote = None
-        if config.remote is not None:  # connects lazily: a down server costs nothing here
-            remote = connect_remote(config.remote, rank0_geometry or geometry, rank=rank,
-                                    world_size=world_size, replicated=replicated)
-            blocks = RemoteBlocks(remote)
-            handlers += [CpuToRemoteHandler(pool, blocks, write=rank == 0 or not replicated),
-                         RemoteToCpuHandler(pool, blocks)]
+        if config.remote is not None:  # the children connect in the background
+            keys = remote_keys(config.remote, rank0_geometry or geometry, rank=rank,
+                               world_size=world_size, replicated=replicated)
+            remote = RemoteIOProcesses(pool, config.remote, keys,
+                                       RemoteSecrets.load(config.remote))
+            handlers += [CpuToRemoteHandler(pool, remote, write=rank == 0 or not replicated),
+                         RemoteToCpuHandler(pool, remote)]
         rt = cls(geometry, pool, store, TransferEngine(handlers), remote, replica)
         rt.switch = SwitchInterval(config.gil_switch_interval_ms)
         return rt

@@ -1,28 +1,37 @@
 """CPU <-> shared tier (Redis / Valkey) block moves.
 
 Like the disk handlers, these connect CPU pool slots to a store and decide nothing. A block the
-server does not have (evicted, never written, written by an instance of another geometry, or
-corrupt) is reported in ``failed_keys``: the manager forgets it and the engine recomputes it.
-A tier that is down fails the whole job at once (``RemoteUnavailable``) instead of waiting.
-Encoding runs on the handler's threads; a read's values are verified and copied into their
-slots on the store's loop as each lands (``RemoteBlocks.verify_into``).
+server does not have (evicted, never written, written by an instance of another geometry,
+corrupt or forged) is reported in ``failed_keys``: the manager forgets it and the engine
+recomputes it; one lost to a connection is also in ``transient_keys``. A tier that is down
+fails the whole job at once (``RemoteUnavailable``) instead of waiting. The bytes move in the
+shared tier's I/O processes (``kvtier.runtime.remote_process``): this process only hands them
+slot ids and keys.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
-from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
-from kvtier.tiers.remote.blocks import RemoteBlocks
+from kvtier.tiers.remote.block_io import FetchResult
 from kvtier.tiers.remote.store import RemoteUnavailable
-from kvtier.transfer.disk_io import _check_pairs, _check_promotion, _slot_buffer
+from kvtier.transfer.disk_io import _check_pairs, _check_promotion
 from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import TransferOutcome
 
 
-WRITE_JOBS = 4  # CPU -> REMOTE jobs at once (each sends its blocks' SETs concurrently)
+WRITE_JOBS = 4  # CPU -> REMOTE jobs at once (each spread over the I/O processes)
 READ_JOBS = 4
+
+
+class SlotRemote(Protocol):
+    """Blocks between CPU slots and the shared tier (``RemoteIOProcesses``)."""
+
+    def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]: ...
+
+    def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> FetchResult: ...
 
 
 class CpuToRemoteHandler(TransferHandler):
@@ -32,10 +41,10 @@ class CpuToRemoteHandler(TransferHandler):
 
     direction = (Medium.CPU, Medium.REMOTE)
 
-    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = WRITE_JOBS,
-                 write: bool = True) -> None:
+    def __init__(self, pool: CpuBlockPool, remote: SlotRemote, *,
+                 concurrency: int = WRITE_JOBS, write: bool = True) -> None:
         self.pool = pool
-        self.blocks = blocks
+        self.remote = remote
         self.concurrency = concurrency
         self.write = write
 
@@ -45,19 +54,11 @@ class CpuToRemoteHandler(TransferHandler):
         if not src.ids or not self.write:
             return TransferOutcome()
         keys = dst.keys
-        values = await self.run_blocking(self._encode, keys, src.ids)
-        store = self.blocks.store
-        ok = await store.call(store.set_values(self.blocks.server_keys(keys), values))
-        # a value the server acknowledged is no longer read by any socket: its buffer is free
-        self.blocks.release([v for v, good in zip(values, ok) if good])
+        ok = await self.run_blocking(self.remote.put_slots, list(src.ids), list(keys))
         if not any(ok):
-            raise RemoteUnavailable(f"the server stored none of {len(keys)} blocks "
-                                    f"({store.stats().last_error})")
+            raise RemoteUnavailable(f"the server stored none of {len(keys)} blocks")
         return TransferOutcome(bytes=sum(ok) * self.pool.geometry.block_bytes,
                                failed_keys=tuple(k for k, good in zip(keys, ok) if not good))
-
-    def _encode(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[bytes | memoryview]:
-        return self.blocks.encode(keys, [_slot_buffer(self.pool, s) for s in slots])
 
 
 class RemoteToCpuHandler(TransferHandler):
@@ -65,9 +66,10 @@ class RemoteToCpuHandler(TransferHandler):
 
     direction = (Medium.REMOTE, Medium.CPU)
 
-    def __init__(self, pool: CpuBlockPool, blocks: RemoteBlocks, *, concurrency: int = READ_JOBS) -> None:
+    def __init__(self, pool: CpuBlockPool, remote: SlotRemote, *,
+                 concurrency: int = READ_JOBS) -> None:
         self.pool = pool
-        self.blocks = blocks
+        self.remote = remote
         self.concurrency = concurrency
 
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
@@ -76,12 +78,7 @@ class RemoteToCpuHandler(TransferHandler):
         _check_promotion(self.name, self.pool, slots, keys)
         if not keys:
             return TransferOutcome()
-        store = self.blocks.store
-
-        def landed(i: int, value: bytes | None) -> str:  # on the store's loop, per value
-            return self.blocks.verify_into(keys[i], value, _slot_buffer(self.pool, slots[i]))
-
-        verdicts = await store.call(store.get_values(self.blocks.server_keys(keys), landed))
-        missed = self.blocks.count(verdicts)
-        return TransferOutcome(bytes=(len(keys) - len(missed)) * self.pool.geometry.block_bytes,
-                               failed_keys=tuple(keys[i] for i in missed))
+        r = await self.run_blocking(self.remote.fetch_slots, list(keys), list(slots))
+        return TransferOutcome(bytes=(len(keys) - len(r.failed)) * self.pool.geometry.block_bytes,
+                               failed_keys=tuple(keys[i] for i in r.failed),
+                               transient_keys=tuple(keys[i] for i in r.transient))

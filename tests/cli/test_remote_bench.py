@@ -62,7 +62,7 @@ def test_bench_shared_two_instances_vs_one(tmp_path, valkey):
     assert 0 < report["hit_rate_ratio"] <= 1.5
     bw = report["bandwidth"]
     assert bw["failed"] == 0 and min(bw["gbps"].values()) > 0
-    assert report["bandwidth_ratio"] == bw["ratio"] and bw["ratio"]["load"] > 0
+    assert report["bandwidth_share"] == bw["share"] and bw["share"]["load"] > 0
     assert report["replay_remote_gbps"]["load"] > 0
 
 

@@ -76,6 +76,8 @@ SPECS: tuple[MetricSpec, ...] = (
        "Lookups answered 'not yet' while the shared tier was asked."),
     _c("remote_rejected", "remote.rejected",
        "Shared-tier values that failed verification (corrupt or foreign): read as misses."),
+    _c("remote_unauthenticated", "remote.unauthenticated",
+       "Shared-tier values refused for lack of a valid MAC tag (forged or keyless writers)."),
     _c("remote_misses", "remote.misses", "Shared-tier reads of absent keys (evicted or never stored)."),
     _c("remote_errors", "remote.errors", "Shared-tier commands that failed (connection or server)."),
     _c("transfer_bytes", "transfers.{direction}.bytes", "Bytes moved per direction."),

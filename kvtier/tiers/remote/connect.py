@@ -14,13 +14,21 @@ from kvtier.tiers.remote.keys import RemoteKeys, derive_namespace
 from kvtier.tiers.remote.store import RemoteStore
 
 
-def connect_remote(cfg: RemoteTierConfig, geometry: BlockGeometry, *, rank: int = 0,
-                   world_size: int = 1, hash_algorithm: str = "sha256",
-                   replicated: bool = False) -> RemoteStore:
-    """A store for ``rank``'s blocks (no connection is made until the first command)."""
+def remote_keys(cfg: RemoteTierConfig, geometry: BlockGeometry, *, rank: int = 0,
+                world_size: int = 1, hash_algorithm: str = "sha256",
+                replicated: bool = False) -> RemoteKeys:
+    """The key names of ``rank``'s blocks: every process of every instance derives the same."""
     fingerprint = geometry.fingerprint()
     namespace = cfg.namespace or derive_namespace(fingerprint, world_size=world_size,
                                                   hash_algorithm=hash_algorithm,
                                                   replicated=replicated)
-    keys = RemoteKeys(namespace, fingerprint, rank=rank, replicated=replicated)
+    return RemoteKeys(namespace, fingerprint, rank=rank, replicated=replicated)
+
+
+def connect_remote(cfg: RemoteTierConfig, geometry: BlockGeometry, *, rank: int = 0,
+                   world_size: int = 1, hash_algorithm: str = "sha256",
+                   replicated: bool = False) -> RemoteStore:
+    """A store for ``rank``'s blocks (no connection is made until the first command)."""
+    keys = remote_keys(cfg, geometry, rank=rank, world_size=world_size,
+                       hash_algorithm=hash_algorithm, replicated=replicated)
     return RemoteStore(cfg, keys, name=f"kvtier-remote-r{rank}")

@@ -35,6 +35,7 @@ class RemoteKeys:
     def __init__(self, namespace: str, geometry_fingerprint: str, rank: int = 0,
                  replicated: bool = False) -> None:
         self.namespace = namespace
+        self.fingerprint = geometry_fingerprint
         self.replicated = replicated
         self.rank = 0 if replicated else rank
         self._prefix = _rank_prefix(namespace, self.rank)

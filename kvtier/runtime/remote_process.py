@@ -1,0 +1,284 @@
+"""The shared tier's data path: a few child processes that map the CPU pool and move its blocks
+to and from Redis / Valkey.
+
+Why processes: one raw client process moves well under what a Valkey server serves; the ceiling
+is reached with many clients in parallel, each parsing replies and hashing values. In the
+worker's own process that work would take the GIL that vLLM's engine loop needs, once per value
+and per system call. So each child (``remote_server.py``) owns its own connections to every
+node, receives values straight into the shared CPU pool (``CpuBlockPool(shared=True)``, a memfd
+the child maps), verifies them there, and sends values from there; only slot ids, keys and
+counts cross its Unix socket. A job's blocks are split across the children, which run in
+parallel.
+
+Failures: a child that dies, or misses a request's deadline (hung, SIGSTOPped), is killed and
+declared lost; its share of the job fails as transient misses (the engine recomputes them) and
+a new child replaces it ``RESPAWN_AFTER_S`` later. A job in which every block was lost to a
+connection marks the tier degraded: jobs then fail at once, and one goes through per
+``probe_interval_s`` to look for recovery (``RemoteUnavailable``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+import kvtier
+from kvtier.config.remote import RemoteTierConfig
+from kvtier.runtime import disk_wire as wire
+from kvtier.runtime.disk_process import CHILD_CWD, child_environment
+from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.remote.block_io import BlockIOStats, FetchResult
+from kvtier.tiers.remote.health import RemoteHealth
+from kvtier.tiers.remote.keys import RemoteKeys
+from kvtier.tiers.remote.secrets import RemoteSecrets
+from kvtier.tiers.remote.store import RemoteUnavailable
+
+log = logging.getLogger(__name__)
+
+_BOOT = ("import sys; sys.path.append(sys.argv[1]); "
+         "from kvtier.runtime.remote_server import main; sys.exit(main(sys.argv[1:]))")
+START_TIMEOUT_S = 30.0
+RESPAWN_AFTER_S = 5.0
+MIN_BLOCKS_PER_CHILD = 2  # a smaller share costs a round trip for too few bytes
+
+
+class _Child:
+    """One I/O process and its socket; one request at a time."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.ready = False  # its start-up frame was read
+        self.retry_at = 0.0  # when a lost child may be replaced
+
+    def stop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            self.proc = None
+        self.ready = False
+
+
+class RemoteIOProcesses:
+    """A worker's shared-tier I/O: ``put_slots`` / ``fetch_slots`` over ``processes`` children."""
+
+    def __init__(self, pool: CpuBlockPool, cfg: RemoteTierConfig, keys: RemoteKeys,
+                 secrets: RemoteSecrets, *, processes: int | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S,
+                 respawn_after_s: float = RESPAWN_AFTER_S) -> None:
+        if pool.shared_fd is None:
+            raise ValueError("the shared tier's I/O processes need a shared CPU pool "
+                             "(CpuBlockPool(shared=True))")
+        self.pool = pool
+        self.cfg = cfg
+        self.keys = keys
+        self.block_bytes = pool.geometry.block_bytes
+        self.start_timeout_s = start_timeout_s
+        self.respawn_after_s = respawn_after_s
+        self.health = RemoteHealth(cfg.probe_interval_s)
+        self.respawns = 0
+        self._secrets = json.dumps(secrets.to_wire()).encode()
+        self._spec = {"config": asdict(cfg), "num_slots": pool.num_slots,
+                      "block_bytes": self.block_bytes, "pool_fd": pool.shared_fd,
+                      "keys": {"namespace": keys.namespace, "rank": keys.rank,
+                               "geometry_fingerprint": keys.fingerprint,
+                               "replicated": keys.replicated},
+                      "log_level": logging.getLogger("kvtier").getEffectiveLevel()}
+        self._stats = BlockIOStats()
+        self._stats_lock = threading.Lock()
+        self._closed = False
+        n = processes or cfg.io_processes
+        self._children = [_Child(i) for i in range(n)]
+        self._threads = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvtier-remote-io")
+        for child in self._children:  # they connect and warm up while the engine starts
+            self._spawn(child)
+
+    # ---- children --------------------------------------------------------------------------
+    def _spawn(self, child: _Child) -> None:
+        mine, theirs = socket.socketpair()
+        spec = dict(self._spec, socket=theirs.fileno())
+        here = str(Path(kvtier.__file__).resolve().parent.parent)
+        try:
+            child.proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOT, here, json.dumps(spec)],
+                pass_fds=[self.pool.shared_fd, theirs.fileno()], stdin=subprocess.DEVNULL,
+                cwd=CHILD_CWD, env=child_environment())
+        except OSError as exc:
+            mine.close()
+            child.retry_at = time.monotonic() + self.respawn_after_s
+            log.error("kvtier: cannot start a shared-tier I/O process: %s", exc)
+            return
+        finally:
+            theirs.close()
+        child.sock = mine
+        wire.send_reply(mine, self._secrets)  # its private socket: never the command line
+
+    def _ensure(self, child: _Child) -> bool:
+        """The child is up and ready (starting or replacing it when due); False: lost."""
+        if child.sock is None:
+            if self._closed or time.monotonic() < child.retry_at:
+                return False
+            self.respawns += 1
+            self._spawn(child)
+            if child.sock is None:
+                return False
+        if not child.ready:
+            child.sock.settimeout(self.start_timeout_s)
+            try:
+                status, payload = wire.read_reply(child.sock)
+            except OSError as exc:
+                self._lose(child, f"did not start: {exc}")
+                return False
+            if status != wire.OK:
+                self._lose(child, f"could not start: {bytes(payload)[:300]!r}")
+                return False
+            child.ready = True
+        return True
+
+    def _lose(self, child: _Child, why: str) -> None:
+        pid = child.proc.pid if child.proc is not None else None
+        child.stop()
+        child.retry_at = time.monotonic() + self.respawn_after_s
+        with self._stats_lock:
+            self._stats.errors += 1
+            self._stats.last_error = f"I/O process {pid}: {why}"[:300]
+        log.error("kvtier: shared-tier I/O process %s lost (%s); its blocks miss until a new "
+                  "one starts in %g s", pid, why, self.respawn_after_s)
+
+    def _deadline_s(self, blocks: int) -> float:
+        """A request's whole budget: connecting, then every block at the slowest pace the
+        timeouts allow, plus slack. A child that misses it is hung: it is replaced."""
+        return self.cfg.connect_timeout_s + (self.cfg.retries + 1) * self.cfg.timeout_s * (
+            2 + blocks) + 1.0
+
+    def _request(self, child: _Child, op: int, slots: Sequence[int],
+                 keys: Sequence[bytes]) -> dict | None:
+        with child.lock:
+            if not self._ensure(child):
+                return None
+            try:
+                child.sock.settimeout(self._deadline_s(len(keys)))
+                child.sock.sendall(wire.encode_request(op, slots, keys))
+                status, payload = wire.read_reply(child.sock)
+            except OSError as exc:  # died, or hung past its deadline (socket.timeout)
+                self._lose(child, f"{type(exc).__name__}: {exc}")
+                return None
+        if status != wire.OK:
+            with self._stats_lock:
+                self._stats.errors += 1
+                self._stats.last_error = bytes(payload)[:300].decode("utf-8", "replace")
+            return None
+        try:
+            reply = json.loads(bytes(payload))
+        except ValueError:
+            return None
+        with self._stats_lock:
+            self._stats.add(reply.get("stats", {}))
+        return reply
+
+    def _shares(self, n: int) -> list[range]:
+        k = max(1, min(len(self._children), n // MIN_BLOCKS_PER_CHILD))
+        step, extra = divmod(n, k)
+        out, start = [], 0
+        for i in range(k):
+            stop = start + step + (i < extra)
+            out.append(range(start, stop))
+            start = stop
+        return [r for r in out if len(r)]
+
+    def _run(self, op: int, slots: Sequence[int], keys: Sequence[bytes]) -> list:
+        if self.health.degraded and not self.health.probe_due():
+            raise RemoteUnavailable(f"degraded: {self.health.last_error}")
+        shares = self._shares(len(keys))
+        # children are taken from a rotating start so concurrent jobs spread over all of them
+        first = self._next = (getattr(self, "_next", -1) + 1) % len(self._children)
+        futures = [self._threads.submit(self._request,
+                                        self._children[(first + i) % len(self._children)], op,
+                                        [slots[j] for j in r], [keys[j] for j in r])
+                   for i, r in enumerate(shares)]
+        return list(zip(shares, (f.result() for f in futures)))
+
+    def _settle_health(self, lost: int, total: int) -> None:
+        if total and lost == total:
+            if not self.health.degraded:
+                log.warning("kvtier: remote tier degraded (%s); local tiers keep serving",
+                            self._stats.last_error)
+            self.health.failed(self._stats.last_error)
+        elif self.health.degraded:
+            log.warning("kvtier: remote tier reachable again")
+            self.health.recovered()
+
+    # ---- the data path ---------------------------------------------------------------------
+    def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]:
+        """Store each slot's block under its key; which the server acknowledged."""
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
+        ok = [False] * len(keys)
+        lost = 0
+        for share, reply in self._run(wire.PUT, slots, keys):
+            if reply is None:
+                lost += len(share)
+                continue
+            for j, good in zip(share, reply.get("ok", [])):
+                ok[j] = bool(good)
+            lost += len(reply.get("lost", ()))
+        self._settle_health(lost, len(keys))
+        return ok
+
+    def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> FetchResult:
+        """Load each key's block into its slot, verified; the positions that missed."""
+        if len(slots) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
+        failed: list[int] = []
+        transient: list[int] = []
+        for share, reply in self._run(wire.FETCH, slots, keys):
+            if reply is None:
+                failed += share
+                transient += share
+                continue
+            try:
+                f = [share[i] for i in reply["failed"]]
+                t = [share[i] for i in reply["transient"]]
+            except (KeyError, IndexError, TypeError):  # a reply that does not fit: all missed
+                f = t = list(share)
+            failed += f
+            transient += t
+        self._settle_health(len(transient), len(keys))
+        return FetchResult(sorted(failed), sorted(transient))
+
+    def warm_up(self) -> int:
+        """Wait for every child's start (and first connection); how many are ready."""
+        replies = [self._threads.submit(self._request, c, wire.STATS, [], [])
+                   for c in self._children]
+        return sum(1 for f in replies if f.result() is not None)
+
+    def stats(self) -> BlockIOStats:
+        with self._stats_lock:
+            out = BlockIOStats()
+            out.add(self._stats.to_dict())
+            return out
+
+    def close(self) -> None:
+        self._closed = True
+        for child in self._children:
+            with child.lock:
+                child.stop()
+        self._threads.shutdown(wait=False)

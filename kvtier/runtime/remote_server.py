@@ -1,0 +1,82 @@
+"""A shared-tier I/O process: moves blocks between the worker's CPU pool (mapped from its memfd)
+and Redis / Valkey, so neither the bytes nor their parsing and checksums touch the engine's
+process or its GIL (see remote_process.py).
+
+Started by the worker (``python -I -c`` calling :func:`main`, cwd ``/``, no PYTHON*
+variables); never by hand. Its command line holds no secret: the ACL password and the MAC key
+arrive as the first frame on its private socket. It then connects to the server (warm-up, so a
+first hit does not pay the connection) and answers requests in order until the worker closes
+the socket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+
+from kvtier.config.remote import RemoteTierConfig
+from kvtier.runtime import disk_wire as wire
+from kvtier.runtime.disk_server import MappedSlots
+from kvtier.tiers.remote.block_io import BlockIOStats, RemoteBlockIO
+from kvtier.tiers.remote.keys import RemoteKeys
+from kvtier.tiers.remote.secrets import RemoteSecrets
+
+log = logging.getLogger("kvtier.remote_process")
+
+
+def _handle(io: RemoteBlockIO, op: int, slots: list[int], keys: list[bytes]) -> dict:
+    if op == wire.PUT:
+        r = io.put(slots, keys)
+        out: dict = {"ok": r.ok, "lost": r.lost}
+    elif op == wire.FETCH:
+        r = io.fetch(keys, slots)
+        out = {"failed": r.failed, "transient": r.transient}
+    else:  # STATS: a warm-up probe
+        out = {"warm": io.warm_up()}
+    out["stats"], io.stats = io.stats.to_dict(), BlockIOStats()  # what this request added
+    return out
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    logging.basicConfig(level=spec.get("log_level", logging.WARNING), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [kvtier remote process] %(message)s")
+    sock = socket.socket(fileno=spec["socket"])
+    status, payload = wire.read_reply(sock)  # the secrets frame
+    secrets = RemoteSecrets.from_wire(json.loads(bytes(payload)))
+    try:
+        cfg = RemoteTierConfig(**spec["config"])
+        keys = RemoteKeys(**spec["keys"])
+        pool = MappedSlots(spec["pool_fd"], spec["num_slots"], spec["block_bytes"])
+        io = RemoteBlockIO(cfg, keys, secrets, pool.buffer, spec["block_bytes"])
+    except Exception as exc:  # noqa: BLE001 - the worker logs it and runs without the tier
+        wire.send_reply(sock, wire.error_payload(exc), wire.ERROR)
+        return 2
+    wire.send_reply(sock, json.dumps({"pid": os.getpid(), "warm": io.warm_up()}).encode())
+    with sock:
+        while True:
+            try:
+                request = wire.read_request(sock)
+            except wire.WireError as exc:
+                log.error("kvtier remote process: dropping its connection: %s", exc)
+                break
+            if request is None:
+                break
+            op, slots, keys = request
+            try:
+                payload, status = json.dumps(_handle(io, op, slots, keys)).encode(), wire.OK
+            except Exception as exc:  # noqa: BLE001 - reported to the worker
+                payload, status = wire.error_payload(exc), wire.ERROR
+            try:
+                wire.send_reply(sock, payload, status)
+            except OSError:
+                break
+    io.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,322 @@
+"""Blocks between CPU slot buffers and the shared tier, over pipelined RESP connections.
+
+A block's value is the disk tier's record (``header | key | payload``), plus a keyed tag when
+the tier has a MAC key. A SET sends the header it built and the payload straight from the CPU
+slot; a GET of an uncompressed record scatters the header into a small buffer and the payload
+straight into the CPU slot (:mod:`.resp`), then verifies it there: header checksum, the stored
+identity (server key + geometry fingerprint), lengths, the payload checksum and the tag. A value
+that fails any check is a miss (the slot is the promotion's own until the load completes, so
+its bytes are never used), counted as rejected; nothing unverified is reported loaded.
+
+Connections are kept per node, opened on first use and dropped on any connection or protocol
+error (the block is then a transient failure: the engine recomputes it). With a Cluster the
+slot map is read once and again after a ``MOVED``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+from urllib.parse import urlsplit
+
+from kvtier.config.remote import RemoteTierConfig
+from kvtier.tiers.disk.codec import BlockCodec
+from kvtier.tiers.disk.record import (CODEC_NONE, HEADER_BYTES, CorruptRecord, data_checksum,
+                                      decode_head, encode_head)
+from kvtier.tiers.layout import LAYOUT_VERSION
+from kvtier.tiers.remote.keys import RemoteKeys
+from kvtier.tiers.remote.resp import (Endpoint, ProtocolError, RespConnection, RespError,
+                                      command, command_with_value)
+from kvtier.tiers.remote.secrets import MAC_BYTES, RemoteSecrets, record_mac
+from kvtier.tiers.remote.slots import SlotMap
+
+log = logging.getLogger(__name__)
+OTHER_VALUE_SLACK = 1 << 20  # a compressed record may exceed its raw size by a little
+
+
+@dataclass
+class BlockIOStats:
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0  # absent: never stored, or evicted by the server
+    rejected: int = 0  # present but failed verification (corrupt, foreign, forged, oversized)
+    unauthenticated: int = 0  # of rejected: no valid MAC tag
+    puts: int = 0
+    failed_puts: int = 0
+    get_bytes: int = 0
+    put_bytes: int = 0
+    errors: int = 0  # commands lost to a connection, protocol or server error
+    last_error: str = ""
+
+    def add(self, other: dict) -> None:
+        for k, v in other.items():
+            if k == "last_error":
+                self.last_error = v or self.last_error
+            elif hasattr(self, k):
+                setattr(self, k, getattr(self, k) + int(v))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    ok: list[bool]  # per position: the server acknowledged the SET
+    lost: list[int]  # positions lost to a connection or protocol error (not a refusal)
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    failed: list[int]  # positions that are misses (absent, rejected, or lost to an error)
+    transient: list[int]  # of failed: lost to a connection or server error (not absent)
+
+
+class RemoteBlockIO:
+    def __init__(self, cfg: RemoteTierConfig, keys: RemoteKeys, secrets: RemoteSecrets,
+                 slot_buffer: Callable[[int], memoryview], block_bytes: int) -> None:
+        self.cfg = cfg
+        self.keys = keys
+        self.secrets = secrets
+        self.slot_buffer = slot_buffer
+        self.block_bytes = block_bytes
+        self.codec = BlockCodec(cfg.compression, cfg.zstd_level)
+        self.tag_bytes = MAC_BYTES if secrets.mac_key else 0
+        self.stats = BlockIOStats()
+        self._tls = secrets.ssl_context()
+        self._conns: dict[tuple[str, int], RespConnection] = {}
+        self._slots: SlotMap | None = None
+        if cfg.cluster:
+            self._seeds = [(h, int(p)) for h, _, p in (n.rpartition(":") for n in cfg.nodes)]
+        else:
+            u = urlsplit(cfg.url)
+            self._seeds = [(u.hostname or "127.0.0.1", u.port or 6379)]
+            self._db = int(u.path.strip("/") or 0)
+
+    # ---- connections -----------------------------------------------------------------------
+    def _endpoint(self, node: tuple[str, int]) -> Endpoint:
+        return Endpoint(node[0], node[1], username=self.secrets.username,
+                        password=self.secrets.password, tls=self._tls,
+                        connect_timeout_s=self.cfg.connect_timeout_s,
+                        timeout_s=self.cfg.timeout_s)
+
+    def _conn(self, node: tuple[str, int]) -> RespConnection:
+        conn = self._conns.get(node)
+        if conn is None or conn.broken:
+            if conn is not None:
+                conn.close()
+            conn = RespConnection(self._endpoint(node))
+            if not self.cfg.cluster and self._db:
+                conn.call("SELECT", self._db)
+            self._conns[node] = conn
+        return conn
+
+    def _drop(self, node: tuple[str, int]) -> None:
+        conn = self._conns.pop(node, None)
+        if conn is not None:
+            conn.close()
+
+    def _slot_map(self) -> SlotMap:
+        if self._slots is None:
+            last: Exception | None = None
+            for seed in self._seeds:
+                try:
+                    self._slots = SlotMap(self._conn(seed).call("CLUSTER", "SLOTS"))
+                    break
+                except (OSError, RespError, ProtocolError, ValueError) as exc:
+                    self._drop(seed)
+                    last = exc
+            if self._slots is None:
+                raise ConnectionError(f"no Cluster node answered CLUSTER SLOTS: {last}")
+        return self._slots
+
+    def _by_node(self, server_keys: Sequence[bytes]) -> dict[tuple[str, int], list[int]]:
+        """Positions of ``server_keys`` grouped by the node that serves them; a key of no
+        node is left out (the caller treats it as lost)."""
+        if not self.cfg.cluster:
+            return {self._seeds[0]: list(range(len(server_keys)))}
+        slots = self._slot_map()
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, k in enumerate(server_keys):
+            node = slots.node_of(k)
+            if node is not None:
+                groups.setdefault(node, []).append(i)
+        return groups
+
+    def _lost(self, node: tuple[str, int], exc: BaseException) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = f"{node[0]}:{node[1]}: {type(exc).__name__}: {exc}"[:300]
+        self._drop(node)
+
+    def warm_up(self) -> bool:
+        """Connect (and authenticate) to every node before the first block needs it."""
+        try:
+            nodes = self._slot_map().primaries if self.cfg.cluster else self._seeds
+            for node in nodes:
+                self._conn(node).call("PING")
+            return True
+        except (OSError, RespError, ProtocolError, ValueError) as exc:
+            self._lost(self._seeds[0], exc)
+            return False
+
+    # ---- values ----------------------------------------------------------------------------
+    def _value_parts(self, record_key: bytes, payload: memoryview) -> list:
+        codec_id, stored = self.codec.encode(payload)
+        head = encode_head(record_key, codec=codec_id, layout_version=LAYOUT_VERSION, seq=0,
+                           raw_len=len(payload), stored_len=len(stored),
+                           checksum=data_checksum(record_key, stored))
+        parts = [head, stored]
+        if self.secrets.mac_key:
+            parts.append(record_mac(self.secrets.mac_key, record_key, stored))
+        return parts
+
+    def put(self, slots: Sequence[int], block_keys: Sequence[bytes]) -> PutResult:
+        """SET each slot's block under its key; which the server acknowledged."""
+        if len(slots) != len(block_keys):
+            raise ValueError(f"{len(block_keys)} keys for {len(slots)} CPU slots")
+        server_keys = [self.keys.server_key(k) for k in block_keys]
+        ok = [False] * len(server_keys)
+        refused: set[int] = set()
+        try:
+            groups = self._by_node(server_keys)
+        except ConnectionError as exc:
+            self._lost(self._seeds[0], exc)
+            groups = {}
+        for node, positions in groups.items():
+            try:
+                conn = self._conn(node)
+                cmds, sizes = [], []
+                for i in positions:
+                    parts = self._value_parts(self.keys.record_key(server_keys[i]),
+                                              self.slot_buffer(slots[i]))
+                    sizes.append(sum(memoryview(p).nbytes for p in parts))
+                    cmds.append(command_with_value((b"SET", server_keys[i]), parts))
+                conn.send(cmds)
+                for i, size in zip(positions, sizes):
+                    try:
+                        ok[i] = conn.read_reply() == "OK"
+                    except RespError as exc:  # OOM (maxmemory), MOVED: that block only
+                        refused.add(i)
+                        self.stats.errors += 1
+                        self.stats.last_error = str(exc)[:300]
+                        if exc.moved:
+                            self._slots = None
+                        continue
+                    if ok[i]:
+                        self.stats.put_bytes += size
+            except (OSError, ProtocolError) as exc:
+                self._lost(node, exc)
+        self.stats.puts += sum(ok)
+        self.stats.failed_puts += len(ok) - sum(ok)
+        return PutResult(ok, [i for i, good in enumerate(ok) if not good and i not in refused])
+
+    def fetch(self, block_keys: Sequence[bytes], slots: Sequence[int]) -> FetchResult:
+        """GET each block into its slot, verified; the positions that are misses."""
+        if len(slots) != len(block_keys):
+            raise ValueError(f"{len(block_keys)} keys for {len(slots)} CPU slots")
+        server_keys = [self.keys.server_key(k) for k in block_keys]
+        record_keys = [self.keys.record_key(k) for k in server_keys]
+        verdict: list[str] = ["lost"] * len(server_keys)
+        try:
+            groups = self._by_node(server_keys)
+        except ConnectionError as exc:
+            self._lost(self._seeds[0], exc)
+            groups = {}
+        max_other = self.block_bytes + OTHER_VALUE_SLACK
+        for node, positions in groups.items():
+            try:
+                conn = self._conn(node)
+                conn.send([command("GET", server_keys[i]) for i in positions])
+                for i in positions:
+                    head = memoryview(bytearray(HEADER_BYTES + len(record_keys[i])))
+                    tag = memoryview(bytearray(self.tag_bytes))
+                    out = self.slot_buffer(slots[i])
+                    parts = [head, out, tag] if self.tag_bytes else [head, out]
+                    try:
+                        got = conn.read_value_into(parts, max_other)
+                    except RespError as exc:
+                        self.stats.errors += 1
+                        self.stats.last_error = str(exc)[:300]
+                        if exc.moved:
+                            self._slots = None
+                        continue
+                    except ProtocolError as exc:  # oversized value: rejected, stream dropped
+                        self._reject(block_keys[i], str(exc))
+                        verdict[i] = "rejected"
+                        raise
+                    if got is None:
+                        verdict[i] = "absent"
+                    elif isinstance(got, bytes):
+                        verdict[i] = self._verify_other(block_keys[i], record_keys[i], got, out)
+                    else:
+                        verdict[i] = self._verify_landed(block_keys[i], record_keys[i], head,
+                                                         out, tag)
+                    if verdict[i] != "absent":
+                        self.stats.get_bytes += len(got) if isinstance(got, bytes) else got
+            except (OSError, ProtocolError) as exc:
+                self._lost(node, exc)
+        self.stats.gets += len(verdict)
+        self.stats.hits += verdict.count("hit")
+        self.stats.misses += verdict.count("absent")
+        failed = [i for i, v in enumerate(verdict) if v != "hit"]
+        return FetchResult(failed, [i for i in failed if verdict[i] == "lost"])
+
+    def _reject(self, block_key: bytes, why: str, forged: bool = False) -> str:
+        self.stats.rejected += 1
+        self.stats.unauthenticated += forged
+        log.warning("kvtier: remote block %s rejected (%s): a miss", block_key.hex()[:16], why)
+        return "rejected"
+
+    def _tag_ok(self, record_key: bytes, stored: memoryview, tag: memoryview) -> bool:
+        want = record_mac(self.secrets.mac_key, record_key, stored)
+        return hmac.compare_digest(want, bytes(tag))
+
+    def _verify_landed(self, block_key: bytes, record_key: bytes, head: memoryview,
+                       out: memoryview, tag: memoryview) -> str:
+        try:
+            h = decode_head(head, record_key)
+        except CorruptRecord as exc:
+            return self._reject(block_key, f"corrupt: {exc}")
+        if h.layout_version != LAYOUT_VERSION:
+            return self._reject(block_key, f"layout version {h.layout_version}")
+        if h.codec != CODEC_NONE or h.raw_len != len(out) or h.stored_len != len(out):
+            return self._reject(block_key, "lengths or codec do not match the slot")
+        if self.tag_bytes and not self._tag_ok(record_key, out, tag):
+            return self._reject(block_key, "no valid MAC tag", forged=True)
+        if data_checksum(record_key, out) != h.data_checksum:
+            return self._reject(block_key, "corrupt: payload checksum mismatch")
+        return "hit"
+
+    def _verify_other(self, block_key: bytes, record_key: bytes, value: bytes,
+                      out: memoryview) -> str:
+        """A value whose size is not an uncompressed record's: a compressed one, or junk."""
+        body = memoryview(value)
+        if self.tag_bytes:
+            if len(value) < self.tag_bytes:
+                return self._reject(block_key, "no valid MAC tag", forged=True)
+            body, tag = body[:-self.tag_bytes], body[-self.tag_bytes:]
+        try:
+            h = decode_head(body, record_key)
+        except CorruptRecord as exc:  # with a MAC key, whatever lacks a valid tag is forged
+            return self._reject(block_key, f"corrupt: {exc}", forged=bool(self.tag_bytes))
+        start = HEADER_BYTES + h.key_len
+        stored = body[start:]
+        if self.tag_bytes and (len(stored) != h.stored_len
+                               or not self._tag_ok(record_key, stored, tag)):
+            return self._reject(block_key, "no valid MAC tag", forged=True)
+        if len(stored) != h.stored_len or h.raw_len != len(out):
+            return self._reject(block_key, "truncated or of another block size")
+        if h.layout_version != LAYOUT_VERSION:
+            return self._reject(block_key, f"layout version {h.layout_version}")
+        if data_checksum(record_key, stored) != h.data_checksum:
+            return self._reject(block_key, "corrupt: payload checksum mismatch")
+        if h.codec == CODEC_NONE:
+            return self._reject(block_key, "corrupt: stored length")
+        if not self.codec.decode_into(h.codec, bytes(stored), out):
+            return self._reject(block_key, "corrupt: codec")
+        return "hit"
+
+    def close(self) -> None:
+        for node in list(self._conns):
+            self._drop(node)

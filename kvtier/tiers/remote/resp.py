@@ -1,0 +1,277 @@
+"""One blocking RESP2 connection to a Redis / Valkey node, built for large values.
+
+Why not a general client here: a block's value is hundreds of KiB to MiBs, and a general client
+(redis-py with hiredis included) reads each reply into a fresh ``bytes`` object that the tier
+then verifies and copies into its CPU slot: two passes over every byte and an allocation per
+value. This connection reads a GET's bulk reply straight into the caller's buffer (the CPU slot)
+with ``recv_into``, and sends a SET's payload from the slot's memory with ``sendmsg``, so a
+block crosses user space once in each direction. Commands are pipelined: a batch goes out in
+one send, then its replies are read in order.
+
+Every wait is bounded by the socket timeout. Anything that does not parse leaves the connection
+unusable (``broken``): the caller drops it and opens a new one, so a damaged stream is never
+resynchronised by guessing. Nothing read is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import Sequence
+
+READ_CHUNK = 16 << 10  # what a line read asks the kernel for: the start of a value that comes
+# with it is copied twice, so this stays small; the rest of a value lands in place
+MAX_LINE = 64 << 10  # a status, error or length line longer than this is a damaged stream
+MAX_SMALL_BULK = 16 << 20  # a bulk reply read into memory (not into a slot) is capped
+Buffers = Sequence[bytes | bytearray | memoryview]
+
+
+class RespError(Exception):
+    """An error reply from the server (``-ERR ...``, ``-OOM ...``, ``-MOVED ...``)."""
+
+    @property
+    def moved(self) -> bool:
+        return str(self).startswith(("MOVED ", "ASK "))
+
+
+class ProtocolError(ConnectionError):
+    """The byte stream does not parse as RESP: the connection cannot be used any more."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where and how to connect: a node address, credentials and TLS."""
+
+    host: str
+    port: int
+    username: str | None = None
+    password: str | None = None
+    tls: ssl.SSLContext | None = None
+    connect_timeout_s: float = 0.5
+    timeout_s: float = 0.5
+
+
+def _command(*parts: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
+    """The RESP array of ``parts``, as buffers ready for ``sendmsg`` (payloads not copied)."""
+    out: list[bytes | bytearray | memoryview] = [b"*%d\r\n" % len(parts)]
+    for p in parts:
+        out.append(b"$%d\r\n" % memoryview(p).nbytes)
+        out.append(p)
+        out.append(b"\r\n")
+    return out
+
+
+def command(*parts: bytes | str | int) -> list[bytes | bytearray | memoryview]:
+    """A small command (names, keys, numbers) as buffers."""
+    return _command(*(p if isinstance(p, (bytes, bytearray, memoryview)) else str(p).encode()
+                      for p in parts))
+
+
+def command_with_value(head: Sequence[bytes], value: Buffers) -> list:
+    """A command whose last argument is ``value``, given as several buffers (a record's header
+    and key, the payload in the CPU slot, a tag): nothing is joined or copied."""
+    size = sum(memoryview(v).nbytes for v in value)
+    out: list = [b"*%d\r\n" % (len(head) + 1)]
+    for p in head:
+        out += [b"$%d\r\n" % len(p), p, b"\r\n"]
+    out.append(b"$%d\r\n" % size)
+    out += list(value)
+    out.append(b"\r\n")
+    return out
+
+
+class RespConnection:
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.broken = False
+        sock = socket.create_connection((endpoint.host, endpoint.port),
+                                        timeout=endpoint.connect_timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if endpoint.tls is not None:
+                sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
+            sock.settimeout(endpoint.timeout_s)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self._buf = bytearray(READ_CHUNK + MAX_LINE)  # a line can span a compaction
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        if endpoint.password is not None:
+            args = ["AUTH"] + ([endpoint.username] if endpoint.username else []) + [endpoint.password]
+            self.send([command(*args)])
+            self.read_reply()  # a refused AUTH raises RespError here
+
+    # ---- sending ------------------------------------------------------------------------
+    def send(self, commands: Sequence[Sequence[bytes | bytearray | memoryview]]) -> None:
+        """Send a pipeline of commands, payload buffers included, without joining them."""
+        parts = [p for c in commands for p in c]
+        try:
+            if isinstance(self.sock, ssl.SSLSocket):  # no sendmsg: small pieces joined
+                self._send_tls(parts)
+                return
+            views = [memoryview(p).cast("B") for p in parts]
+            while views:
+                sent = self.sock.sendmsg(views[:512])
+                while sent and views:
+                    n = views[0].nbytes
+                    if sent >= n:
+                        sent -= n
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _send_tls(self, parts: list) -> None:
+        small: list = []
+        for p in parts:
+            if memoryview(p).nbytes < 64 << 10:
+                small.append(bytes(p))
+                continue
+            if small:
+                self.sock.sendall(b"".join(small))
+                small = []
+            self.sock.sendall(p)
+        if small:
+            self.sock.sendall(b"".join(small))
+
+    # ---- receiving ----------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Read more bytes after ``_end`` (compacting the buffer first when needed)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < READ_CHUNK:
+            n = self._end - self._start
+            self._buf[:n] = self._buf[self._start:self._end]
+            self._start, self._end = 0, n
+        got = self.sock.recv_into(self._view[self._end:self._end + READ_CHUNK])
+        if got == 0:
+            raise ConnectionError("the server closed the connection")
+        self._end += got
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n", self._start, self._end)
+            if i >= 0:
+                line = bytes(self._buf[self._start:i])
+                self._start = i + 2
+                return line
+            if self._end - self._start > MAX_LINE:
+                raise ProtocolError("a reply line longer than the protocol allows")
+            self._fill()
+
+    def _read_into(self, out: memoryview) -> None:
+        """Fill ``out`` with the next ``len(out)`` bytes: buffered ones first, then straight
+        from the socket into ``out``."""
+        n = out.nbytes
+        have = min(n, self._end - self._start)
+        if have:
+            out[:have] = self._view[self._start:self._start + have]
+            self._start += have
+        got = have
+        while got < n:
+            k = self.sock.recv_into(out[got:])
+            if k == 0:
+                raise ConnectionError("the server closed the connection mid-value")
+            got += k
+
+    def _crlf(self) -> None:
+        end = bytearray(2)
+        self._read_into(memoryview(end))
+        if end != b"\r\n":
+            raise ProtocolError("a bulk reply not ended by CRLF")
+
+    def _head(self) -> tuple[bytes, bytes]:
+        line = self._line()
+        if not line:
+            raise ProtocolError("an empty reply line")
+        return line[:1], line[1:]
+
+    def read_reply(self) -> object:
+        """The next reply as Python data (status str, int, bytes, None, list); an error reply
+        raises ``RespError``. Bulk replies here are small (capped): values go through
+        :meth:`read_value_into`."""
+        try:
+            return self._reply()
+        except RespError:
+            raise
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _reply(self) -> object:
+        kind, rest = self._head()
+        if kind == b"+":
+            return rest.decode("utf-8", "replace")
+        if kind == b"-":
+            raise RespError(rest.decode("utf-8", "replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            if n > MAX_SMALL_BULK:
+                raise ProtocolError(f"a {n}-byte reply where a small one was expected")
+            out = bytearray(n)
+            self._read_into(memoryview(out))
+            self._crlf()
+            return bytes(out)
+        if kind == b"*":
+            n = int(rest)
+            if n < 0:
+                return None
+            return [self._reply() for _ in range(n)]
+        raise ProtocolError(f"unknown reply type {kind!r}")
+
+    def read_value_into(self, parts: Sequence[memoryview], max_other: int) -> int | bytes | None:
+        """Read one GET reply. A value of exactly the summed size of ``parts`` is scattered
+        into them in order (header, CPU slot, tag...) and its size returned; an absent key
+        returns None. A value of another size up to ``max_other`` bytes is returned as bytes
+        (a compressed record, or one that will fail verification); a larger one breaks the
+        connection rather than be read (a cap on what a value may cost). An error reply
+        raises ``RespError``."""
+        try:
+            kind, rest = self._head()
+            if kind == b"-":
+                raise RespError(rest.decode("utf-8", "replace"))
+            if kind != b"$":
+                raise ProtocolError(f"a GET answered with type {kind!r}")
+            n = int(rest)
+            if n < 0:
+                return None
+            if n == sum(p.nbytes for p in parts):
+                for p in parts:
+                    self._read_into(p)
+            elif n <= max_other:
+                other = bytearray(n)
+                self._read_into(memoryview(other))
+                self._crlf()
+                return bytes(other)
+            else:
+                self.broken = True  # not read: the stream is given up with the connection
+                raise ProtocolError(f"a {n}-byte value, over the {max_other}-byte cap")
+            self._crlf()
+            return n
+        except RespError:
+            raise
+        except BaseException:
+            self.broken = True
+            raise
+
+    def call(self, *parts: bytes | str | int) -> object:
+        """One small command and its reply."""
+        self.send([command(*parts)])
+        return self.read_reply()
+
+    def close(self) -> None:
+        self.broken = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
