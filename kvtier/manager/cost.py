@@ -1,9 +1,10 @@
 """Cost-aware loading: a hit is worth loading only while loading it beats recomputing it.
 
-A disk hit is not always a win. On the lent H200 machine the disk reads ~1.5 GB/s while the
-engine recomputes Llama-8B's 1 GiB of KV per 8k tokens in 265 ms (~4 GB/s of KV): loading from
-that disk is slower than prefill, while the CPU tier (~50 GB/s) is ~13x faster than prefill. A
-model with more compute per KV byte, or a faster disk, flips the disk's answer. So the manager
+A disk hit is not always a win. A local disk can read slower than the engine recomputes the
+same KV (prefill produces KV at a few GB/s for an 8B model), so loading from it is slower than
+prefill, while the CPU tier is an order of magnitude faster than prefill (measured figures:
+docs/design-measurements.md, "kvtier/manager/cost.py"). A model with more compute per KV byte,
+or a faster disk, flips the disk's answer. So the manager
 keeps, per tier, a running estimate of the load bandwidth it actually achieves (fed by whoever
 runs the transfers: ``record_load``) and knows the engine's recompute time per token
 (configured), and ``lookup`` reports only the leading hits whose loading pays off.
@@ -15,11 +16,10 @@ prefix, so the choice is where to cut it: the cut that maximises the time saved 
 block is still worth loading when enough fast CPU blocks follow it). An unmeasured tier gets an
 optimistic prior so that it is tried, and therefore measured. Loads under ``MIN_SAMPLE_BYTES``
 teach no bandwidth: their time is the job's fixed cost (enqueue, events, a reader thread), not
-bytes over a bus (in real vLLM on an H100, one 2 MiB first hit taught the model a CPU tier
-slower than recompute, and every later 8k and 32k CPU hit was recomputed). They teach that
-fixed cost instead, charged once per tier a lookup loads from: a one-block disk hit (8 ms to
-read 2 MiB through the disk tier's reader, 21-28 ms TTFT against 15 ms to recompute its 16
-tokens) is then recomputed, while a long one still pays. A tier found too slow is still probed
+bytes over a bus (in real vLLM, one small first hit taught the model a CPU tier slower than
+recompute, and every later long CPU hit was recomputed). They teach that fixed cost instead,
+charged once per tier a lookup loads from: a one-block disk hit (whose time to first token
+exceeds recomputing its tokens) is then recomputed, while a long one still pays. A tier found too slow is still probed
 once every ``probe_every`` cut lookups, so a disk that was slow under contention gets measured
 again instead of being shunned forever.
 
@@ -132,8 +132,9 @@ class LoadCostModel:
         """A promotion out of ``medium`` that the request waited ``seconds`` for, planning to
         settling (connectors/promotion_clock.py). The hops teach the bandwidths; the time
         beyond them (engine steps until the read is seen, the step that loads it) is the
-        tier's fixed cost per load: in real vLLM on an H100, reads at 7-10 GB/s made 1B-shape
-        disk hits look 4 ms cheaper than recompute while requests waited 3-14 ms longer."""
+        tier's fixed cost per load: in real vLLM, the hops' bandwidth alone made small-model
+        disk hits look cheaper than recompute while requests waited longer (figures:
+        docs/design-measurements.md)."""
         medium = Medium(medium)
         bw = self.bandwidth.get(medium)
         if bw is None or medium is Medium.CPU or not (nbytes > 0 and seconds > 0):
@@ -157,10 +158,9 @@ class LoadCostModel:
         prefill step's own overhead, which the per-token recompute estimate (timed on large
         forwards) does not see. Where a small prefill is launch-bound it exceeds a CPU load's
         fixed cost (the host's enqueue of a copy that runs under the step's input
-        preparation). Measured on an H100 (vllm_e2e.py, quiet cores), one 16-token block:
-        1B shape loaded 6.2-6.7 ms, recomputed after a lookup 11.7 ms, with no connector
-        7.1-7.9 ms; 8B shape (a prefill that is weight-bound, like the one-token step)
-        loaded 11.1-12.0 ms against 10.2-13.1 ms with no connector, near break-even. So the
+        preparation): with one 16-token block, a small model's load beat both recompute and
+        running with no connector; a model whose prefill is weight-bound (like the one-token
+        step) was near break-even (figures: docs/design-measurements.md). So the
         CPU tier's fixed cost is not charged against loading all of such a hit; a disk or
         shared tier's still is (a promotion's wait is longer than a prefill step). Measuring
         the step's premium per model instead is left open."""

@@ -3,11 +3,11 @@
 The manager's bookkeeping runs on the scheduler's request path, once per block. Plain
 ``dict``/``OrderedDict`` are O(1) amortised, but at 1M entries two costs land on single
 requests: a dict in steady churn (delete one key, insert another) rebuilds its whole table
-every ~0.5M inserts (70-90 ms at 1M keys), and one Python object per block (an entry record,
+every ~0.5M inserts (tens of ms at 1M keys), and one Python object per block (an entry record,
 an ``OrderedDict`` node value) makes every full garbage collection walk a million objects.
 
 * :class:`KeyShards` spreads keys over many small dicts (about 64 keys each), so a rebuild
-  costs microseconds; a few hundred keys per shard still gave 1-5 ms waves when many shards,
+  costs microseconds; a few hundred keys per shard still gave millisecond waves when many shards,
   filled together, reached their rebuild point in the same stretch of requests. Shard =
   ``hash(key) % prime``, which keeps the shard choice independent of the low hash bits each
   small dict probes with, also for sequential ints.
@@ -15,8 +15,10 @@ an ``OrderedDict`` node value) makes every full garbage collection walk a millio
   nodes are slot numbers linked through two ``array`` columns, values live in a third one,
   and ``node -> key`` lives in small dicts of 64 consecutive nodes. Nothing per key is seen
   by the garbage collector: dicts holding only bytes/ints are untracked, whereas a plain list
-  of a million keys makes every full collection touch a million scattered objects (~100 ms).
+  of a million keys makes every full collection touch a million scattered objects.
   Nothing is ever reallocated after construction except the small dicts.
+
+Measured figures: docs/design-measurements.md, "kvtier/manager/keyed_list.py".
 """
 
 from __future__ import annotations

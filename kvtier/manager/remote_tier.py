@@ -1,5 +1,9 @@
-"""The shared tier's side of the manager: presence lookups, promotions, write-back (a mixin of
-``TieredOffloadingManager``, like ``WriteBack``; it shares the manager's state).
+"""The shared tier's side of the manager: presence lookups, promotions, write-back.
+
+:class:`RemoteTier` is built by the tiered manager with the shared tier's presence directory,
+its admission, the CPU tier, counters, event bus, background queue and the CPU eviction's
+``make_room``; its own state is the writes in flight and the keys being promoted. Without a
+directory (no shared tier configured) every method is a no-op answering "not here".
 
 The manager cannot index the shared tier (other instances write and the server evicts), so:
 
@@ -18,38 +22,47 @@ The manager cannot index the shared tier (other instances write and the server e
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
-from kvtier.manager.events import BlockAccessed, BlockStored
+from kvtier.manager.background import BackgroundQueue
+from kvtier.manager.events import BlockAccessed, BlockStored, EventBus
 from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec, Medium
-from kvtier.manager.tier_index import BlockState
+from kvtier.manager.stats import ManagerStats
+from kvtier.manager.tier_index import BlockState, Entry, TierIndex
 
 
 class RemoteTier:
     """Shared-tier bookkeeping; see the module docstring."""
 
-    def _init_remote(self, directory, admission: AdmissionPolicy | None, max_writes: int,
-                     capacity_blocks: int | None) -> None:
-        self.remote = directory  # a RemoteDirectory, or None without a shared tier
-        self.remote_admission = admission or AdmitAll()
-        self.remote_max_writes = max(1, max_writes)
-        self.remote_capacity_blocks = capacity_blocks  # advisory (the server's maxmemory rules)
-        self._remote_writing = 0
-        self._remote_promotions: set[BlockKey] = set()
+    def __init__(self, directory, *, admission: AdmissionPolicy | None, max_writes: int,
+                 capacity_blocks: int | None, cpu: TierIndex, stats: ManagerStats,
+                 events: EventBus, background: BackgroundQueue,
+                 make_room: Callable[[int], bool]) -> None:
+        self.directory = directory  # a RemoteDirectory, or None without a shared tier
+        self.admission = admission or AdmitAll()
+        self.max_writes = max(1, max_writes)
+        self.capacity_blocks = capacity_blocks  # advisory (the server's maxmemory rules)
+        self.cpu = cpu
+        self.stats = stats
+        self.events = events
+        self.background = background
+        self._make_room = make_room
+        self.writing = 0  # blocks whose CPU -> REMOTE write is queued or running
+        self.promotions: set[BlockKey] = set()  # keys whose REMOTE -> CPU hop is in flight
         if directory is not None:  # per-tier counters gain a REMOTE column
             s = self.stats
             for per_tier in (s.hit_blocks, s.stored_blocks, s.evicted_blocks, s.admission_rejected,
                              s.skipped_slower_than_recompute, s.failed_stores):
                 per_tier.setdefault("REMOTE", 0)
 
-    def _extend_with_remote(self, keys: Sequence[BlockKey], tiers: list) -> bool:
+    def extend_lookup(self, keys: Sequence[BlockKey], tiers: list) -> bool:
         """``lookup``: append REMOTE for the leading run of ``keys[len(tiers):]`` the shared
         tier holds; True when an answer is still pending (nothing is waited for)."""
-        if self.remote is None or len(tiers) >= len(keys):
+        if self.directory is None or len(tiers) >= len(keys):
             return False
-        self._sync_remote_stats()
-        for present in self.remote.query(keys[len(tiers):]):
+        self._sync_stats()
+        for present in self.directory.query(keys[len(tiers):]):
             if present is None:
                 self.stats.remote_pending_lookups += 1
                 return True
@@ -58,43 +71,44 @@ class RemoteTier:
             tiers.append(Medium.REMOTE)
         return False
 
-    def _promote_from_remote(self, key: BlockKey):
+    def promote(self, key: BlockKey) -> Entry | None:
         """``prepare_load`` of a key held nowhere locally: a CPU slot reserved for its
         REMOTE -> CPU hop (WRITING, promoted), or None (not held there, or no free slot)."""
-        if self.remote is None or not self.remote.known_present(key):
+        if self.directory is None or not self.directory.known_present(key):
             return None
         if not self._make_room(1):
             self.stats.load_truncated_no_space += 1
             return None
         entry = self.cpu.add(key, BlockState.WRITING)
         entry.promoted = True
-        self._remote_promotions.add(key)
+        self.promotions.add(key)
         return entry
 
-    def _settle_remote_promotion(self, key: BlockKey, bad: bool) -> bool:
+    def settle_promotion(self, key: BlockKey, bad: bool) -> bool:
         """``complete_load`` of a promoted key: True when it came from the shared tier."""
-        if key not in self._remote_promotions:
+        if key not in self.promotions:
             return False
-        self._remote_promotions.discard(key)
+        self.promotions.discard(key)
         if bad:
-            self.remote.learned([key], present=False)
+            self.directory.learned([key], present=False)
         return True
 
-    def _queue_remote_writes(self, keys: Sequence[BlockKey]) -> None:
-        if self.remote is None or not keys:
+    def queue_writes(self, keys: Sequence[BlockKey]) -> None:
+        """``complete_store``: write the newly stored ``keys`` the shared tier admits."""
+        if self.directory is None or not keys:
             return
-        if self.remote.degraded:
+        if self.directory.degraded:
             self.stats.remote_writes_skipped += len(keys)
             return
         wanted: list[BlockKey] = []
         for key in keys:
-            if self.remote.known_present(key):
+            if self.directory.known_present(key):
                 continue
-            if not self.remote_admission.admit(key):
+            if not self.admission.admit(key):
                 self.stats.admission_rejected["REMOTE"] += 1
                 continue
             wanted.append(key)
-        room = max(0, self.remote_max_writes - self._remote_writing)
+        room = max(0, self.max_writes - self.writing)
         if len(wanted) > room:
             self.stats.remote_writes_skipped += len(wanted) - room
             wanted = wanted[:room]
@@ -104,11 +118,12 @@ class RemoteTier:
             entry.readers += 1  # pinned until the write is reported
             slots.append(entry.slot)
         if wanted:
-            self._remote_writing += len(wanted)
-            self._queue_bg(LoadStoreSpec.cpu(slots), LoadStoreSpec.remote(wanted), wanted)
+            self.writing += len(wanted)
+            self.background.queue(LoadStoreSpec.cpu(slots), LoadStoreSpec.remote(wanted), wanted)
 
-    def _remote_write_done(self, t: BackgroundTransfer, success: bool) -> None:
-        self._remote_writing -= len(t.keys)
+    def write_done(self, t: BackgroundTransfer, success: bool) -> None:
+        """Settle a reported CPU -> REMOTE transfer (``complete_background``)."""
+        self.writing -= len(t.keys)
         for key in t.keys:
             entry = self.cpu.get(key)
             if entry is not None and entry.readers > 0:
@@ -116,24 +131,25 @@ class RemoteTier:
             else:
                 self.stats.protocol_errors += 1
         if success:
-            self.remote.learned(t.keys, present=True)
+            self.directory.learned(t.keys, present=True)
             self.stats.stored_blocks["REMOTE"] += len(t.keys)
             self.events.emit(BlockStored(Medium.REMOTE, tuple(t.keys)))
         else:
             self.stats.failed_stores["REMOTE"] += len(t.keys)
-        self._sync_remote_stats()
+        self._sync_stats()
 
-    def _emit_remote_hits(self, keys: Sequence[BlockKey]) -> None:
+    def count_hits(self, keys: Sequence[BlockKey]) -> None:
+        """``prepare_load`` promoted ``keys`` from the shared tier: counted, and an event."""
         self.stats.hit_blocks["REMOTE"] += len(keys)
         self.events.emit(BlockAccessed(Medium.REMOTE, tuple(keys)))
 
-    def _sync_remote_stats(self) -> None:
-        if self.remote is not None:
-            self.stats.remote_degraded = self.remote.degraded
-            self.stats.remote_degradations = self.remote.degradations
+    def _sync_stats(self) -> None:
+        if self.directory is not None:
+            self.stats.remote_degraded = self.directory.degraded
+            self.stats.remote_degradations = self.directory.degradations
 
-    def _remote_usage(self) -> dict[str, int | None]:
+    def usage(self) -> dict[str, int | None]:
         """What ``usage()`` reports for the shared tier: this instance's view only."""
         return {"used_blocks": self.stats.stored_blocks["REMOTE"],
-                "capacity_blocks": self.remote_capacity_blocks,
-                "writes_in_flight": self._remote_writing}
+                "capacity_blocks": self.capacity_blocks,
+                "writes_in_flight": self.writing}

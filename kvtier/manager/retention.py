@@ -12,39 +12,50 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Sequence
 
+from kvtier.manager.admission import AdmissionPolicy
 from kvtier.manager.hints import HintBook, RetentionHint
 from kvtier.manager.policies.hinted import HintedEviction
 from kvtier.manager.specs import BlockKey, RequestContext
+from kvtier.manager.tier_index import TierIndex
 
 log = logging.getLogger(__name__)
 MAX_REQUESTS = 1 << 16  # hints of requests not yet stored (oldest dropped)
 
 
 class RetentionHints:
-    """Mixin for the tiered manager (needs ``self.cpu`` and ``self.cpu_admission``)."""
+    """Hints by request, and the hint book they feed.
 
-    hints: HintBook | None = None
-    _request_hints: dict[str, RetentionHint] | None = None
+    Built by the tiered manager with the CPU tier (whose eviction policy the first hint wraps
+    in :class:`~kvtier.manager.policies.hinted.HintedEviction`) and the CPU admission (given
+    the book too when it reads hints). ``book``: None until the first hint; ``by_request``:
+    the hints of requests whose blocks were not stored yet, at most ``MAX_REQUESTS``."""
 
-    def set_retention(self, request_id: str, hint: RetentionHint | None) -> None:
+    def __init__(self, cpu: TierIndex, admission: AdmissionPolicy) -> None:
+        self._cpu = cpu
+        self._admission = admission
+        self.book: HintBook | None = None
+        self.by_request: dict[str, RetentionHint] = {}
+
+    def set(self, request_id: str, hint: RetentionHint | None) -> None:
+        """``set_retention``: remember ``hint`` for the blocks ``request_id`` stores."""
         if hint is None:
             return
-        if self.hints is None:
-            self.hints = HintBook(max(1, self.cpu.capacity // 2))
-            self._request_hints = {}
-            self.cpu.policy = HintedEviction(self.cpu.policy, self.hints)
-            if hasattr(self.cpu_admission, "hints"):
-                self.cpu_admission.hints = self.hints
-        pending = self._request_hints
+        if self.book is None:
+            self.book = HintBook(max(1, self._cpu.capacity // 2))
+            self._cpu.policy = HintedEviction(self._cpu.policy, self.book)
+            if hasattr(self._admission, "hints"):
+                self._admission.hints = self.book
+        pending = self.by_request
         pending[request_id] = hint
         if len(pending) > MAX_REQUESTS:
             del pending[next(iter(pending))]
 
-    def _note_hints(self, keys: Sequence[BlockKey], ctx: RequestContext | None) -> None:
-        if self._request_hints and ctx is not None:
-            hint = self._request_hints.get(ctx.request_id)
+    def note(self, keys: Sequence[BlockKey], ctx: RequestContext | None) -> None:
+        """``prepare_store``: the hint of the request ``ctx`` names applies to ``keys``."""
+        if self.by_request and ctx is not None:
+            hint = self.by_request.get(ctx.request_id)
             if hint is not None:
-                self.hints.note(keys, hint)
+                self.book.note(keys, hint)
 
 
 def apply_retention_hint(manager: Any, request_id: str, params: Mapping[str, Any] | None,

@@ -109,9 +109,6 @@ class LoadPlan:
     joined: tuple[bool, ...] = ()
     from_remote: tuple[bool, ...] = ()  # REMOTE -> CPU hop first (empty: no shared-tier hits)
 
-    def is_joined(self, i: int) -> bool:
-        return bool(self.joined) and self.joined[i]
-
     def disk_hop(self) -> tuple[LoadStoreSpec, LoadStoreSpec] | None:
         idx = [i for i, d in enumerate(self.from_disk) if d]
         if not idx:
@@ -129,10 +126,6 @@ class LoadPlan:
             LoadStoreSpec.remote([self.keys[i] for i in idx]),
             LoadStoreSpec.cpu([self.cpu_slots[i] for i in idx]),
         )
-
-    def promotion_hops(self) -> list[tuple[LoadStoreSpec, LoadStoreSpec]]:
-        """The hops that fill CPU slots before the CPU -> GPU copy (disk, shared tier)."""
-        return [hop for hop in (self.disk_hop(), self.remote_hop()) if hop is not None]
 
 
 @dataclass(frozen=True)

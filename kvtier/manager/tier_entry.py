@@ -1,21 +1,17 @@
-"""One tier block's columns seen as an object: its state, its pins and flags (:class:`Entry`),
-and the read-only ``key -> Entry`` mapping over a tier (:class:`Entries`).
+"""One tier's per-block columns (:class:`TierColumns`) and a view of one block's columns as an
+object: its state, its pins and flags (:class:`Entry`).
 
 The tier (:mod:`kvtier.manager.tier_index`) stores blocks column-wise, with no per-block Python
-object; these views are made on demand (stats, resyncs, the rarer manager paths, tests) and
-die with the block. The column codes live here so that both sides read the same values.
+object; :class:`Entry` views are made on demand (stats, resyncs, the rarer manager paths, tests)
+and die with the block. The columns and their codes live here, below both the index and its
+walks (:mod:`kvtier.manager.tier_walks`), so that every reader sees the same values and none
+of them imports another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from array import array
 from enum import Enum
-from typing import TYPE_CHECKING, Iterator
-
-from kvtier.manager.specs import BlockKey
-
-if TYPE_CHECKING:
-    from kvtier.manager.tier_index import TierIndex
 
 
 class BlockState(Enum):
@@ -29,12 +25,27 @@ CODES = {BlockState.WRITING: WRITING, BlockState.READY: READY}
 FLUSHING, ON_DISK, FLUSH_FAILED, PROMOTED = 1, 2, 4, 8
 
 
+class TierColumns:
+    """The per-handle columns of one tier of ``capacity`` blocks: ``state`` (FREE / WRITING /
+    READY), ``flags`` (FLUSHING, ON_DISK, ...) and ``readers`` (pin counts). ``with_slots``:
+    a handle is a CPU slot id the worker addresses (False: an internal number, disk tier).
+    Hot loops bind the arrays to locals once per call; nothing here is per block."""
+
+    __slots__ = ("state", "flags", "readers", "with_slots")
+
+    def __init__(self, capacity: int, with_slots: bool) -> None:
+        self.state = bytearray(capacity)
+        self.flags = bytearray(capacity)
+        self.readers = array("i", bytes(4 * capacity))
+        self.with_slots = with_slots
+
+
 def _flag(bit: int, doc: str) -> property:
     def get(self: "Entry") -> bool:
-        return bool(self._ix._flags[self.handle] & bit)
+        return bool(self._cols.flags[self.handle] & bit)
 
     def put(self: "Entry", on: bool) -> None:
-        flags = self._ix._flags
+        flags = self._cols.flags
         flags[self.handle] = (flags[self.handle] | bit) if on else (flags[self.handle] & ~bit)
 
     return property(get, put, doc=doc)
@@ -43,33 +54,33 @@ def _flag(bit: int, doc: str) -> property:
 class Entry:
     """View of one resident block's columns; valid until the block is removed."""
 
-    __slots__ = ("_ix", "handle")
+    __slots__ = ("_cols", "handle")
 
-    def __init__(self, index: "TierIndex", handle: int) -> None:
-        self._ix = index
+    def __init__(self, columns: TierColumns, handle: int) -> None:
+        self._cols = columns
         self.handle = handle
 
     @property
     def slot(self) -> int:
         """CPU slot id; -1 on tiers addressed by key (disk)."""
-        return self.handle if self._ix.with_slots else -1
+        return self.handle if self._cols.with_slots else -1
 
     @property
     def state(self) -> BlockState:
-        return STATES[self._ix._state[self.handle]]
+        return STATES[self._cols.state[self.handle]]
 
     @state.setter
     def state(self, state: BlockState) -> None:
-        self._ix._state[self.handle] = CODES[state]
+        self._cols.state[self.handle] = CODES[state]
 
     @property
     def readers(self) -> int:
         """In-flight loads reading this block (pins)."""
-        return self._ix._readers[self.handle]
+        return self._cols.readers[self.handle]
 
     @readers.setter
     def readers(self, n: int) -> None:
-        self._ix._readers[self.handle] = n
+        self._cols.readers[self.handle] = n
 
     flushing = _flag(FLUSHING, "CPU only: a copy to disk is reading this slot (pin)")
     on_disk = _flag(ON_DISK, "CPU only: a READY copy also exists on disk (clean)")
@@ -78,27 +89,5 @@ class Entry:
 
     @property
     def pinned(self) -> bool:
-        ix, h = self._ix, self.handle
-        return ix._readers[h] > 0 or bool(ix._flags[h] & FLUSHING) or ix._state[h] != READY
-
-
-class Entries(Mapping):
-    """Read-only ``key -> Entry`` mapping over a tier (stats, resyncs, tests)."""
-
-    def __init__(self, index: "TierIndex") -> None:
-        self._ix = index
-
-    def __getitem__(self, key: BlockKey) -> Entry:
-        entry = self._ix.get(key)
-        if entry is None:
-            raise KeyError(key)
-        return entry
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._ix
-
-    def __iter__(self) -> Iterator[BlockKey]:
-        return self._ix._handles.keys()
-
-    def __len__(self) -> int:
-        return len(self._ix)
+        c, h = self._cols, self.handle
+        return c.readers[h] > 0 or bool(c.flags[h] & FLUSHING) or c.state[h] != READY

@@ -14,12 +14,15 @@ an internal number on the disk tier) and its state, pin count and flags live in 
 by it; ``key -> handle`` is a :class:`KeyShards`. A tier of a million blocks therefore holds
 no per-block Python objects (a full garbage collection does not walk them) and no big dict
 that rebuilds its table on one request. :class:`Entry` is a short-lived view of one handle.
+The columns (:class:`~kvtier.manager.tier_entry.TierColumns`) are shared, explicitly, with the
+tier's eviction-order walks (:class:`~kvtier.manager.tier_walks.TierWalks`).
 """
 
 from __future__ import annotations
 
 from array import array
-from typing import Sequence
+from collections.abc import Mapping
+from typing import Iterator, Sequence
 
 from kvtier.manager.keyed_list import KeyShards
 from kvtier.manager.policies import EvictionPolicy
@@ -32,11 +35,11 @@ from kvtier.manager.tier_entry import ON_DISK as _ON_DISK
 from kvtier.manager.tier_entry import PROMOTED as _PROMOTED
 from kvtier.manager.tier_entry import READY as _READY
 from kvtier.manager.tier_entry import WRITING as _WRITING
-from kvtier.manager.tier_entry import BlockState, Entries, Entry  # noqa: F401 - the tier's types
+from kvtier.manager.tier_entry import BlockState, Entry, TierColumns  # noqa: F401 - tier types
 from kvtier.manager.tier_walks import TierWalks
 
 
-class TierIndex(TierWalks):
+class TierIndex:
     """Entries, eviction order and capacity of one tier (its walks: ``TierWalks``)."""
 
     def __init__(self, medium: Medium, capacity_blocks: int, policy: EvictionPolicy,
@@ -53,13 +56,15 @@ class TierIndex(TierWalks):
         self._handles = KeyShards(n)  # key -> handle
         self._shards, self._nshards = self._handles.shards, self._handles.n
         self._len = 0
-        self._state = bytearray(n)  # _FREE / _WRITING / _READY
-        self._flags = bytearray(n)
-        self._readers = array("i", bytes(4 * n))
+        self.columns = TierColumns(n, with_slots)
+        # the columns bound once: _FREE / _WRITING / _READY, flag bits, pin counts
+        self._state, self._flags = self.columns.state, self.columns.flags
+        self._readers = self.columns.readers
         # Free handles, chained: _free_next[h] is the next free one; n ends the chain. The
         # lowest handle goes first while the tier fills (the CPU pool fills front to back).
         self._free_next = array("i", range(1, n + 1))
         self._free_head = 0
+        self._walks = TierWalks(self._shards, self.columns)
         self.entries = Entries(self)
 
     def __contains__(self, key: object) -> bool:
@@ -68,13 +73,21 @@ class TierIndex(TierWalks):
     def __len__(self) -> int:
         return self._len
 
+    def keys(self) -> Iterator[BlockKey]:
+        """The keys here, in no particular order (do not change the tier while iterating)."""
+        return self._handles.keys()
+
     def get(self, key: BlockKey) -> Entry | None:
         h = self._shards[hash(key) % self._nshards].get(key)
-        return None if h is None else Entry(self, h)
+        return None if h is None else Entry(self.columns, h)
+
+    def entry_at(self, handle: int) -> Entry:
+        """The view of the resident block at ``handle`` (CPU: its slot id)."""
+        return Entry(self.columns, handle)
 
     def ready(self, key: BlockKey) -> Entry | None:
         h = self._shards[hash(key) % self._nshards].get(key)
-        return Entry(self, h) if h is not None and self._state[h] == _READY else None
+        return Entry(self.columns, h) if h is not None and self._state[h] == _READY else None
 
     def is_ready(self, key: BlockKey) -> bool:
         h = self._shards[hash(key) % self._nshards].get(key)
@@ -130,7 +143,7 @@ class TierIndex(TierWalks):
 
     def add(self, key: BlockKey, state: BlockState, parent: BlockKey | None = None) -> Entry:
         """Take a free slot for ``key``; caller made sure one is free."""
-        return Entry(self, self.add_many((key,), state, (parent,))[0])
+        return Entry(self.columns, self.add_many((key,), state, (parent,))[0])
 
     def add_many(self, keys: Sequence[BlockKey], state: BlockState,
                  parents: Sequence[BlockKey | None] | None = None) -> list[int]:
@@ -233,8 +246,9 @@ class TierIndex(TierWalks):
         # Chained in ascending order, so the next store gets a batch's neighbouring CPU slots
         # as ascending runs: one strided DMA per layer on a load. The eviction order is not
         # the slot order (a request's blocks go tail first, so that a prefix outlives its
-        # extensions), and slots handed out descending make every block its own copy: a 32k
-        # hit of the 8B shape took ~150 ms instead of ~107 on the H100 once the tier evicted.
+        # extensions), and slots handed out descending make every block its own copy: a long
+        # hit's load got markedly slower once the tier evicted (figures:
+        # docs/design-measurements.md, "kvtier/manager/tier_index.py").
         head = self._free_head
         for h in sorted(handles, reverse=True):
             free_next[h] = head
@@ -292,3 +306,37 @@ class TierIndex(TierWalks):
         return sum(readers[h] + bool(flags[h] & _FLUSHING) + (state[h] == _WRITING)
                    for h in self._handles.values())
 
+    # ------------------------------------------------------------------ eviction-order walks
+    def victims(self, n: int, evictable=None) -> list[BlockKey]:
+        """Up to ``n`` unpinned READY keys in the policy's order (``TierWalks.victims``)."""
+        return self._walks.victims(self.policy, n, evictable)
+
+    def victims_preferring(self, n: int, preferred, budget: int) -> tuple[list[BlockKey], int]:
+        """Clean or ``preferred`` victims first (``TierWalks.victims_preferring``)."""
+        return self._walks.victims_preferring(self.policy, n, preferred, budget)
+
+    def dirty_among_coldest(self, n: int) -> tuple[list[BlockKey], list[int]]:
+        """What write-back copies next (``TierWalks.dirty_among_coldest``)."""
+        return self._walks.dirty_among_coldest(self.policy, n)
+
+
+class Entries(Mapping):
+    """Read-only ``key -> Entry`` mapping over a tier (stats, resyncs, tests)."""
+
+    def __init__(self, index: TierIndex) -> None:
+        self._index = index
+
+    def __getitem__(self, key: BlockKey) -> Entry:
+        entry = self._index.get(key)
+        if entry is None:
+            raise KeyError(key)
+        return entry
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[BlockKey]:
+        return self._index.keys()
+
+    def __len__(self) -> int:
+        return len(self._index)

@@ -1,5 +1,7 @@
 """The eviction-order walks of a tier: victims, clean-first victims, the dirty blocks at the
-cold end (a mixin of :class:`~kvtier.manager.tier_index.TierIndex`, whose columns it reads).
+cold end. :class:`~kvtier.manager.tier_index.TierIndex` owns one :class:`TierWalks`, built over
+the tier's key shards and columns (:class:`~kvtier.manager.tier_entry.TierColumns`), and passes
+its current eviction policy to each walk (the policy can be swapped: retention hints wrap it).
 
 Kept apart because these walks are the request path's hot loops under write-back: each checks
 blocks by handle where the policy offers ``order_at`` (a step costs an array read, not a key
@@ -9,12 +11,15 @@ never O(tier).
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.specs import BlockKey
 from kvtier.manager.tier_entry import FLUSH_FAILED as _FLUSH_FAILED
 from kvtier.manager.tier_entry import FLUSHING as _FLUSHING
 from kvtier.manager.tier_entry import ON_DISK as _ON_DISK
 from kvtier.manager.tier_entry import READY as _READY
-from kvtier.manager.tier_entry import Entry
+from kvtier.manager.tier_entry import Entry, TierColumns
 
 
 class _WalkDone(Exception):
@@ -22,16 +27,22 @@ class _WalkDone(Exception):
 
 
 class TierWalks:
-    """Walks over ``policy``'s order, reading ``_state``/``_readers``/``_flags`` by handle."""
+    """Walks over a policy's order, reading the tier's ``state``/``readers``/``flags`` columns
+    by handle; ``shards``: the tier's ``key -> handle`` dicts (``hash(key) % len(shards)``)."""
 
-    def victims(self, n: int, evictable=None) -> list[BlockKey]:
+    def __init__(self, shards: Sequence[dict], columns: TierColumns) -> None:
+        self._shards, self._nshards = shards, len(shards)
+        self._cols = columns
+        self._state, self._readers, self._flags = columns.state, columns.readers, columns.flags
+
+    def victims(self, policy: EvictionPolicy, n: int, evictable=None) -> list[BlockKey]:
         """Up to ``n`` unpinned READY keys, in the policy's order, that also pass
         ``evictable(key, entry)`` when given."""
         if n <= 0:
             return []
         shards, nshards = self._shards, self._nshards
         state, readers, flags = self._state, self._readers, self._flags
-        first = self.policy.victims_at(n) if evictable is None else None
+        first = policy.victims_at(n) if evictable is None else None
         if first is not None:  # the usual case: none of the coldest n is pinned
             for h in first[1]:
                 if h < 0 or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
@@ -43,14 +54,14 @@ class TierWalks:
             h = shards[hash(key) % nshards].get(key)
             if h is None or state[h] != _READY or readers[h] > 0 or flags[h] & _FLUSHING:
                 return False
-            return evictable is None or evictable(key, Entry(self, h))
+            return evictable is None or evictable(key, Entry(self._cols, h))
 
-        return self.policy.victims(n, ok)
+        return policy.victims(n, ok)
 
-    def _unpinned_in_order(self):
+    def _unpinned_in_order(self, policy: EvictionPolicy):
         """Unpinned READY ``(key, handle)`` in the policy's order, lazily, checked by handle
         (``policy.order_at``); None when the policy has no such order."""
-        order = self.policy.order_at()
+        order = policy.order_at()
         if order is None:
             return None
         shards, nshards = self._shards, self._nshards
@@ -66,7 +77,8 @@ class TierWalks:
                     yield key, h
         return walk()
 
-    def victims_preferring(self, n: int, preferred, budget: int) -> tuple[list[BlockKey], int]:
+    def victims_preferring(self, policy: EvictionPolicy, n: int, preferred, budget: int
+                           ) -> tuple[list[BlockKey], int]:
         """Up to ``n`` unpinned READY keys: first the *clean* ones (a copy on disk, or a failed
         flush) and those passing ``preferred(key)`` (None: no other), in the policy's order,
         among the ``budget`` coldest unpinned ones; then, if that is not enough, the others
@@ -79,7 +91,7 @@ class TierWalks:
         clean = _ON_DISK | _FLUSH_FAILED
         taken: list[BlockKey] = []  # accepted by the policy walk, in its order
         others: list[BlockKey] = []
-        walk = self._unpinned_in_order()
+        walk = self._unpinned_in_order(policy)
         if walk is not None:
             for key, h in walk:
                 if budget <= 0:
@@ -112,12 +124,13 @@ class TierWalks:
             return False
 
         try:
-            self.policy.victims(n, ok)
+            policy.victims(n, ok)
         except _WalkDone:
             pass
         return taken + others[: n - len(taken)], len(taken)
 
-    def dirty_among_coldest(self, n: int) -> tuple[list[BlockKey], list[int]]:
+    def dirty_among_coldest(self, policy: EvictionPolicy, n: int
+                            ) -> tuple[list[BlockKey], list[int]]:
         """Of the ``n`` coldest unpinned READY blocks (policy order), those with no copy on
         disk and no failed flush, and their handles: what write-back copies next. One walk
         (it runs on every store; the walk steps over pinned blocks, which stay few)."""
@@ -127,7 +140,7 @@ class TierWalks:
         handles: list[int] = []
         if n <= 0:
             return dirty, handles
-        walk = self._unpinned_in_order()
+        walk = self._unpinned_in_order(policy)
         if walk is not None:
             for key, h in walk:
                 if not flags[h] & clean:
@@ -150,5 +163,5 @@ class TierWalks:
                 handles.append(h)
             return True
 
-        self.policy.victims(n, ok)
+        policy.victims(n, ok)
         return dirty, handles

@@ -15,21 +15,28 @@
 * Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
   come out of ``take_background_transfers`` and are reported back through
   ``complete_background``.
+
+The manager decides loads and stores itself and composes collaborators for the rest, each
+given what it works on at construction: ``background`` (:class:`BackgroundQueue`: the own
+moves in flight), ``writeback`` (:class:`WriteBack`: demotions, disk evictions, deletions),
+``eviction`` (:class:`CpuEviction`), ``remote_tier`` (:class:`RemoteTier`) and ``retention``
+(:class:`RetentionHints`). None of them reads the manager.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
+from kvtier.manager.background import BackgroundQueue
 from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.eviction import CpuEviction
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
 from kvtier.manager.remote_tier import RemoteTier
+from kvtier.manager.hints import HintBook, RetentionHint
 from kvtier.manager.retention import RetentionHints
 from kvtier.manager.specs import (
     BackgroundTransfer,
@@ -41,12 +48,11 @@ from kvtier.manager.specs import (
     StorePlan,
 )
 from kvtier.manager.stats import ManagerStats
-from kvtier.manager.tier_index import BlockState, Entry, TierIndex
+from kvtier.manager.tier_index import BlockState, TierIndex
 from kvtier.manager.writeback import WriteBack
 
 
-class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction,
-                              OffloadingManager):
+class TieredOffloadingManager(OffloadingManager):
     def __init__(
         self,
         *,
@@ -75,35 +81,51 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         )
         self.cpu_admission = cpu_admission or AdmitAll()
         self.disk_admission = disk_admission or AdmitAll()
-        if flush_reserve is None:  # bounded: the flush walk runs on the request path
-            flush_reserve = min(cpu_blocks, max(8, min(256, cpu_blocks // 16)))
-        self.flush_reserve = max(1, flush_reserve)
-        # Bounds the disk's write queue, and with it the pinned blocks an eviction or flush walk
-        # steps over at the cold end of the CPU order (each walk is O(this), not O(tier)).
-        self.max_demotions_in_flight = max(1, max_demotions_in_flight
-                                           or 4 * self.flush_reserve)
-        self._demoting = 0  # CPU blocks whose demotion is queued or running
-        # How far past the batch an eviction looks for a block it can drop losslessly: the
-        # flush window and the demotions in flight (write-back keeps those clean), twice.
-        self.eviction_budget = 2 * (self.flush_reserve + self.max_demotions_in_flight)
-        # The last eviction had to drop dirty blocks: the next one searches only as deep as
-        # the blocks demotions made clean since (none: it takes the coldest straight away).
-        self._write_back_behind = False
-        self._cleaned_since_behind = 0
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self._cost_measured = False  # the cost model was made from measured recompute times
         self.stats = ManagerStats()
         self.events = EventBus()
-        self._bg_ids = itertools.count(1)
-        self._bg_pending: dict[int, BackgroundTransfer] = {}
-        self._bg_ready: list[BackgroundTransfer] = []
-        self._pending_drops: dict[BlockKey, int] = {}  # key -> open DROP jobs
         self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
-        self._probes: set[int] = set()  # demotions let through as a degraded disk's probe
-        self._init_remote(remote, remote_admission, remote_max_writes, remote_capacity_blocks)
+        self.background = BackgroundQueue()
+        self.writeback = WriteBack(
+            cpu=self.cpu, disk=self.disk, admission=self.disk_admission,
+            health=self.disk_health, stats=self.stats, events=self.events,
+            background=self.background, flush_reserve=flush_reserve,
+            max_demotions_in_flight=max_demotions_in_flight)
+        self.eviction = CpuEviction(
+            cpu=self.cpu, admission=self.cpu_admission, disk_backed=self.disk is not None,
+            health=self.disk_health, stats=self.stats, events=self.events,
+            # how far past the batch an eviction looks for a block it can drop losslessly:
+            # the flush window and the demotions in flight (write-back keeps those clean), twice
+            budget=2 * (self.writeback.flush_reserve + self.writeback.max_demotions_in_flight),
+            declines_test=self.writeback.declines_test)
+        self.remote = remote  # a RemoteDirectory, or None without a shared tier
+        self.remote_tier = RemoteTier(
+            remote, admission=remote_admission, max_writes=remote_max_writes,
+            capacity_blocks=remote_capacity_blocks, cpu=self.cpu, stats=self.stats,
+            events=self.events, background=self.background, make_room=self.eviction.make_room)
+        self.retention = RetentionHints(self.cpu, self.cpu_admission)
         if self.disk is not None:
-            self._restore_disk(initial_disk_keys, stale_disk_keys)
+            self.writeback.restore(initial_disk_keys, stale_disk_keys)
+
+    # ------------------------------------------------------------------ what the collaborators hold
+    @property
+    def flush_reserve(self) -> int:
+        return self.writeback.flush_reserve
+
+    @property
+    def max_demotions_in_flight(self) -> int:
+        return self.writeback.max_demotions_in_flight
+
+    @property
+    def eviction_budget(self) -> int:
+        return self.eviction.budget
+
+    @property
+    def hints(self) -> HintBook | None:
+        """The retention hint book; None until the first hint."""
+        return self.retention.book
 
     # ------------------------------------------------------------------ lookups and loads
     def lookup(self, keys: Sequence[BlockKey], sighting: bool = True,
@@ -125,7 +147,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                 tiers.append(Medium.DISK)
             else:
                 break
-        if self._extend_with_remote(keys, tiers):  # the server's answer is on its way
+        if self.remote_tier.extend_lookup(keys, tiers):  # the server's answer is on its way
             return LookupResult(tuple(tiers), pending=True)
         if self.cost is not None and tiers:
             keep = self.cost.worth_loading(tiers, ends_prompt and len(tiers) == len(keys))
@@ -185,8 +207,9 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         from_remote: list[bool] = [False] * m
         remote_hits: list[BlockKey] = []
         self.cpu_admission.on_hits(prefix)
+        make_room, remote = self.eviction.make_room, self.remote_tier
         if self.disk is not None and m < len(keys):
-            self._make_room(self._disk_promotions_ahead(keys, m))  # one eviction, not one each
+            make_room(self._disk_promotions_ahead(keys, m))  # one eviction, not one each
         for key in keys[m:]:
             entry = self.cpu.ready(key)
             if entry is not None:
@@ -199,7 +222,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                 continue
             entry = self.cpu.get(key)
             if (join and entry is not None and entry.promoted and entry.state is BlockState.WRITING
-                    and key not in self._remote_promotions):
+                    and key not in remote.promotions):
                 entry.readers += 1  # pins the slot past the promotion's own completion
                 touched.append((self.disk.policy, key))
                 disk_hits.append(key)
@@ -210,14 +233,14 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
             if key in self.cpu:  # a promotion of it already in flight
                 break
             if d is None:  # held by the shared tier, or a miss
-                entry = self._promote_from_remote(key)
+                entry = remote.promote(key)
                 if entry is None:
                     break
                 remote_hits.append(key)
                 out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
                 joined.append(False), from_remote.append(True)
                 continue
-            if not self._make_room(1):
+            if not make_room(1):
                 self.stats.load_truncated_no_space += 1
                 break
             d.readers += 1
@@ -238,7 +261,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
         self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_hits)))
         if remote_hits:
-            self._emit_remote_hits(remote_hits)
+            remote.count_hits(remote_hits)
         return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk),
                         tuple(joined) if join else (),
                         tuple(from_remote) if remote_hits else ())
@@ -276,7 +299,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                 self.stats.protocol_errors += 1
                 continue
             if entry.promoted and entry.state is BlockState.WRITING:
-                if not self._settle_remote_promotion(key, bad=key in failed):
+                if not self.remote_tier.settle_promotion(key, bad=key in failed):
                     if self._release_disk_reader(key, bad=key in failed):
                         unreadable.append(key)
                 if key in failed and entry.readers > 0:
@@ -307,9 +330,9 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
                 self.stats.protocol_errors += 1
         self.stats.failed_loads += len(failed)
         self.stats.failed_loads_transient += len(failed.intersection(transient))
-        self._drop_everywhere(unreadable)
+        self.writeback.drop_everywhere(unreadable)
         self.events.emit(BlockStored(Medium.CPU, tuple(published)))
-        self._plan_flushes(completion=True)
+        self.writeback.plan(completion=True)
 
     def _release_disk_reader(self, key: BlockKey, bad: bool) -> bool:
         """Unpin ``key``'s disk entry; a ``bad`` one is forgotten (True: the caller deletes
@@ -333,7 +356,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
-        self._note_hints(keys, ctx)
+        self.retention.note(keys, ctx)
         if self.cpu_admission.admits_everything:  # the usual case, one pass in the tier
             resident, wanted = self.cpu.partition(keys)
             # resident behind a gap: keep it, it becomes reachable again
@@ -343,7 +366,7 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         evicted: list[BlockKey] = []
         need = len(wanted) - self.cpu.free_count
         if need > 0:
-            evicted = self._evict_cpu(need)
+            evicted = self.eviction.evict(need)
         room = self.cpu.free_count
         if room < len(wanted):
             self.stats.store_skipped_no_space += len(wanted) - room
@@ -353,8 +376,8 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         if self.disk is not None:
             for key, slot in zip(wanted, slots):
                 if self.disk.is_ready(key):
-                    Entry(self.cpu, slot).on_disk = True
-        self._plan_flushes(window=len(wanted))
+                    self.cpu.entry_at(slot).on_disk = True
+        self.writeback.plan(window=len(wanted))
         return StorePlan(tuple(wanted), tuple(slots), {Medium.CPU: tuple(evicted)} if evicted else {})
 
     def _admitted(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
@@ -390,11 +413,32 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         if success:
             self.stats.stored_blocks["CPU"] += len(stored)
             self.events.emit(BlockStored(Medium.CPU, tuple(stored)))
-            self._queue_remote_writes(stored)
+            self.remote_tier.queue_writes(stored)
         else:
             self.cpu.remove_many(stored)
             self.stats.failed_stores["CPU"] += len(stored)
-        self._plan_flushes(completion=True)
+        self.writeback.plan(completion=True)
+
+    # ------------------------------------------------------------------ background work
+    def take_background_transfers(self) -> list[BackgroundTransfer]:
+        return self.background.take()
+
+    def complete_background(self, transfer_id: int, success: bool = True) -> None:
+        t = self.background.settle(transfer_id)
+        if t is None:
+            self.stats.protocol_errors += 1
+            return
+        if t.dst.medium is Medium.REMOTE:
+            self.remote_tier.write_done(t, success)
+        elif t.dst.medium is Medium.DROP:
+            self.writeback.drop_done(t)
+        else:
+            self.eviction.note_cleaned(len(t.keys))  # turned clean (or failed): worth a search
+            self.writeback.demotion_done(t, success)
+
+    # ------------------------------------------------------------------ hints
+    def set_retention(self, request_id: str, hint: RetentionHint | None) -> None:
+        self.retention.set(request_id, hint)
 
     # ------------------------------------------------------------------ events and state
     def take_events(self) -> list[Event]:
@@ -411,10 +455,10 @@ class TieredOffloadingManager(RetentionHints, WriteBack, RemoteTier, CpuEviction
         if self.disk is not None:
             out["DISK"] = {"used_blocks": len(self.disk), "capacity_blocks": self.disk.capacity}
         if self.remote is not None:
-            out["REMOTE"] = self._remote_usage()
+            out["REMOTE"] = self.remote_tier.usage()
         return out
 
     def pins(self) -> int:
         """Outstanding pins across tiers (0 when nothing is in flight; tests check leaks)."""
         n = self.cpu.pins() + (self.disk.pins() if self.disk is not None else 0)
-        return n + len(self._bg_pending)
+        return n + len(self.background)

@@ -260,11 +260,11 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in (key for p in self.loads for key in p.keys):
             assert key in m.cpu, "block with an in-flight load was evicted"
         for key, e in m.disk.entries.items():
-            if e.state is BlockState.READY and not any(key in t.keys for t in m._bg_ready):
-                assert key in self.disk_data or key in m._pending_drops or self._pending_flush(key)
+            if e.state is BlockState.READY and not any(key in t.keys for t in m.background.ready):
+                assert key in self.disk_data or key in m.writeback.pending_drops or self._pending_flush(key)
 
     def _pending_flush(self, key):
-        return any(t.dst.medium is Medium.DISK and key in t.keys for t in self.m._bg_pending.values())
+        return any(t.dst.medium is Medium.DISK and key in t.keys for t in self.m.background.pending.values())
 
     def teardown(self):
         for plan in self.stores:

@@ -140,7 +140,7 @@ def test_after_a_vain_search_the_next_one_looks_only_as_deep_as_what_turned_clea
     plan = m.prepare_store([k(nxt + i) for i in range(batch)])  # dirty blocks must go
     nxt += batch
     m.complete_store(plan.keys)
-    assert m.stats.evicted_unwritten > 0 and m._write_back_behind
+    assert m.stats.evicted_unwritten > 0 and m.eviction.write_back_behind
     done = queued.pop(0)  # the disk finishes one demotion: its blocks are clean now
     m.complete_background(done.id, True)
     queued += m.take_background_transfers()

@@ -36,12 +36,12 @@ def test_a_kept_request_outlives_unhinted_ones_in_the_manager():
 def test_connector_helper_parses_hints_and_ignores_bad_ones(caplog):
     m = TieredOffloadingManager(cpu_blocks=8)
     apply_retention_hint(m, "r1", {PARAM_KEY: {"continues": True, "session": "s"}})
-    assert m.hints is not None and m._request_hints["r1"].session == "s"
+    assert m.hints is not None and m.retention.by_request["r1"].session == "s"
     apply_retention_hint(m, "r2", None)  # no hint: nothing changes
     with caplog.at_level(logging.WARNING):
         apply_retention_hint(m, "r3", {PARAM_KEY: {"ttl_s": "forever"}})
     assert "ignoring retention hint of request r3" in caplog.text
-    assert set(m._request_hints) == {"r1"}
+    assert set(m.retention.by_request) == {"r1"}
 
 
 def test_manager_replay_with_hints_matches_the_simulator():
@@ -85,11 +85,11 @@ def test_kv_hints_feed_the_manager_and_kv_transfer_params_win(caplog):
     assert set(plan.evicted[next(iter(plan.evicted))]) == {3, 4}
     apply_retention_hint(m, "both", {PARAM_KEY: {"continues": False}},
                          [_action("retention", {"continues": True})])
-    assert m._request_hints["both"].rank != KEEP
+    assert m.retention.by_request["both"].rank != KEEP
     with caplog.at_level(logging.WARNING):
         apply_retention_hint(m, "bad1", None, [_action("retention", {"ttl": "1h"})])
         apply_retention_hint(m, "bad2", None, [_action("retention", {"priority": 1}, "2")])
         apply_retention_hint(m, "bad3", None, [_action("retention", ["keep"])])
     assert "request bad1" in caplog.text and "action_version" in caplog.text
     assert "payload must be an object" in caplog.text
-    assert not {"bad1", "bad2", "bad3"} & set(m._request_hints)
+    assert not {"bad1", "bad2", "bad3"} & set(m.retention.by_request)

@@ -319,7 +319,7 @@ class ManagerModel:
         self.check()
         m = self.m
         assert m.pins() == 0, "pin leak"
-        assert not m._bg_pending and not m._bg_ready and not m._pending_drops
+        assert not m.background.pending and not m.background.ready and not m.writeback.pending_drops
         assert not m._failed_promotions
         assert all(e.state is BlockState.READY and not e.flushing and e.readers == 0
                    for tier in (m.cpu, m.disk) for e in tier.entries.values())

@@ -27,6 +27,7 @@ from hypothesis.stateful import (
 from reliability.model import ManagerModel, run_random
 
 from kvtier.manager.disk_health import DiskHealth
+from kvtier.manager.eviction import CpuEviction
 from kvtier.manager.tier_index import TierIndex
 from kvtier.manager.tiered import TieredOffloadingManager
 
@@ -170,7 +171,7 @@ def _admit_everything(self, n):
 
 @pytest.mark.parametrize("target, name, broken, message", [
     (TieredOffloadingManager, "_release_disk_reader", _leak_disk_reader, "pins"),
-    (TieredOffloadingManager, "_drop_cpu", _drop_cpu_silently, "events disagree"),
+    (CpuEviction, "_drop", _drop_cpu_silently, "events disagree"),
     (TierIndex, "ready", _ready_while_writing, "while being"),
     (DiskHealth, "admit", _admit_everything, "probe"),
 ], ids=["pin-leak", "missing-event", "readable-while-writing", "degraded-ignored"])

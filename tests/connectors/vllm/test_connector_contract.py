@@ -69,7 +69,7 @@ def test_proxy_refuses_names_outside_the_contract():
     proxy = ContractOnly(TieredOffloadingManager(cpu_blocks=4, disk_blocks=4))
     assert proxy.usage()["CPU"]["capacity_blocks"] == 4
     assert proxy.tier(Medium.CPU) is not None
-    for name in ("cpu", "disk", "events", "_bg_ready", "disk_health"):
+    for name in ("cpu", "disk", "events", "background", "disk_health"):
         with pytest.raises(AttributeError, match="contract"):
             getattr(proxy, name)
 

@@ -317,7 +317,7 @@ def test_retention_hint_in_kv_transfer_params_reaches_the_tiered_manager(model_d
     inner = rig.side.manager
     while hasattr(inner, "inner"):
         inner = inner.inner
-    assert inner.hints is not None and req.request_id in inner._request_hints
+    assert inner.hints is not None and req.request_id in inner.retention.by_request
     assert bad_checks(rig) == []
     rig.close()
 
@@ -342,7 +342,7 @@ def test_retention_action_in_kv_hints_reaches_the_tiered_manager(model_dir):
     inner = rig.side.manager
     while hasattr(inner, "inner"):
         inner = inner.inner
-    hint = inner._request_hints[req.request_id]
+    hint = inner.retention.by_request[req.request_id]
     assert (hint.rank, hint.ttl_s, hint.session) == (KEEP, 120.0, "chat-7")
     assert bad_checks(rig) == []
     rig.close()
