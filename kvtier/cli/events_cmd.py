@@ -105,6 +105,21 @@ def endpoints_from_config(path: Path) -> tuple[str, str | None, str]:
     return endpoint, replay, config.events.topic
 
 
+def connect_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is not something to connect to (ZMQ's own error would name neither the
+    option nor the expected form), or None."""
+    scheme, sep, rest = endpoint.partition("://")
+    expected = "expected tcp://HOST:PORT or ipc://PATH"
+    if not sep or scheme not in ("tcp", "ipc") or not rest:
+        return f"not an endpoint ({expected})"
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not (port.isascii() and port.isdigit()
+                                          and 0 < int(port) <= 65535):
+            return f"a tcp endpoint needs a host and a port from 1 to 65535 ({expected})"
+    return None
+
+
 @click.command()
 @click.option("--endpoint", help="PUB endpoint of the instance, e.g. tcp://127.0.0.1:5570.")
 @click.option("--replay-endpoint", help="Its replay (ROUTER) endpoint: fills holes, and history.")
@@ -133,11 +148,16 @@ def events(endpoint, replay_endpoint, topic, config_path, from_seq, as_json, cou
         raise click.UsageError("give --endpoint or --config")
     if from_seq is not None and replay_endpoint is None:
         raise click.UsageError("--from-seq needs --replay-endpoint")
+    for option, value in (("--endpoint", endpoint), ("--replay-endpoint", replay_endpoint)):
+        problem = None if value is None else connect_problem(value)
+        if problem:
+            raise click.UsageError(f"cannot connect to {option} {value!r}: {problem}")
     try:
         sub = EventSubscriber(endpoint, replay_endpoint=replay_endpoint,
                               topic=config_topic if topic is None else topic, start_seq=from_seq)
     except zmq.ZMQError as exc:
-        raise click.UsageError(f"cannot connect to {endpoint} / {replay_endpoint}: {exc}") from None
+        where = endpoint if replay_endpoint is None else f"{endpoint} or {replay_endpoint}"
+        raise click.UsageError(f"cannot connect to {where}: {exc}") from None
     seen = 0
     last = time.monotonic()
     try:

@@ -43,7 +43,9 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
     "tiers.remote": REMOTE_KEYS,
     "admission": ("store_threshold", "offload_ratio", "max_offload_tokens"),
     "stats": ("snapshot_path", "interval_s"),
-    "events": ("endpoint", "replay_endpoint", "topic", "buffer_batches", "allow_remote"),
+    "events": ("endpoint", "replay_endpoint", "topic", "buffer_batches", "allow_remote",
+               "max_subscribers", "subscriber_max_bytes", "replay_max_bytes",
+               "replay_max_clients", "replay_client_max_bytes", "stall_timeout_s"),
     "metrics": ("port", "host"),
     "cost": ("recompute_us_per_token", "recompute_tokens_per_s", "prior_load_gbps"),
 }

@@ -40,6 +40,14 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 STATS_FILE_NAME = "kvtier-stats.json"
 DEFAULT_EVENTS_ENDPOINT = "tcp://127.0.0.1:5570"  # vLLM's own publisher defaults to 5557
 DEFAULT_EVENTS_BUFFER_BATCHES = 10_000
+# what the event publisher (in vLLM's scheduler process) may hold for its clients: see
+# kvtier/observe/events/peers.py and replay_streams.py, and docs/security.md
+DEFAULT_EVENTS_MAX_SUBSCRIBERS = 8
+DEFAULT_EVENTS_SUBSCRIBER_MAX_BYTES = 16 << 20
+DEFAULT_EVENTS_REPLAY_MAX_BYTES = 64 << 20
+DEFAULT_EVENTS_REPLAY_MAX_CLIENTS = 4
+DEFAULT_EVENTS_REPLAY_CLIENT_MAX_BYTES = 4 << 20
+DEFAULT_EVENTS_STALL_TIMEOUT_S = 10.0
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_METRICS_HOST = "127.0.0.1"
 ENDPOINT_ALLOWED = ("tcp://HOST:PORT (PORT may be * or 0 for any free port), ipc://PATH or "
@@ -159,6 +167,12 @@ class EventsConfig:
     topic: str = ""
     buffer_batches: int = DEFAULT_EVENTS_BUFFER_BATCHES  # batches kept for replay
     allow_remote: bool = False
+    max_subscribers: int = DEFAULT_EVENTS_MAX_SUBSCRIBERS  # more connections are closed
+    subscriber_max_bytes: int = DEFAULT_EVENTS_SUBSCRIBER_MAX_BYTES  # queued per subscriber
+    replay_max_bytes: int = DEFAULT_EVENTS_REPLAY_MAX_BYTES  # the replay buffer's bytes
+    replay_max_clients: int = DEFAULT_EVENTS_REPLAY_MAX_CLIENTS  # connected replay clients
+    replay_client_max_bytes: int = DEFAULT_EVENTS_REPLAY_CLIENT_MAX_BYTES  # queued per client
+    stall_timeout_s: float = DEFAULT_EVENTS_STALL_TIMEOUT_S  # a client not reading is dropped
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -172,6 +186,12 @@ class EventsConfig:
             raise ValueError("events.replay_endpoint must differ from events.endpoint")
         if self.buffer_batches < 1:
             raise ValueError("events.buffer_batches must be at least 1")
+        for name in ("max_subscribers", "subscriber_max_bytes", "replay_max_bytes",
+                     "replay_max_clients", "replay_client_max_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"events.{name} must be a positive integer")
+        if not self.stall_timeout_s > 0:
+            raise ValueError("events.stall_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)

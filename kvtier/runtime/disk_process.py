@@ -6,7 +6,7 @@ hand-off after every system call. Measured on the lent H100 in real vLLM, a requ
 write-back runs took 6-22 % longer than the same request recomputed with nothing to write
 (``benchmarks/results/vllm_e2e_*.md``), and on this repository's CI machine a pure-Python loop
 ran 1.21-1.37x slower beside a writer thread but 1.02-1.07x beside a writer process
-(``benchmarks/writeback_contention.py``).
+(``benchmarks/diagnostics/writeback_contention.py``).
 
 How: the CPU pool lives in a memfd (``CpuBlockPool(shared=True)``) that the child maps too,
 so only slot ids and keys cross a Unix socket, never block bytes. The child owns the store
@@ -128,7 +128,8 @@ class DiskProcess:
         self._closed = False
         self._pool_fd = pool.shared_fd
         self._spec = {
-            "path": os.path.abspath(self.root), "geometry": asdict(geometry), "num_slots": pool.num_slots,
+            "path": os.path.abspath(self.root), "geometry": asdict(geometry),
+            "num_slots": pool.num_slots,
             "store": store_options(disk), "pool_fd": pool.shared_fd,
             "gil_switch_interval_ms": gil_switch_interval_ms,
             "log_level": logging.getLogger("kvtier").getEffectiveLevel(),

@@ -18,13 +18,23 @@ asked replay for batches no longer buffered also triggers a resync (at most one 
 ``min_resync_interval_s``, and none while one is under way), so a late consumer converges.
 
 Sockets are bound (never connected); a ``tcp`` port of 0 or ``*`` takes any free port and
-``endpoint`` / ``replay_endpoint`` then report the real one.
+``endpoint`` / ``replay_endpoint`` then report the real one; ``ipc://`` files are 0600 (bind.py).
+
+Memory held for clients is bounded in bytes, whatever they do (the process is vLLM's
+scheduler): each subscriber's queue by ``subscriber_max_bytes`` (every message is at most
+``MAX_MESSAGE_BYTES``, the socket queues at most ``subscriber_max_bytes / MAX_MESSAGE_BYTES``
+of them per subscriber, then drops for that subscriber alone), at most ``max_subscribers``
+connections per socket, a client that stops reading is disconnected after ``stall_timeout_s``
+(peers.py); the replay buffer by ``replay_max_bytes``, and replay answers are streamed, at most
+``replay_client_max_bytes`` queued per client and ``replay_max_clients`` answers at once
+(replay_streams.py). Drops are counted in ``stats()`` and logged once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -34,19 +44,20 @@ from typing import Callable, Iterable, Mapping
 import zmq
 
 from kvtier.config.schema import EventsConfig, endpoint_problem
+from kvtier.observe.events.bind import bind
 from kvtier.observe.events.convert import EventConverter, WireHash
 from kvtier.observe.events.metadata import MetadataLookup
+from kvtier.observe.events.peers import PeerWatch
 from kvtier.observe.events.replay import ReplayBuffer
+from kvtier.observe.events.replay_streams import ReplayStreams
 from kvtier.observe.events.resync import DEFAULT_CHUNK, ChunkedWalk, ResidentWalk
-from kvtier.observe.events.sender import PublisherThread
+from kvtier.observe.events.sender import MAX_MESSAGE_BYTES, PublisherThread
 from kvtier.manager import events as mgr
 from kvtier.manager.specs import BlockKey, Medium
 
 log = logging.getLogger(__name__)
 
 Resident = Callable[[], Mapping[Medium, Iterable[BlockKey]]]
-
-PUB_HWM = 100_000
 
 
 @dataclass
@@ -63,6 +74,15 @@ class PublisherStats:
     metadata_errors: int = 0
     last_seq: int = -1
     queued: int = 0
+    subscribers: int = 0  # connected now (tcp / ipc)
+    subscribers_dropped: int = 0  # stopped reading for stall_timeout_s: disconnected
+    subscribers_refused: int = 0  # beyond max_subscribers: disconnected at once
+    replay_clients: int = 0
+    replay_clients_dropped: int = 0
+    replay_clients_refused: int = 0
+    replay_busy: int = 0  # requests beyond replay_max_clients answers under way
+    replay_stalled: int = 0  # answers abandoned: the client stopped reading
+    replay_buffer_bytes: int = 0  # held by the replay buffer (at most replay_max_bytes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,16 +96,21 @@ class _Item:
     resident: Mapping[Medium, list[BlockKey]] | None = None  # then these as BlockStored
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://"):].rpartition(":")
-        if host.startswith("["):
-            sock.setsockopt(zmq.IPV6, 1)
-        if port in ("0", "*"):
-            sock.bind(f"tcp://{host}:*")
-            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    sock.bind(endpoint)
-    return endpoint
+def _messages(max_bytes: int) -> int:
+    """A socket's per-client message limit that keeps its queue within ``max_bytes``."""
+    return max(2, max_bytes // MAX_MESSAGE_BYTES)
+
+
+def _remove_ipc_file(endpoint: str | None) -> None:
+    """ZMQ removes the file it bound, which bind.py renamed: remove it under its real name."""
+    if endpoint is None or not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return
+    path = endpoint[len("ipc://"):]
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 class EventPublisher(PublisherThread):
@@ -120,8 +145,11 @@ class EventPublisher(PublisherThread):
         self._topic = config.topic.encode()
         self._max_queue = max_queue_events
         self._min_resync = min_resync_interval_s
-        self._buffer = (ReplayBuffer(config.buffer_batches) if replay_max_bytes is None
-                        else ReplayBuffer(config.buffer_batches, replay_max_bytes))
+        self._buffer = ReplayBuffer(config.buffer_batches, config.replay_max_bytes
+                                    if replay_max_bytes is None else replay_max_bytes)
+        self._streams = ReplayStreams(self._buffer, max_clients=config.replay_max_clients,
+                                      stall_s=config.stall_timeout_s)
+        self._watches: list[PeerWatch] = []
         self._stats = PublisherStats()
         self._lock = threading.Lock()
         self._queue: deque[_Item] = deque()
@@ -140,18 +168,28 @@ class EventPublisher(PublisherThread):
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
+        binding = config.endpoint
         try:
-            self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
-            self.endpoint = _bind(self._pub, config.endpoint)
+            self._pub.setsockopt(zmq.SNDHWM, _messages(config.subscriber_max_bytes))
+            self._watches.append(PeerWatch(self._pub, max_peers=config.max_subscribers,
+                                           stall_s=config.stall_timeout_s,
+                                           what="subscriber"))
+            self.endpoint = bind(self._pub, config.endpoint)
             self.replay_endpoint: str | None = None
             if config.replay_endpoint is not None:
+                binding = config.replay_endpoint
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM, config.buffer_batches + 16)
-                self.replay_endpoint = _bind(self._replay, config.replay_endpoint)
-        except zmq.ZMQError as exc:
+                self._replay.setsockopt(zmq.SNDHWM,
+                                        _messages(config.replay_client_max_bytes))
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full client: EAGAIN
+                self._watches.append(PeerWatch(self._replay, max_peers=config.max_subscribers,
+                                               stall_s=config.stall_timeout_s,
+                                               what="replay client"))
+                self.replay_endpoint = bind(self._replay, config.replay_endpoint)
+        except (zmq.ZMQError, OSError) as exc:
             self._close_sockets()
             self._ctx.term()
-            raise OSError(f"kvtier events: cannot bind {config.endpoint}: {exc}") from None
+            raise OSError(f"kvtier events: cannot bind {binding}: {exc}") from None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
@@ -286,6 +324,14 @@ class EventPublisher(PublisherThread):
             s = PublisherStats(**asdict(self._stats))
             s.queued = self._queued_events
         s.metadata_errors = self._converter.metadata_errors
+        for watch in self._watches:
+            prefix = "subscribers" if watch.what == "subscriber" else "replay_clients"
+            setattr(s, prefix, watch.counts.connected)
+            setattr(s, f"{prefix}_dropped", watch.counts.dropped)
+            setattr(s, f"{prefix}_refused", watch.counts.refused)
+        s.replay_busy = self._streams.counts.refused
+        s.replay_buffer_bytes = self._buffer.nbytes
+        s.replay_stalled = self._streams.counts.stalled
         return s
 
     def close(self, timeout: float = 5.0) -> None:
@@ -302,6 +348,8 @@ class EventPublisher(PublisherThread):
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         self._ctx.term()
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            _remove_ipc_file(endpoint)
 
     def __enter__(self) -> "EventPublisher":
         return self

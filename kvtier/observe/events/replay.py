@@ -3,16 +3,16 @@
 A consumer asks for everything after the last sequence number it saw (vLLM's protocol: an
 8-byte big-endian start sequence to a ROUTER socket). When the batches it needs are no longer
 buffered it is told so with a ``ReplayGap`` before the rest, never silently handed a partial
-history. Bounded by batch count and by bytes, whichever binds first.
+history. Bounded by batch count and by bytes (``events.replay_max_bytes``), whichever binds
+first; answers are streamed from here a few batches at a time (replay_streams.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from kvtier.config.schema import DEFAULT_EVENTS_REPLAY_MAX_BYTES as DEFAULT_MAX_BYTES
 from kvtier.observe.events.wire import ReplayGap
-
-DEFAULT_MAX_BYTES = 256 << 20
 
 
 class ReplayBuffer:
@@ -31,7 +31,8 @@ class ReplayBuffer:
         self._items.append((seq, payload))
         self._bytes += len(payload)
         self.last_seq = seq
-        while len(self._items) > self.max_batches or (self._bytes > self.max_bytes and len(self._items) > 1):
+        while len(self._items) > self.max_batches or (
+                self._bytes > self.max_bytes and len(self._items) > 1):
             _, old = self._items.popleft()
             self._bytes -= len(old)
 
@@ -45,6 +46,16 @@ class ReplayBuffer:
     @property
     def nbytes(self) -> int:
         return self._bytes
+
+    def get(self, seq: int) -> bytes | None:
+        """The batch numbered ``seq`` if still buffered."""
+        first = self.first_seq
+        if first < 0 or not first <= seq <= self.last_seq:
+            return None
+        i = seq - first  # the publisher numbers its batches without holes
+        if i < len(self._items) and self._items[i][0] == seq:
+            return self._items[i][1]
+        return next((p for s, p in self._items if s == seq), None)
 
     def reply(self, start: int) -> tuple[ReplayGap | None, list[tuple[int, bytes]]]:
         """Batches with ``seq >= start``, and a gap notice if some of them are gone."""

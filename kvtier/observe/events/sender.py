@@ -7,26 +7,33 @@ appends to the queue under the lock.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import time
 
 import zmq
 
+from kvtier.observe.events.peers import CHECK_INTERVAL_S
+from kvtier.observe.events.replay_streams import Sent
+from kvtier.observe.events.split import split_batch
 from kvtier.observe.events.wire import (
     END_SEQ,
-    GAP_SEQ,
     SEQ_BYTES,
     AllBlocksCleared,
     KvtierEventBatch,
     encode_batch,
-    encode_gap,
     seq_bytes,
 )
 
 log = logging.getLogger("kvtier.observe.events.publisher")  # the name operators already filter on
 
 MAX_BATCH_EVENTS = 1024  # wire events per batch when several publish() calls are coalesced
+# a larger encoded batch is split: with the sockets' message-count limits this bounds the bytes
+# queued per client (events.subscriber_max_bytes / replay_client_max_bytes)
+MAX_MESSAGE_BYTES = 64 << 10
 MAX_REPLAY_REQUESTS_PER_WAKE = 16
+STREAMING_POLL_MS = 20  # while replay answers wait for their clients to read
 
 
 class PublisherThread:
@@ -36,14 +43,24 @@ class PublisherThread:
         poller.register(self._wake_r, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        for watch in self._watches:
+            poller.register(watch.monitor, zmq.POLLIN)
+        idle_ms = int(CHECK_INTERVAL_S * 1000)
         try:
             while True:
-                ready = dict(poller.poll(0 if self._queue else 1000))
+                wait = 0 if self._queue else STREAMING_POLL_MS if self._streams else idle_ms
+                ready = dict(poller.poll(wait))
                 if self._wake_r in ready:
                     self._signalled = False
                     os.read(self._wake_r, 4096)
+                for watch in self._watches:
+                    if watch.monitor in ready:
+                        watch.on_events()
+                    watch.check()
                 if self._replay is not None and self._replay in ready:
                     self._serve_replay()
+                if self._streams:
+                    self._pump_replay()
                 with self._lock:
                     items = list(self._queue)
                     self._queue.clear()
@@ -65,6 +82,8 @@ class PublisherThread:
                 self._done.notify_all()
 
     def _close_sockets(self) -> None:
+        for watch in self._watches:
+            watch.close()
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=500)
@@ -97,6 +116,12 @@ class PublisherThread:
                 self._stats.send_errors += 1
             self._lost = True
             return
+        if len(payload) > MAX_MESSAGE_BYTES:
+            parts = split_batch(batch)
+            if parts is not None:
+                for part in parts:
+                    self._send(part)
+                return
         seq = self._seq
         try:
             self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
@@ -112,7 +137,9 @@ class PublisherThread:
             self._stats.last_seq = seq
 
     def _serve_replay(self) -> None:
+        """Take replay requests; each starts a stream (``_pump_replay`` sends it)."""
         assert self._replay is not None
+        now = time.monotonic()
         for _ in range(MAX_REPLAY_REQUESTS_PER_WAKE):
             try:
                 frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
@@ -124,23 +151,38 @@ class PublisherThread:
                 self._stats.bad_requests += bad
             if bad:
                 if len(frames) >= 2:  # tell the client it is done rather than let it hang
-                    self._reply(frames[0], b"", END_SEQ, b"")
+                    self._reply(frames[0], False, END_SEQ, b"")
                 continue
             client, start = frames[0], int.from_bytes(frames[2], "big")
-            gap, batches = self._buffer.reply(start)
-            if gap is not None:
-                with self._lock:
-                    self._stats.replay_gaps += 1
-                self._gap_seen = True
-                self._reply(client, self._topic, GAP_SEQ, encode_gap(gap))
-            for seq, payload in batches:
-                self._reply(client, self._topic, seq, payload)
-            self._reply(client, b"", END_SEQ, b"")
+            if not self._streams.start(client, start, now):  # busy: the end marker alone
+                if self._streams.counts.refused == 1:
+                    log.warning("kvtier events: %d replay answers under way; a further request"
+                                " gets an empty answer (events.replay_max_clients; logged once)",
+                                len(self._streams))
+                self._reply(client, False, END_SEQ, b"")
 
-    def _reply(self, client: bytes, topic: bytes, seq: int, payload: bytes) -> None:
+    def _pump_replay(self) -> None:
+        counts = self._streams.counts
+        gaps, stalled = counts.gaps, counts.stalled
+        self._streams.pump(self._reply, time.monotonic())
+        if counts.gaps > gaps:
+            with self._lock:
+                self._stats.replay_gaps += counts.gaps - gaps
+            self._gap_seen = True
+        if counts.stalled > stalled and stalled == 0:
+            log.warning("kvtier events: a replay client stopped reading its answer for %.0f s; "
+                        "abandoned (events.stall_timeout_s; logged once)", self._streams.stall_s)
+
+    def _reply(self, client: bytes, with_topic: bool, seq: int, payload: bytes) -> Sent:
+        topic = self._topic if with_topic else b""
         try:
             self._replay.send_multipart((client, b"", topic, seq_bytes(seq), payload),
                                         flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            with self._lock:
-                self._stats.send_errors += 1
+            return Sent.OK
+        except zmq.Again:  # its pipe holds replay_client_max_bytes: it has to read first
+            return Sent.FULL
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:  # anything but "that client has gone"
+                with self._lock:
+                    self._stats.send_errors += 1
+            return Sent.GONE
