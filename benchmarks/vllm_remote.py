@@ -66,7 +66,11 @@ class Instance:
         self.log = open(log_dir / f"{name}.log", "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)
+        self.ready: dict = {}
+
+    def wait_ready(self) -> "Instance":
         self.ready = self._answer()
+        return self
 
     def _answer(self) -> dict:
         for line in self.proc.stdout:
@@ -123,7 +127,8 @@ def phase_ttft(args, remote: dict, servers: list[Server], gpus: list[str], logs:
     lengths = [int(x) for x in args.lengths.split(",")]
     stored = {L: [tokens(L, 1000 * L + r) for r in range(args.reps)] for L in lengths}
     checked = {L: tokens(L, 7 * L + 1) for L in lengths}
-    a = Instance("A", gpus[0], "kvtier_remote", args, remote, logs, args.gpu_kv_bytes)
+    a = Instance("A", gpus[0], "kvtier_remote", args, remote, logs,
+                 args.gpu_kv_bytes).wait_ready()
     out: dict = {"start_s": {"A": a.ready["start_s"]}}
     want = {}
     try:
@@ -135,7 +140,8 @@ def phase_ttft(args, remote: dict, servers: list[Server], gpus: list[str], logs:
         out["stats_A"] = a.call(op="stats")
     finally:
         a.close()
-    b = Instance("B", gpus[-1], "kvtier_remote", args, remote, logs, args.gpu_kv_bytes)
+    b = Instance("B", gpus[-1], "kvtier_remote", args, remote, logs,
+                 args.gpu_kv_bytes).wait_ready()
     out["start_s"]["B"] = b.ready["start_s"]
     rows = {}
     try:
@@ -170,6 +176,8 @@ def phase_roundrobin(args, remote: dict | None, connector: str, gpus: list[str],
     kv = args.gpu_kv_bytes if two else args.gpu_kv_bytes // 2
     insts = [Instance(f"rr-{connector}-{i}", gpus[i % len(gpus)], connector, args, remote,
                       logs, kv) for i in range(2)]
+    for inst in insts:  # both engines start at once
+        inst.wait_ready()
     lock = threading.Lock()
     queues: list[list] = [[], []]
     cv = threading.Condition(lock)

@@ -40,33 +40,21 @@ import os
 import queue
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
-import kvtier
 from kvtier.config.schema import DiskTierConfig
 from kvtier.runtime import disk_wire as wire
+from kvtier.runtime.child_process import CHILD_CWD, child_environment, isolated_command
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStats, errors
 from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger(__name__)
 
-# appended, not put in PYTHONPATH: the directory may be a site-packages that must not shadow
-# the standard library
-_BOOT = ("import sys; sys.path.append(sys.argv[1]); "
-         "from kvtier.runtime.disk_server import main; sys.exit(main(sys.argv[1:]))")
-# The child maps the whole CPU pool, so whatever it imports can read and overwrite every cached
-# block. ``-I`` (isolated mode: no script/current directory on sys.path, no PYTHON* variables,
-# no user site-packages) and a fixed working directory keep a module planted in the directory
-# the server was started from (say a json.py in /tmp) out of it; kvtier itself is found in the
-# interpreter's site-packages (an editable install's finder included) or the directory passed
-# explicitly above.
-CHILD_CWD = "/"
 START_TIMEOUT_S = 120.0  # opening a large store checks its index and segments
 RESPAWN_AFTER_S = 5.0  # a lost child is replaced by the first call this long after the loss
 RESPAWN_MAX_S = 60.0  # backoff cap between failed replacements
@@ -82,12 +70,6 @@ def store_options(disk: DiskTierConfig) -> dict:
     the child."""
     return {"compression": disk.compression, "zstd_level": disk.zstd_level,
             "fsync": disk.fsync, "segment_bytes": disk.segment_bytes}
-
-
-def child_environment() -> dict[str, str]:
-    """This process's environment without the interpreter's own switches (``PYTHON*``: a
-    path, a start-up file, a hash seed ...); ``-I`` ignores them too, this says so twice."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
 
 
 class DiskProcessGone(errors.DiskWriteError):
@@ -152,10 +134,9 @@ class DiskProcess:
         """Start a child and connect to it (raises what the child's store raised)."""
         pairs = [socket.socketpair() for _ in range(self._connections)]
         spec = dict(self._spec, sockets=[b.fileno() for _, b in pairs])
-        here = str(Path(kvtier.__file__).resolve().parent.parent)  # kvtier importable there too
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, here, json.dumps(spec)],
+                isolated_command("kvtier.runtime.disk_server", spec),
                 pass_fds=[self._pool_fd, *spec["sockets"]], stdin=subprocess.DEVNULL,
                 cwd=CHILD_CWD, env=child_environment())
         finally:

@@ -23,18 +23,15 @@ import json
 import logging
 import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from pathlib import Path
 from typing import Sequence
 
-import kvtier
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.disk_process import CHILD_CWD, child_environment
+from kvtier.runtime.child_process import CHILD_CWD, child_environment, isolated_command
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.remote.block_io import BlockIOStats, FetchResult
 from kvtier.tiers.remote.health import RemoteHealth
@@ -44,11 +41,10 @@ from kvtier.tiers.remote.store import RemoteUnavailable
 
 log = logging.getLogger(__name__)
 
-_BOOT = ("import sys; sys.path.append(sys.argv[1]); "
-         "from kvtier.runtime.remote_server import main; sys.exit(main(sys.argv[1:]))")
 START_TIMEOUT_S = 30.0
 RESPAWN_AFTER_S = 5.0
-MIN_BLOCKS_PER_CHILD = 2  # a smaller share costs a round trip for too few bytes
+MIN_BLOCKS_PER_CHILD = 8  # a smaller share costs a round trip for too few bytes; larger
+# shares keep each child's pipeline deep and leave the other children to concurrent jobs
 
 
 class _Child:
@@ -115,10 +111,9 @@ class RemoteIOProcesses:
     def _spawn(self, child: _Child) -> None:
         mine, theirs = socket.socketpair()
         spec = dict(self._spec, socket=theirs.fileno())
-        here = str(Path(kvtier.__file__).resolve().parent.parent)
         try:
             child.proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, here, json.dumps(spec)],
+                isolated_command("kvtier.runtime.remote_server", spec),
                 pass_fds=[self.pool.shared_fd, theirs.fileno()], stdin=subprocess.DEVNULL,
                 cwd=CHILD_CWD, env=child_environment())
         except OSError as exc:

@@ -22,8 +22,8 @@ from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import TransferOutcome
 
 
-WRITE_JOBS = 4  # CPU -> REMOTE jobs at once (each spread over the I/O processes)
-READ_JOBS = 4
+WRITE_JOBS = 8  # CPU -> REMOTE jobs at once (each spread over the I/O processes)
+READ_JOBS = 8
 
 
 class SlotRemote(Protocol):

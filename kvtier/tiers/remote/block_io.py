@@ -282,9 +282,10 @@ class RemoteBlockIO:
             return self._reject(block_key, f"layout version {h.layout_version}")
         if h.codec != CODEC_NONE or h.raw_len != len(out) or h.stored_len != len(out):
             return self._reject(block_key, "lengths or codec do not match the slot")
-        if self.tag_bytes and not self._tag_ok(record_key, out, tag):
-            return self._reject(block_key, "no valid MAC tag", forged=True)
-        if data_checksum(record_key, out) != h.data_checksum:
+        if self.tag_bytes:  # the keyed tag covers what the checksum covers, and forgery
+            if not self._tag_ok(record_key, out, tag):
+                return self._reject(block_key, "no valid MAC tag", forged=True)
+        elif data_checksum(record_key, out) != h.data_checksum:
             return self._reject(block_key, "corrupt: payload checksum mismatch")
         return "hit"
 
