@@ -1,7 +1,20 @@
-"""How one load job becomes transfer hops, and how its result becomes failed keys.
+"""How one load becomes transfer hops, and how its result becomes failed keys: both here.
+
+A load's stages, one name each, from plan to completion:
+
+1. ``LoadPlan`` (:mod:`kvtier.manager`): the keys the manager pinned, their CPU slots, which
+   ones it promotes from disk / the shared tier and which join another load's promotion;
+2. the vLLM connector's scheduler hands it to every worker as a ``LoadJob``
+   (:mod:`kvtier.connectors.vllm.metadata`) and keeps a ``HandedJob`` in its ledger
+   (:mod:`kvtier.connectors.vllm.scheduler.ledger`) until all workers reported it;
+3. a worker (or ``kvtier bench``, or the reliability rig) turns it into chained hops
+   (``load_hops``, after ``excluded_keys``) and submits them as one transfer job;
+4. the transfer engine answers with a ``JobResult`` (:mod:`kvtier.transfer.jobs`);
+5. ``load_outcome`` reads that result as a ``LoadOutcome``: keys failed (transiently or not),
+   engine blocks not to trust, what a joined load must not copy, what the hops measured.
 
 The vLLM connector's worker side, ``kvtier bench`` and the reliability rig all load through
-these two functions, so the bytes that the benchmark and the fault-injection figures check
+these functions, so the bytes that the benchmark and the fault-injection figures check
 move along exactly the path vLLM runs (one production path):
 
 * ``load_hops``: DISK -> CPU for the keys a plan promotes, then CPU -> GPU for every key
@@ -16,7 +29,8 @@ move along exactly the path vLLM runs (one production path):
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+from dataclasses import dataclass
+from typing import Collection, Iterable, Sequence
 
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.transfer.jobs import Hop, JobResult
@@ -82,3 +96,60 @@ def measured_hops(result: JobResult) -> list[tuple[Medium, int, float]]:
     if result.error is not None:
         return []
     return [(src, nbytes, seconds) for (src, _), nbytes, seconds in result.hops if nbytes > 0]
+
+
+def excluded_keys(keys: Sequence[BlockKey], joined: Sequence[bool],
+                  promotion_failures: Iterable[Collection[BlockKey]]) -> frozenset[BlockKey]:
+    """Joined keys (``joined[i]``: another load promotes ``keys[i]``) that a promotion they
+    joined could not read: the load must not copy them (their CPU slots hold nothing) and
+    fails them. ``promotion_failures``: what each joined promotion failed to read."""
+    excluded: set[BlockKey] = set()
+    for failed in promotion_failures:
+        excluded |= set(failed)
+    if excluded:
+        excluded &= {key for key, j in zip(keys, joined or ()) if j}
+    return frozenset(excluded)
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    """What one finished load means (``load_outcome``).
+
+    ``failed``: keys not read from their tier, in key order (the manager forgets them), and
+    ``transient``: those of them that failed transiently. ``untrusted_gpu_ids``: engine blocks
+    the load did not fill (vLLM recomputes them). ``promotion_failed``: the promoted disk keys
+    it failed to read, for loads that joined its promotion (None: it promoted none).
+    ``measured``: (source medium, bytes, seconds) per hop, for the cost model."""
+
+    failed: tuple[BlockKey, ...]
+    transient: tuple[BlockKey, ...]
+    untrusted_gpu_ids: frozenset[int]
+    promotion_failed: frozenset[BlockKey] | None
+    measured: tuple[tuple[Medium, int, float], ...]
+
+
+def load_outcome(result: JobResult, keys: Sequence[BlockKey], from_disk: Sequence[bool],
+                 gpu_ids: Sequence[int], per_block: int, excluded: Collection[BlockKey] = (),
+                 from_remote: Sequence[bool] = (), unloaded_gpu_ids: Sequence[int] = ()
+                 ) -> LoadOutcome:
+    """Read the result of the load ``load_hops`` built from the same arguments.
+    ``unloaded_gpu_ids``: engine blocks that no tier could supply in the first place."""
+    disk_keys = {key for key, d in zip(keys, from_disk) if d} if any(from_disk) else set()
+    remote_keys = ({key for key, d in zip(keys, from_remote) if d}
+                   if any(from_remote) else set())
+    failed = failed_load_keys(result, disk_keys, excluded, remote_keys)
+    bad_gpu: set[int] = set(unloaded_gpu_ids)
+    if gpu_untrusted(result):
+        bad_gpu.update(gpu_ids)  # whatever reached the GPU is not trusted
+    failed_keys: tuple[BlockKey, ...] = ()
+    transient_keys: tuple[BlockKey, ...] = ()
+    if failed:
+        for i, key in enumerate(keys):
+            if key in failed:
+                bad_gpu.update(gpu_ids[i * per_block:(i + 1) * per_block])
+        failed_keys = tuple(k for k in keys if k in failed)
+        if transient := transient_load_keys(result, failed):
+            transient_keys = tuple(k for k in keys if k in transient)
+    return LoadOutcome(failed_keys, transient_keys, frozenset(bad_gpu),
+                       frozenset(failed & disk_keys) if disk_keys else None,
+                       tuple(measured_hops(result)))

@@ -15,7 +15,8 @@ from kvtier.bench.trace import TraceRequest
 from kvtier.config import load_config
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.runtime import worker as worker_mod
-from kvtier.runtime.load_job import failed_load_keys, gpu_untrusted, load_hops, measured_hops
+from kvtier.runtime.load_job import (excluded_keys, failed_load_keys, gpu_untrusted, load_hops,
+                                     load_outcome, measured_hops)
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.jobs import JobResult
 
@@ -46,6 +47,35 @@ def test_unreadable_records_fail_alone():
     assert failed_load_keys(r, [b"a", b"b"]) == {b"b"}
     assert not gpu_untrusted(r)
     assert measured_hops(r) == [(Medium.DISK, 10, 0.5)]
+
+
+def test_only_joined_keys_that_a_joined_promotion_failed_are_excluded():
+    keys, joined = [b"a", b"b", b"c"], [False, True, True]
+    # b"a" failed in a promotion too, but this load reads it itself: not excluded
+    assert excluded_keys(keys, joined, [{b"a", b"b"}, set()]) == {b"b"}
+    assert excluded_keys(keys, joined, []) == frozenset()
+    assert excluded_keys(keys, (), [{b"b"}]) == frozenset()  # joined nothing
+
+
+def test_a_load_outcome_names_failed_keys_their_blocks_and_what_joined_loads_miss():
+    keys, from_disk = [b"a", b"b", b"c"], [True, True, False]
+    r = JobResult(1, False, None, (b"b", b"c"), 0, 0.0, CPU_TO_GPU,
+                  ((DISK_TO_CPU, 10, 0.5), (CPU_TO_GPU, 30, 0.1)), transient_keys=(b"b",))
+    out = load_outcome(r, keys, from_disk, gpu_ids=[1, 2, 3, 4, 5, 6], per_block=2,
+                       unloaded_gpu_ids=[9])
+    assert out.failed == (b"b", b"c") and out.transient == (b"b",)  # key order
+    assert out.untrusted_gpu_ids == {3, 4, 5, 6, 9}
+    assert out.promotion_failed == {b"b"}  # of the promoted keys only
+    assert out.measured == ((Medium.DISK, 10, 0.5), (Medium.CPU, 30, 0.1))
+
+
+def test_a_load_outcome_after_a_hop_raised_trusts_no_block_and_measures_nothing():
+    r = result("boom", CPU_TO_GPU, hops=[(CPU_TO_GPU, 100, 0.1)])
+    out = load_outcome(r, [b"a", b"b"], [False, False], gpu_ids=[1, 2], per_block=1,
+                       excluded=[b"b"])
+    assert out.failed == (b"b",) and out.transient == ()
+    assert out.untrusted_gpu_ids == {1, 2} and out.measured == ()
+    assert out.promotion_failed is None  # it promoted nothing: no joined load waits on it
 
 
 def test_hops_promote_then_copy_all_but_excluded():

@@ -28,10 +28,15 @@ from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger(__name__)
 
-EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes")
+EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes", "whole_tail_layer_bytes")
 DEFAULT_SYNC_LOAD_BUDGET = 4 << 30
 """Per engine step, CPU hits up to this many bytes (per rank) load inside the step that
-computes their request (see ``scheduler_side``); 4 GiB covers a 32k-token Llama-8B prefix."""
+computes their request (see ``scheduler/side.py``); 4 GiB covers a 32k-token Llama-8B prefix."""
+DEFAULT_WHOLE_TAIL_LAYER_BYTES = 24 << 20
+"""A hit reaching the prompt's last token loads its last block whole (one token computed) up
+to this many bytes of hit per layer; beyond it the hit is cut a block short, so the forward's
+layers can follow the copy layer by layer (``scheduler/hit_claim.py``; the A/B that set it is
+in benchmarks/results/vllm_e2e_*.md)."""
 HMA_FLAG = "--disable-hybrid-kv-cache-manager"
 UNSTABLE_HASHES = ("xxhash", "xxhash_cbor")  # random per-process seed unless PYTHONHASHSEED
 
@@ -62,7 +67,7 @@ class ConnectorSettings:
     kv_dtype: str  # dtype of the cache pages (informational part of the geometry)
     identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
-    whole_tail_layer_bytes: int = 24 << 20  # per layer of the hit: connectors/hit_claim.py
+    whole_tail_layer_bytes: int = DEFAULT_WHOLE_TAIL_LAYER_BYTES  # per layer of the hit
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
@@ -126,18 +131,28 @@ class ConnectorSettings:
         return [self.geometry(r) for r in self.disk_ranks()]
 
 
-def sync_load_budget(extra: Mapping[str, Any] | None) -> int:
-    """``kv_connector_extra_config.sync_load_budget_bytes``: bytes (``"2GiB"`` works too) of
-    CPU hits per step loaded synchronously; 0 loads every hit asynchronously."""
-    value = (extra or {}).get("sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET)
+def _extra_bytes(extra: Mapping[str, Any] | None, key: str, default: int) -> int:
+    """``kv_connector_extra_config[key]``: a byte count >= 0 (``"2GiB"`` works too)."""
+    value = (extra or {}).get(key, default)
     try:
         n = parse_size(value)
     except (ValueError, TypeError) as exc:
-        raise ConnectorSetupError(
-            f"kv_connector_extra_config.sync_load_budget_bytes: {exc}") from None
+        raise ConnectorSetupError(f"kv_connector_extra_config.{key}: {exc}") from None
     if n < 0:
-        raise ConnectorSetupError("kv_connector_extra_config.sync_load_budget_bytes must be >= 0")
+        raise ConnectorSetupError(f"kv_connector_extra_config.{key} must be >= 0")
     return n
+
+
+def sync_load_budget(extra: Mapping[str, Any] | None) -> int:
+    """``kv_connector_extra_config.sync_load_budget_bytes``: bytes (``"2GiB"`` works too) of
+    CPU hits per step loaded synchronously; 0 loads every hit asynchronously."""
+    return _extra_bytes(extra, "sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET)
+
+
+def whole_tail_layer_bytes(extra: Mapping[str, Any] | None) -> int:
+    """``kv_connector_extra_config.whole_tail_layer_bytes``: bytes per layer of a hit up to
+    which its last block is loaded whole (``DEFAULT_WHOLE_TAIL_LAYER_BYTES``); 0: never."""
+    return _extra_bytes(extra, "whole_tail_layer_bytes", DEFAULT_WHOLE_TAIL_LAYER_BYTES)
 
 
 def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
@@ -149,7 +164,7 @@ def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
         raise ConnectorSetupError(
             f"kv_connector_extra_config: unknown key(s) {unknown}; kvtier reads "
             f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline), "
-            f"and 'sync_load_budget_bytes'"
+            f"and 'sync_load_budget_bytes', 'whole_tail_layer_bytes'"
         )
     if "config" in extra and "kvtier" in extra:
         raise ConnectorSetupError(
@@ -223,7 +238,7 @@ def _check_spec(spec: Any) -> int | None:
 
 def kv_events_enabled(vllm_config: Any) -> bool:
     """Whether vLLM publishes KV events (``--kv-events-config``): only then do kvtier's events
-    need token ids and wire hashes on vLLM's path, which cost ~15 us per block on every hit."""
+    need token ids and wire hashes on vLLM's path, a cost per block on every hit."""
     cfg = getattr(vllm_config, "kv_events_config", None)
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
@@ -303,6 +318,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         identity=_model_identity(vllm_config, spec, layout, hash_algo)
         + (f";groups={'/'.join(g.kind for g in hybrid)}" if len(groups) > 1 else ""),
         sync_load_budget_bytes=sync_load_budget(extra),
+        whole_tail_layer_bytes=whole_tail_layer_bytes(extra),
         vllm_kv_events=kv_events_enabled(vllm_config),
         groups=hybrid,
         replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
@@ -321,6 +337,7 @@ def describe(settings: ConnectorSettings) -> str:
         "disk_blocks": c.disk_blocks(settings.block_bytes),
         "disk": str(c.disk.path) if c.disk is not None else None,
         "sync_load_budget_bytes": settings.sync_load_budget_bytes,
+        "whole_tail_layer_bytes": settings.whole_tail_layer_bytes,
         "kv_cache_groups": [g.kind + (f"(window {g.sliding_window})" if g.sliding_window else "")
                             for g in settings.groups],
     })

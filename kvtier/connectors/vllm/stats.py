@@ -59,6 +59,15 @@ class KVTierStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
+    def take(self) -> "KVTierStats | None":
+        """What was counted since the last take (None: nothing), counting on from zero. The
+        object stays the one its collaborators add to."""
+        if self.is_empty():
+            return None
+        out = KVTierStats()
+        out.data, self.data = self.data, {}
+        return out
+
 
 def direction_delta(now: Mapping[str, DirectionStats],
                     before: Mapping[str, DirectionStats]) -> dict[str, DirectionStats]:

@@ -168,7 +168,7 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     """A store still copying a block out is fenced before a load handed over at plan time
     writes into that block (the step's ``flush`` is built only later, in build_meta)."""
     from kvtier.connectors.vllm.metadata import LoadJob
-    from kvtier.connectors.vllm.worker.jobs import Running
+    from kvtier.connectors.vllm.worker.jobs import InFlight
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     ws = rig.worker_side()
@@ -177,14 +177,14 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     fence, submit_chain = engine.fence, engine.submit_chain
     engine.fence = lambda ids: calls.append(("fence", list(ids)))
     engine.submit_chain = lambda hops, job_id: calls.append(("load", job_id))
-    ws._running[900] = Running("store", "r-old")  # a store of the block's previous owner
-    ws._running[901] = Running("background")
+    ws.jobs.running[900] = InFlight("store", "r-old")  # a store of the block's previous owner
+    ws.jobs.running[901] = InFlight("background")
     job = LoadJob(job_id=902, req_id="r-new", keys=("k",), cpu_slots=(0,), from_disk=(False,),
                   gpu_ids=tuple(range(1, 1 + ws.settings.engine_blocks_per_block)), sync=True)
     ws.submit_ahead(job, flush=(900, 901, 777))
     assert calls == [("fence", [900]), ("load", 902)]
     engine.fence, engine.submit_chain = fence, submit_chain
-    del ws._running[900], ws._running[901], ws._running[902]
+    del ws.jobs.running[900], ws.jobs.running[901], ws.jobs.running[902]
     rig.close()
 
 
@@ -290,8 +290,8 @@ def test_stores_of_a_request_whose_sync_load_failed_wait_until_the_scheduler_saw
         return ws.build_worker_meta()
 
     def stored(job_id, slot):
-        ws.runtime.engine.wait([job_id], timeout=30) if job_id in ws._running else None
-        ws._poll()
+        ws.runtime.engine.wait([job_id], timeout=30) if job_id in ws.jobs.running else None
+        ws.jobs.poll()
         want = torch.cat([layer.pages[:, b].reshape(-1) for b in gpu for layer in view.layers])
         return torch.equal(pool.slot(slot).view(-1), want.view(torch.uint8).view(-1))
 

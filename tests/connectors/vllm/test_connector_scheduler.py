@@ -62,12 +62,13 @@ def test_a_hit_reaching_the_last_token_claims_all_but_that_token(model_dir):
     """vLLM computes at least the last prompt token. A hit of every block is reported one token
     short and its last block loaded whole (the step computes one token: a full CUDA graph on a
     GPU), and the KV vLLM then holds is exact. Its load is marked ``whole`` (that forward waits
-    for all of it: the CUDA handler copies it in one piece). With ``whole_tail_max_bytes``
-    below the hit the cut falls at the block before (a block of tokens computed), and the load
-    is not whole (the forward's layers may follow the copy layer by layer)."""
-    for tail_max, claimed in ((float("inf"), 63), (0, 48)):
-        rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
-        rig.side.whole_tail_max_bytes = tail_max
+    for all of it: the CUDA handler copies it in one piece). With ``whole_tail_layer_bytes``
+    (kv_connector_extra_config) below the hit the cut falls at the block before (a block of
+    tokens computed), and the load is not whole (the forward's layers may follow the copy
+    layer by layer)."""
+    for tail_layer_bytes, claimed in (("1TiB", 63), (0, 48)):
+        rig = make_rig(model_dir, dict(kvtier_config(cpu_blocks=32),
+                                       whole_tail_layer_bytes=tail_layer_bytes))
         make = vh.RequestMaker(BS)
         prompt = vh.random_tokens(64, seed=3)  # exactly 4 blocks
         rig.loop.add(make(prompt, max_tokens=2))
@@ -193,7 +194,7 @@ def test_disk_tier_reload_after_cpu_eviction_is_byte_exact(model_dir, tmp_path):
     assert load.from_disk == (True,) * 4
     # one promotion timed as the scheduler saw it, plan -> settle (promotion_clock.py)
     assert [(x[0], x[1]) for x in samples] == [(Medium.DISK, 4 * rig.side.settings.block_bytes)]
-    assert samples[0][2] > 0 and len(rig.side._promotions) == 0
+    assert samples[0][2] > 0 and len(rig.side.settler.clock) == 0
     assert rig.loop.prefill[b.request_id] == (0, 64)
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
@@ -286,13 +287,14 @@ def test_stores_are_planned_a_step_late_and_submitted_before_that_steps_forward(
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32), after_forward=after_forward)
     ws = rig.worker_side()
-    original = ws._submit_store
+    original = ws.jobs.submit_stores
 
-    def submit(rt, job):
-        submitted.append((job.job_id, job.this_step, phase["forward_done"]))
-        original(rt, job)
+    def submit(stores, *, this_step):
+        submitted.extend((job.job_id, job.this_step, phase["forward_done"])
+                         for job in stores if job.this_step == this_step)
+        original(stores, this_step=this_step)
 
-    ws._submit_store = submit
+    ws.jobs.submit_stores = submit
     make = vh.RequestMaker(BS)
     a = make(vh.random_tokens(40, seed=21), max_tokens=3)
     rig.loop.add(a)

@@ -90,12 +90,12 @@ def test_unregister_waits_for_stores_in_flight(model_dir):
     for _ in range(3):
         rig.loop.step()
     ws = rig.worker_side()
-    assert any(r.kind == "store" for r in ws._running.values())
+    assert any(r.kind == "store" for r in ws.jobs.running.values())
     threading.Timer(0.3, gate.open).start()
     t0 = time.monotonic()
     rig.workers[0].unregister_kv_caches()
     assert time.monotonic() - t0 >= 0.25
-    assert not any(r.kind == "store" for r in ws._running.values())
+    assert not any(r.kind == "store" for r in ws.jobs.running.values())
     rig.workers[0].restore_kv_caches()
     settle(rig)
     assert bad_checks(rig) == []

@@ -81,7 +81,7 @@ def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(model_dir, 
 def test_a_key_is_transient_only_if_no_rank_failed_it_otherwise():
     """Worker reports are summed across ranks, possibly over several steps: a key corrupt on
     one rank and unreadable for a moment on another is corruption, not a transient failure."""
-    from kvtier.connectors.vllm.scheduler.ledger import Job, JobLedger
+    from kvtier.connectors.vllm.scheduler.ledger import HandedJob, JobLedger
     from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata as Meta
 
     r0 = Meta(done={1: 1, 2: 1, 3: 1}, failed={1: (b"x", b"y"), 2: (b"z",), 3: (b"w",)},
@@ -90,7 +90,7 @@ def test_a_key_is_transient_only_if_no_rank_failed_it_otherwise():
     both = r0.aggregate(r1)
     assert set(both.failed[1]) == {b"x", b"y"} and both.transient == {1: (b"x",), 3: (b"w",)}
     ledger = JobLedger(world_size=2)
-    ids = [ledger.add(Job("load")) for _ in range(3)]
+    ids = [ledger.add(HandedJob("load")) for _ in range(3)]
     ((one, job1),) = ledger.record(both)
     assert one == ids[0] and job1.failed == {b"x", b"y"} and job1.transient == {b"x"}
     later = Meta(done={2: 1, 3: 1}, failed={2: (b"z",), 3: (b"w",)},

@@ -18,9 +18,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvtier.manager.specs import Medium
-from kvtier.transfer import JobResult
-
 if TYPE_CHECKING:
     from kvtier.connectors.vllm.worker.side import WorkerSide
 
@@ -37,18 +34,9 @@ def _addresses(ws: "WorkerSide") -> tuple[int, ...]:
 def unregister(ws: "WorkerSide") -> None:
     if ws.asleep:
         return
-    rt = ws.runtime
-    if rt is not None:
-        ws._poll()
-        gpu_jobs = [j for j, r in ws._running.items() if r.kind in ("load", "store")]
-        for result in rt.engine.wait(gpu_jobs) if gpu_jobs else ():
-            ws._on_result(result)
-        for job in ws._deferred:  # loads waiting for a promotion: never reach the GPU now
-            ws._running.setdefault(job.job_id, _running_load(job))
-            first = (Medium.DISK, Medium.CPU) if any(job.from_disk) else (Medium.CPU, Medium.GPU)
-            ws._on_result(JobResult(job.job_id, False, ASLEEP, (), 0, 0.0, first))
-        ws._deferred = []
-    ws._sleep_addresses = _addresses(ws)
+    if ws.runtime is not None:
+        ws.jobs.quiesce(ASLEEP)  # loads waiting for a promotion: never reach the GPU now
+    ws.sleep_addresses = _addresses(ws)
     ws.asleep = True
     log.info("kvtier: worker rank %d: KV caches unregistered for sleep; CPU and disk tiers "
              "kept", ws.tp_rank)
@@ -58,15 +46,9 @@ def restore(ws: "WorkerSide") -> None:
     if not ws.asleep:
         return
     now = _addresses(ws)
-    if now != ws._sleep_addresses:
+    if now != ws.sleep_addresses:
         log.error("kvtier: worker rank %d: KV cache addresses changed across sleep; GPU "
                   "transfers stay off (hits are recomputed)", ws.tp_rank)
         return
     ws.asleep = False
     log.info("kvtier: worker rank %d: KV caches restored after wake-up", ws.tp_rank)
-
-
-def _running_load(job):
-    from kvtier.connectors.vllm.worker.jobs import Running
-
-    return Running("load", job.req_id, job)

@@ -4,14 +4,14 @@ vLLM computes at least the prompt's last token. A hit that reaches it is reporte
 short and its last block is still loaded whole (the forward then rewrites that one token's KV,
 ordered after the copy): the step computes one token, a batch vLLM runs as one full CUDA
 graph. A hit cut at the block before would leave a block of tokens to a piecewise forward
-(eager attention per layer: ~0.6 ms of host time per layer on an H100, more than a small hit's
-whole copy). Above ``whole_max_bytes`` the cut is at the block before instead, which lets the
+(eager attention per layer: host time per layer that is more than a small hit's whole
+copy). Above ``whole_max_bytes`` the cut is at the block before instead, which lets the
 forward's layers follow a long copy layer by layer (layer_fences.py).
 
-Measured on an H100 (``vllm_e2e.py --connectors kvtier_ab_tail``): the whole block won at
-8-16 MiB per layer of the hit (Llama-1B 1k: 10.7 vs 16.4 ms; 8B 2k: 16.6 vs 22.7), the cut at
-32 MiB (8B 8k: 29.2 vs 35.0 ms), hence 24 MiB per layer (``whole_tail_layer_bytes``): about
-what one layer's copy moves in the host time a piecewise layer costs.
+A paired A/B in real vLLM settled the bound: the whole block won for small hits per layer,
+the cut for large ones, hence 24 MiB per layer (``whole_tail_layer_bytes``, a
+``kv_connector_extra_config`` key): about what one layer's copy moves in the host time a
+piecewise layer costs (figures: docs/design-measurements.md).
 """
 
 from __future__ import annotations

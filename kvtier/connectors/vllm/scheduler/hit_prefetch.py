@@ -1,9 +1,9 @@
 """A synchronous CPU hit's copy started at the lookup, before vLLM allocates its blocks.
 
 Why: between ``get_num_new_matched_tokens`` and ``update_state_after_alloc`` vLLM allocates the
-request's blocks and kvtier pins and plans the load: 1.3 ms for an 8k prompt of the Llama-8B
-shape on the lent H100, 4.7 ms for 32k, all of it before the copy (the hit's critical path)
-could start. The lookup already knows the CPU slots, so with the worker in this thread
+request's blocks and kvtier pins and plans the load, milliseconds for a long prompt, all of
+it before the copy (the hit's critical path) could start (figures:
+docs/design-measurements.md). The lookup already knows the CPU slots, so with the worker in this thread
 (:mod:`..handoff`) it names them to the worker, whose load handler starts the host -> staging
 half of the copy's first pieces (:mod:`kvtier.transfer.cuda.prefetch`). The load planned right
 after uses them if its slots are the same; any other step of the scheduler (the next lookup,

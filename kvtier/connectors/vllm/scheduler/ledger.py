@@ -1,7 +1,8 @@
 """The scheduler's ledger of jobs handed to workers and not yet settled.
 
 Every job (load, store, background move) is sent to all workers; each worker reports it once
-when its part is done. The ledger adds those reports up and releases a job when all
+when its part is done. A :class:`HandedJob` is the scheduler's record of one such job while it
+awaits those reports (a load's stages are named in :mod:`kvtier.runtime.load_job`). The ledger adds those reports up and releases a job when all
 ``world_size`` workers reported it: only then may the manager publish or free what the job's
 prepare call pinned. Failed keys and errors are unioned / counted across workers, so one bad
 worker fails the job for all.
@@ -20,7 +21,9 @@ Kind = Literal["load", "store", "background"]
 
 
 @dataclass
-class Job:
+class HandedJob:
+    """A job handed to every worker: what settling it needs, and the workers' reports so far."""
+
     kind: Kind
     req_id: str | None = None
     keys: tuple[BlockKey, ...] = ()
@@ -50,15 +53,15 @@ class JobLedger:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self._ids = count(1)
-        self.pending: dict[int, Job] = {}
+        self.pending: dict[int, HandedJob] = {}
         self.unknown_reports = 0  # reports for ids never issued (ignored, counted)
 
-    def add(self, job: Job) -> int:
+    def add(self, job: HandedJob) -> int:
         job_id = next(self._ids)
         self.pending[job_id] = job
         return job_id
 
-    def record(self, meta: KVTierWorkerMetadata) -> list[tuple[int, Job]]:
+    def record(self, meta: KVTierWorkerMetadata) -> list[tuple[int, HandedJob]]:
         """Apply one step's aggregated reports; returns the jobs now complete, by id."""
         for job_id, keys in meta.failed.items():
             job = self.pending.get(job_id)
@@ -69,7 +72,7 @@ class JobLedger:
             job = self.pending.get(job_id)
             if job is not None:
                 job.errors += n
-        complete: list[tuple[int, Job]] = []
+        complete: list[tuple[int, HandedJob]] = []
         for job_id, n in meta.done.items():
             job = self.pending.get(job_id)
             if job is None:

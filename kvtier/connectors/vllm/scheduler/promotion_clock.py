@@ -3,10 +3,9 @@
 Why: the cost model used to learn a disk hit's cost from the worker's DISK -> CPU hop alone
 (the seconds the read took). A request whose hit is promoted asynchronously waits longer than
 that: for engine steps to see the read finish, then for the step that loads it into the GPU.
-In real vLLM on the lent H100, with the disk served by its own process (reads at 7-10 GB/s
-from the page cache), 1B-shape disk hits of 1k and 8k tokens were loaded, and took 17-20 and
-50-72 ms where recomputing took 14.5 and 43 ms: the hop said "fast", the request said
-"slower". So the scheduler times each of its own promotions from planning to settling; the
+In real vLLM, disk hits whose reads were fast were loaded and still took longer than
+recomputing them: the hop said "fast", the request said "slower" (figures:
+docs/design-measurements.md). So the scheduler times each of its own promotions from planning to settling; the
 hops keep teaching the tier's bandwidth (a wall time would fold a fixed wait into it, and a
 1k hit's wait then made 8k hits look slower than they are), and the time beyond the hops
 becomes the tier's fixed cost per load (``LoadCostModel.record_promotion``).

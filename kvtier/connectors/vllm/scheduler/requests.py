@@ -77,6 +77,12 @@ class RequestTrack:
         return self.load_job is None and not self.store_jobs and not self.store_due
 
 
+def drop_if_done(tracks: dict[str, RequestTrack], t: RequestTrack) -> None:
+    """Forget a finished request once nothing of it is in flight or still to be planned."""
+    if t.finished and t.idle:
+        tracks.pop(t.req_id, None)
+
+
 class KeyMap:
     """Maps a request's kvtier block index to its key and to its engine block ids.
 

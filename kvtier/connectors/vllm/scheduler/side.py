@@ -15,20 +15,24 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
 * ``build_meta``: stores of every block that the *previous* steps completed (write-through,
   admission and per-request ``kv_transfer_params`` applied), the manager's background moves,
   and the fence: store jobs whose source blocks are written this step. Stores are planned one
-  step late on purpose: planning a 512-block store costs the scheduler ~5-10 ms and its
+  step late on purpose: planning a large store costs the scheduler milliseconds and its
   GPU -> CPU copy, queued right behind the forward, holds up the sampled tokens' own device
-  -> host copy (the copy engine serves them in order: ~4.8 ms for 256 MiB on an H100), so a
-  request that stores would pay both before its first token. One step later both run after
-  its token is out, and the copy overlaps the next step's forward instead of its output.
+  -> host copy (the copy engine serves them in order), so a request that stores would pay
+  both before its first token (figures: docs/design-measurements.md). One step later both
+  run after its token is out, and the copy overlaps the next step's forward instead of its
+  output.
   Sliding-window and hybrid models plan in the step itself: vLLM frees a running request's
   blocks that leave the window at the next step's allocation, before a late plan could read
   them. With vLLM's async scheduling "the next step" is launched before the prompt step's
-  token is returned, so a prompt's store waits one step more (``_first_token_pending``).
-* ``on_worker_output``: counts worker reports per job; a complete job settles the manager's
-  prepare call (``complete_load`` with the failed keys, ``complete_store``,
-  ``complete_background``). A load that joined a promotion settles after it.
+  token is returned, so a prompt's store waits one step more (``first_token_pending``).
+* ``on_worker_output``: counts worker reports per job (:mod:`ledger`); a complete job settles
+  the manager's prepare call (``complete_load`` with the failed keys, ``complete_store``,
+  ``complete_background``). A load that joined a promotion settles after it (:mod:`settle`).
 * ``request_finished``: delay freeing a request's blocks while its stores are in flight or
   still to be planned (its last step's blocks).
+
+Stores are planned by a :class:`StorePlanner`, jobs settled by a :class:`JobSettler`: both
+are collaborators built here, with their own state and explicit methods.
 """
 
 from __future__ import annotations
@@ -45,19 +49,19 @@ from kvtier.connectors.vllm.group_keys import GroupKeyMap
 from kvtier.connectors.vllm.scheduler.hit_claim import claim
 from kvtier.connectors.vllm.scheduler.hit_prefetch import HitPrefetch
 from kvtier.connectors.vllm.recompute import RecomputeEstimate
-from kvtier.connectors.vllm.scheduler.ledger import Job, JobLedger
+from kvtier.connectors.vllm.scheduler.ledger import HandedJob, JobLedger
 from kvtier.connectors.vllm.scheduler.observability import SchedulerObservability
-from kvtier.connectors.vllm.scheduler.promotion_clock import PromotionClock
 from kvtier.connectors.vllm.metadata import (
     BackgroundJob,
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadJob,
 )
-from kvtier.connectors.vllm.scheduler.requests import KeyMap, RequestParams, RequestTrack
+from kvtier.connectors.vllm.scheduler.requests import (KeyMap, RequestParams, RequestTrack,
+                                                       drop_if_done)
 from kvtier.connectors.vllm.settings import ConnectorSettings
-from kvtier.connectors.vllm.scheduler.settle import JobSettling
-from kvtier.connectors.vllm.scheduler.store_plan import StorePlanning
+from kvtier.connectors.vllm.scheduler.settle import JobSettler
+from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 from kvtier.connectors.vllm.stats import KVTierStats
 from kvtier.observe.timeline import timeline
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission
@@ -68,7 +72,7 @@ from kvtier.manager.specs import BlockKey, Medium
 log = logging.getLogger(__name__)
 
 
-class SchedulerSide(JobSettling, StorePlanning):
+class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, handoff: WorkerHandoff) -> None:
         self.settings = settings
         self.handoff = handoff  # a worker in this thread takes synchronous loads when planned
@@ -91,23 +95,18 @@ class SchedulerSide(JobSettling, StorePlanning):
         self.ledger = JobLedger(settings.world_size)
         self.tracks: dict[str, RequestTrack] = {}
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound after construction
-        self._promoting: dict[BlockKey, int] = {}  # key -> load job promoting it from disk
-        self._promotions = PromotionClock(settings.block_bytes)  # disk-hit wall times
-        self._parked: dict[int, Job] = {}  # complete loads waiting for the loads they joined
-        self._sources: dict[int, set[int]] = {}  # engine block -> unsettled stores reading it
         self._step_loads: list[LoadJob] = []
         self._store_due: list[str] = []  # scheduled last step: their blocks are planned next
         # plan stores one step late unless vLLM frees blocks of running requests (windows)
         self.late_stores = settings.sliding_window is None and len(settings.groups) <= 1
         self._step_watch: list[str] = []
-        self._step_forget: list[int] = []
         self._step_untaint: list[str] = []
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
         self._prefetch = HitPrefetch(handoff)
         self._recompute = RecomputeEstimate()
-        # hit_claim's bound; benchmarks/vllm_e2e.py's A/B flips it
-        self.whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
+        # hit_claim's bound on a hit whose last block is loaded whole
+        self._whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
         self._tl = timeline()
         # token ids are needed until a block's last event (its demotion to disk at the latest,
         # which happens while it still sits in CPU): a few CPU tiers' worth is plenty
@@ -117,6 +116,10 @@ class SchedulerSide(JobSettling, StorePlanning):
         # Token ids and parents are only kept when some event stream publishes them
         self._describe = settings.vllm_kv_events or settings.config.events is not None
         self._stats = KVTierStats()
+        self.stores = StorePlanner(settings, self.keymap, manager, self.ledger, self._stats,
+                                   self._remember if self._describe else None)
+        self.settler = JobSettler(manager, self.ledger, self.tracks, self.stores, self._stats,
+                                  settings.block_bytes)
         self.observability = SchedulerObservability(
             settings.config, manager, block_tokens=settings.block_tokens, block_bytes=bb,
             metadata=self._events.metadata, wire_hash=self._events.wire_hash)
@@ -135,8 +138,15 @@ class SchedulerSide(JobSettling, StorePlanning):
         return t
 
     def _drop_if_done(self, t: RequestTrack) -> None:
-        if t.finished and t.idle:
-            self.tracks.pop(t.req_id, None)
+        drop_if_done(self.tracks, t)
+
+    def _remember(self, request: Any, index: int, key: BlockKey) -> None:
+        """Keep what block ``index`` of ``request`` holds, for the event streams."""
+        before = self.keymap.parent_index(index)
+        parent = self.keymap.key(request, before) if before >= 0 else None
+        lora = getattr(request, "lora_request", None)
+        self._events.remember(key, self.keymap.tokens(request, index), parent,
+                              getattr(lora, "lora_name", None))
 
     # ------------------------------------------------------------------ loads
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -163,7 +173,7 @@ class SchedulerSide(JobSettling, StorePlanning):
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
         room = request.num_tokens - 1 - num_computed_tokens
         hits, claimed = claim(hits, per, bt, room, self.settings.block_bytes,
-                              self.whole_tail_max_bytes)
+                              self._whole_tail_max_bytes)
         if hits == 0:
             if self._tl.enabled:
                 self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
@@ -229,26 +239,22 @@ class SchedulerSide(JobSettling, StorePlanning):
             gpu_ids = [b for ids in gpu[:got] for b in ids]
             unloaded = [b for ids in gpu[got:] for b in ids] + partial
         joined = plan.joined or (False,) * len(plan.keys)
-        after = sorted({self._promoting[k] for k, j in zip(plan.keys, joined)
-                        if j and k in self._promoting})
-        job = Job("load", t.req_id, tuple(plan.keys), tuple(plan.from_disk), after=tuple(after))
+        after = self.settler.promoting(plan.keys, joined)
+        job = HandedJob("load", t.req_id, tuple(plan.keys), tuple(plan.from_disk), after=after)
         job_id = self.ledger.add(job)
-        if not sync:
-            self._promotions.started(job_id, plan.from_disk, plan.from_remote)
-        for key, from_disk in zip(plan.keys, plan.from_disk):
-            if from_disk:
-                self._promoting[key] = job_id
+        self.settler.load_planned(job_id, plan.keys, plan.from_disk, plan.from_remote,
+                                  timed=not sync)
         self._step_loads.append(LoadJob(
             job_id=job_id, req_id=t.req_id, keys=tuple(plan.keys),
             cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
             gpu_ids=tuple(gpu_ids), joined=tuple(joined),
-            after=tuple(after), unloaded_gpu_ids=tuple(unloaded), sync=sync,
+            after=after, unloaded_gpu_ids=tuple(unloaded), sync=sync,
             from_remote=tuple(plan.from_remote), whole=whole,
         ))
         if sync and not after:  # a worker in this thread starts it now (handoff.py)
             worker = self.handoff.worker_here()
             if worker is not None:
-                worker.submit_ahead(self._step_loads[-1], tuple(self._stores_reading(gpu_ids)))
+                worker.submit_ahead(self._step_loads[-1], tuple(self.stores.reading(gpu_ids)))
         self._prefetch.drop()  # used by the load submitted ahead, if its slots matched
         t.load_job = job_id
         t.load_first_index = start
@@ -284,19 +290,19 @@ class SchedulerSide(JobSettling, StorePlanning):
     # ------------------------------------------------------------------ per step
     def build_meta(self, so: Any) -> KVTierConnectorMetadata:
         self._prefetch.drop()
-        written = self._written_blocks(so)
-        flush = self._stores_reading(written)
+        written = self.stores.written_blocks(so, self._step_loads)
+        flush = self.stores.reading(written)
         stores = []
         due, self._store_due = self._store_due, []
         for req_id in due:  # blocks the last step completed (a preempted request: none)
             t = self.tracks.get(req_id)
             if t is None:
                 continue
-            if self._first_token_pending(t):
+            if self.stores.first_token_pending(t):
                 self._store_due.append(req_id)  # after its first token is out
                 continue
             t.store_due = False
-            job = self._plan_store(t)
+            job = self.stores.plan(t, self.kv_cache_manager)
             if job is not None:
                 stores.append(job)
             self._drop_if_done(t)
@@ -305,7 +311,7 @@ class SchedulerSide(JobSettling, StorePlanning):
             if t is None or t.params.skip_store:
                 continue
             if not self.late_stores:
-                job = self._plan_store(t, num_scheduled)
+                job = self.stores.plan(t, self.kv_cache_manager, num_scheduled)
                 if job is not None:
                     stores.append(job)
             elif not t.store_due:
@@ -319,18 +325,18 @@ class SchedulerSide(JobSettling, StorePlanning):
                           stores=len(stores), background=len(background))
         meta = KVTierConnectorMetadata(
             loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
-            watch=tuple(self._step_watch), forget=tuple(self._step_forget),
+            watch=tuple(self._step_watch), forget=self.settler.take_forget(),
             step_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
             untaint=tuple(self._step_untaint),
         )
-        self._step_loads, self._step_watch, self._step_forget = [], [], []
+        self._step_loads, self._step_watch = [], []
         self._step_untaint = []
         return meta
 
     def _take_background(self) -> None:
         """Turn the manager's queued moves (demotions, deletions) into jobs for the workers."""
         for bg in self.manager.take_background_transfers():
-            job_id = self.ledger.add(Job("background", transfer_id=bg.id, keys=bg.keys))
+            job_id = self.ledger.add(HandedJob("background", transfer_id=bg.id, keys=bg.keys))
             self._step_background.append(BackgroundJob(job_id, bg.src, bg.dst))
 
     def on_worker_output(self, meta: Any) -> None:
@@ -344,7 +350,7 @@ class SchedulerSide(JobSettling, StorePlanning):
                 self.manager.measured_recompute(per_token, self.settings.block_tokens,
                                                 self.settings.block_bytes)
         for job_id, job in self.ledger.record(meta):
-            self._settle(job_id, job)
+            self.settler.settle(job_id, job)
         self._step_untaint.extend(meta.tainted)  # seen, with vLLM's rewind (load_taint)
         self._take_background()  # settling may plan demotions: they count as pending work
 
@@ -355,7 +361,7 @@ class SchedulerSide(JobSettling, StorePlanning):
             return False
         t.finished = True
         if t.store_due and self.kv_cache_manager is not None \
-                and self._store_stop(t) <= t.next_store:
+                and self.stores.store_stop(t) <= t.next_store:
             t.store_due = False  # nothing new to store: free the blocks now
         if t.store_jobs or t.store_due:
             self._step_watch.append(t.req_id)
@@ -368,9 +374,9 @@ class SchedulerSide(JobSettling, StorePlanning):
 
     # ------------------------------------------------------------------ reporting
     def has_pending_work(self) -> bool:
-        return bool(len(self.ledger) or self._parked or self._step_loads or self._step_watch
-                    or self._step_forget or self._step_background or self._store_due
-                    or self._step_untaint)
+        return bool(len(self.ledger) or self.settler.has_parked() or self._step_loads
+                    or self._step_watch or self.settler.has_forget() or self._step_background
+                    or self._store_due or self._step_untaint)
 
     def take_events(self) -> Iterable[Any]:
         events = list(self.manager.take_events())
@@ -384,7 +390,4 @@ class SchedulerSide(JobSettling, StorePlanning):
             self.remote.store.close()
 
     def take_stats(self) -> KVTierStats | None:
-        if self._stats.is_empty():
-            return None
-        out, self._stats = self._stats, KVTierStats()
-        return out
+        return self._stats.take()

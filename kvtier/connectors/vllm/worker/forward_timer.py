@@ -2,9 +2,9 @@
 
 Cost-aware loading (``kvtier.manager.cost``) loads a hit only while loading beats
 recomputing it, so it needs the engine's prefill time per token. A fixed guess is wrong by
-10x between a 1B and a 70B model or an H100 and a smaller GPU, so the workers time the forward
-passes of steps that compute many tokens (where prefill is compute-bound and time grows with
-tokens) and the scheduler turns them into seconds per token:
+an order of magnitude between small and large models or fast and slow GPUs, so the workers
+time the forward passes of steps that compute many tokens (where prefill is compute-bound
+and time grows with tokens) and the scheduler turns them into seconds per token:
 
 * :class:`ForwardTimer` (worker): a pair of timing events around the forward, on the stream
   the forward runs on (``bind`` before it, ``wait_for_save`` after it was enqueued); read

@@ -1,42 +1,88 @@
-"""Submitting the worker's copy jobs and taking their results (a mixin of
-:class:`~kvtier.connectors.vllm.worker.side.WorkerSide`, whose state it uses: ``settings``,
-``runtime``, ``asleep``, ``_running``, ``_stores_of``, ``_deferred``, ``_promotions``,
-``_taint``, ``_done``, ``_errors``, ``_failed``, ``_transient``, ``_load_errors``,
-``_load_hops``, ``_recving``, ``_tl``).
+"""The worker's jobs in flight: submitting its copies, reading their results, reporting them.
 
-A refused submission fails its job visibly (a result with the error, as if it had run); a
-store refused for a tainted or sleeping request fails without touching the CPU tier; a load's
-result names the keys that failed (transiently or not) and the engine blocks that must not be
-trusted, and what its hops measured feeds the scheduler's cost model.
+:class:`WorkerJobs` is the worker side's collaborator that owns every job a worker submitted
+and has not reported yet: loads (built and read through :mod:`kvtier.runtime.load_job`),
+stores, background moves, the loads deferred until the promotions they joined finished here,
+and this step's report for the scheduler. A refused submission fails its job visibly (a
+result with the error, as if it had run); a store refused for a tainted or sleeping request
+fails without touching the CPU tier; a load's result names the keys that failed (transiently
+or not) and the engine blocks that must not be trusted, and what its hops measured feeds the
+scheduler's cost model.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
-from kvtier.connectors.vllm.metadata import LoadJob, StoreJob
+from kvtier.connectors.vllm.metadata import BackgroundJob, LoadJob, StoreJob
+from kvtier.connectors.vllm.settings import ConnectorSettings
+from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
-from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
-                                     transient_load_keys)
+from kvtier.observe.timeline import timeline
+from kvtier.runtime.load_job import excluded_keys, gpu_untrusted, load_hops, load_outcome
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.transfer import JobResult
 
 # the worker half's logger: operators filter on it, whichever module logs
 log = logging.getLogger("kvtier.connectors.vllm.worker.side")
 
+ASLEEP_STORE = "KV caches unregistered (sleep)"
+
 
 @dataclass
-class Running:
+class InFlight:
+    """A job this worker submitted and has not read the result of."""
+
     kind: str  # "load" | "store" | "background"
     req_id: str | None = None
     load: LoadJob | None = None
     excluded: frozenset[BlockKey] = frozenset()  # joined keys whose promotion failed
 
 
+@dataclass(frozen=True)
+class JobReport:
+    """A worker's per-job report of one step (see ``KVTierWorkerMetadata``)."""
+
+    done: dict[int, int]
+    failed: dict[int, tuple[BlockKey, ...]]
+    errors: dict[int, int]
+    load_hops: tuple[tuple[str, int, float], ...]
+    transient: dict[int, tuple[BlockKey, ...]]
+
+
 class WorkerJobs:
-    def _submit(self, fn, job_id: int, first_hop: tuple[Medium, Medium] = (Medium.GPU, Medium.CPU)
-                ) -> None:
+    def __init__(self, settings: ConnectorSettings, taint: LoadTaint) -> None:
+        self._per_block = settings.engine_blocks_per_block
+        self._taint = taint  # refuses stores of tainted requests; taints failed sync loads
+        self._runtime: WorkerRuntime | None = None
+        self.asleep = False  # sleep mode: every GPU copy fails until restored
+        self.running: dict[int, InFlight] = {}
+        self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
+        self._promotions: dict[int, frozenset[BlockKey]] = {}  # finished load -> keys it failed
+        self._stores_of: dict[str, set[int]] = {}  # request -> its stores in flight
+        self._recving: set[str] = set()  # requests whose asynchronous load finished
+        self._load_errors: set[int] = set()  # engine blocks to report as not loaded
+        self._done: dict[int, int] = {}
+        self._failed: dict[int, tuple[BlockKey, ...]] = {}
+        self._transient: dict[int, tuple[BlockKey, ...]] = {}  # of _failed: EIO, EMFILE ...
+        self._errors: dict[int, int] = {}
+        self._load_hops: list[tuple[str, int, float]] = []
+        self._tl = timeline()
+
+    def bind_runtime(self, runtime: WorkerRuntime | None) -> None:
+        """The runtime jobs are submitted to (None: closed; polling does nothing)."""
+        self._runtime = runtime
+
+    def _rt(self) -> WorkerRuntime:
+        if self._runtime is None:
+            raise RuntimeError("kvtier: register_kv_caches was not called before transfers")
+        return self._runtime
+
+    # ------------------------------------------------------------------ submitting
+    def _submit(self, fn: Callable[[], object], job_id: int,
+                first_hop: tuple[Medium, Medium] = (Medium.GPU, Medium.CPU)) -> None:
         """Submit; a refused submission (bad addresses, closed engine) fails the job visibly."""
         try:
             fn()
@@ -44,8 +90,7 @@ class WorkerJobs:
             log.error("kvtier: job %d could not be submitted: %s", job_id, exc)
             self._on_result(JobResult(job_id, False, str(exc), (), 0, 0.0, first_hop))
 
-    def _submit_stores(self, stores: tuple[StoreJob, ...] | list[StoreJob], *,
-                       this_step: bool) -> None:
+    def submit_stores(self, stores: Iterable[StoreJob], *, this_step: bool) -> None:
         """Submit the step's stores whose ``this_step`` is ``this_step`` (``bind``: blocks of
         earlier steps; ``wait_for_save``: blocks this forward computes)."""
         jobs = [job for job in stores if job.this_step == this_step]
@@ -55,9 +100,9 @@ class WorkerJobs:
                 self._submit_store(rt, job)
 
     def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
-        self._running[job.job_id] = Running("store", job.req_id)
+        self.running[job.job_id] = InFlight("store", job.req_id)
         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
-        refused = ("KV caches unregistered (sleep)" if self.asleep  # pages suspended
+        refused = (ASLEEP_STORE if self.asleep  # pages suspended
                    else "computed over a failed synchronous load (load_taint)"
                    if self._taint.refuses(job.req_id) else None)
         if refused:  # the store fails: a future miss, never untrusted bytes in the CPU tier
@@ -68,51 +113,111 @@ class WorkerJobs:
                                               LoadStoreSpec.cpu(job.cpu_slots),
                                               job_id=job.job_id), job.job_id)
 
-    def _submit_ready_loads(self) -> None:
+    def submit_background(self, jobs: Iterable[BackgroundJob]) -> None:
+        """The manager's own moves (demotions, deletions)."""
+        rt = self._rt()
+        for bg in jobs:
+            self.running[bg.job_id] = InFlight("background")
+            self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
+                         bg.job_id)
+
+    def defer_loads(self, jobs: Iterable[LoadJob]) -> None:
+        """Asynchronous loads: submitted by ``submit_ready_loads`` once the promotions they
+        joined finished here."""
+        self._deferred.extend(jobs)
+
+    def submit_ready_loads(self) -> None:
         """Submit deferred loads whose promoting loads finished here (in arrival order)."""
         waiting: list[LoadJob] = []
         for job in self._deferred:
             if all(d in self._promotions for d in job.after):
-                self._submit_load(job)
+                self.submit_load(job)
             else:
                 waiting.append(job)
         self._deferred = waiting
 
-    def _submit_load(self, job: LoadJob) -> None:
-        k = self.settings.engine_blocks_per_block
-        excluded: set[BlockKey] = set()
-        for dep in job.after:
-            excluded |= self._promotions.get(dep, frozenset())
-        if excluded:
-            excluded &= {key for key, j in zip(job.keys, job.joined or ()) if j}
-        self._running[job.job_id] = Running("load", job.req_id, job, frozenset(excluded))
-        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, k, excluded,
-                         from_remote=job.from_remote, whole=job.whole)
+    def submit_load(self, job: LoadJob) -> None:
+        excluded = excluded_keys(job.keys, job.joined,
+                                 (self._promotions.get(d, frozenset()) for d in job.after))
+        self.running[job.job_id] = InFlight("load", job.req_id, job, excluded)
+        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, self._per_block,
+                         excluded, from_remote=job.from_remote, whole=job.whole)
         if not hops:  # nothing left to move (all truncated or all joined promotions failed)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
             return
         if self.asleep:  # the GPU pages are suspended: recompute (reported as load errors)
             first = hops[0][0].medium, hops[0][1].medium
-            self._on_result(JobResult(job.job_id, False, "KV caches unregistered (sleep)", (),
+            self._on_result(JobResult(job.job_id, False, ASLEEP_STORE, (),
                                       0, 0.0, first))  # a promotion never ran: keys failed
             return
         rt = self._rt()
         self._submit(lambda: rt.engine.submit_chain(hops, job_id=job.job_id), job.job_id,
                      (hops[0][0].medium, hops[0][1].medium))
 
-    # ------------------------------------------------------------------ results
-    def _poll(self) -> None:
-        if self.runtime is None:
+    def forget(self, job_ids: Iterable[int]) -> None:
+        """Settled promoting loads: no load planned from now on joins them."""
+        self.poll()
+        self.submit_ready_loads()  # nothing waiting may still need a forgotten result
+        for job_id in job_ids:
+            self._promotions.pop(job_id, None)
+
+    def quiesce(self, reason: str) -> None:
+        """Wait (on the host) for every GPU copy submitted, and fail the loads still waiting
+        for a promotion with ``reason``: they must never reach the GPU now (sleep mode)."""
+        if self._runtime is None:
             return
-        results = self.runtime.poll()
+        self.poll()
+        gpu_jobs = [j for j, r in self.running.items() if r.kind in ("load", "store")]
+        for result in self._runtime.engine.wait(gpu_jobs) if gpu_jobs else ():
+            self._on_result(result)
+        for job in self._deferred:
+            self.running.setdefault(job.job_id, InFlight("load", job.req_id, job))
+            first = (Medium.DISK, Medium.CPU) if any(job.from_disk) else (Medium.CPU, Medium.GPU)
+            self._on_result(JobResult(job.job_id, False, reason, (), 0, 0.0, first))
+        self._deferred = []
+
+    # ------------------------------------------------------------------ state
+    def stores_in_flight(self, job_ids: Iterable[int]) -> list[int]:
+        """Those of ``job_ids`` that are stores still in flight here."""
+        return [j for j in job_ids if j in self.running and self.running[j].kind == "store"]
+
+    def has_stores(self, req_id: str) -> bool:
+        return bool(self._stores_of.get(req_id))
+
+    def take_recving(self) -> set[str]:
+        out, self._recving = self._recving, set()
+        return out
+
+    def add_load_errors(self, gpu_ids: Iterable[int]) -> None:
+        self._load_errors.update(gpu_ids)
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_report(self) -> JobReport | None:
+        """The step's per-job report (None: nothing to say), counting on from empty."""
+        if not (self._done or self._failed or self._errors or self._load_hops):
+            return None
+        out = JobReport(self._done, self._failed, self._errors, tuple(self._load_hops),
+                        self._transient)
+        self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
+        self._transient = {}
+        return out
+
+    # ------------------------------------------------------------------ results
+    def poll(self) -> None:
+        if self._runtime is None:
+            return
+        results = self._runtime.poll()
         for result in results:
             self._on_result(result)
         if results and self._deferred:
-            self._submit_ready_loads()
+            self.submit_ready_loads()
 
     def _on_result(self, r: JobResult) -> None:
-        running = self._running.pop(r.job_id, None)
+        running = self.running.pop(r.job_id, None)
         if running is None:
             log.warning("kvtier: result for unknown job %d ignored", r.job_id)
             return
@@ -132,34 +237,24 @@ class WorkerJobs:
             if not r.ok:
                 self._errors[r.job_id] = 1
 
-    def _on_load(self, r: JobResult, running: Running) -> None:
+    def _on_load(self, r: JobResult, running: InFlight) -> None:
         job = running.load
         assert job is not None
-        disk_keys = ({key for key, d in zip(job.keys, job.from_disk) if d}
-                     if any(job.from_disk) else set())
-        remote_keys = ({key for key, d in zip(job.keys, job.from_remote) if d}
-                       if any(job.from_remote) else set())
-        failed = failed_load_keys(r, disk_keys, running.excluded, remote_keys)
-        bad_gpu: set[int] = set(job.unloaded_gpu_ids)
         if gpu_untrusted(r):
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
-            bad_gpu.update(job.gpu_ids)  # whatever reached the GPU is not trusted
-        if failed:
-            k = self.settings.engine_blocks_per_block
-            for i, key in enumerate(job.keys):
-                if key in failed:
-                    bad_gpu.update(job.gpu_ids[i * k:(i + 1) * k])
-        if failed:
-            self._failed[r.job_id] = tuple(k for k in job.keys if k in failed)
-            if transient := transient_load_keys(r, failed):
-                self._transient[r.job_id] = tuple(k for k in job.keys if k in transient)
-        if disk_keys:  # loads that joined its promotions need to know what it could not read
-            self._promotions[r.job_id] = frozenset(failed & disk_keys)
-        self._load_errors |= bad_gpu
-        if bad_gpu and job.sync:  # its forward ran on them (load_taint)
+        out = load_outcome(r, job.keys, job.from_disk, job.gpu_ids, self._per_block,
+                           running.excluded, job.from_remote, job.unloaded_gpu_ids)
+        if out.failed:
+            self._failed[r.job_id] = out.failed
+            if out.transient:
+                self._transient[r.job_id] = out.transient
+        if out.promotion_failed is not None:  # for loads that joined its promotions
+            self._promotions[r.job_id] = out.promotion_failed
+        self._load_errors |= out.untrusted_gpu_ids
+        if out.untrusted_gpu_ids and job.sync:  # its forward ran on them (load_taint)
             self._taint.taint(job.req_id)
         # what a load measured teaches the scheduler's cost model
-        self._load_hops.extend((src.value, n, sec) for src, n, sec in measured_hops(r))
+        self._load_hops.extend((src.value, n, sec) for src, n, sec in out.measured)
         if self._tl.enabled:
             self._tl.mark("worker", "load_done", job=r.job_id, req=job.req_id, sync=job.sync,
                           hops=[(f"{a.value}->{b.value}", n, round(sec * 1e3, 3))

@@ -28,6 +28,9 @@ Per step (vLLM's model runner calls these in this order):
    the same step), watched finished requests with no store left in ``finished_sending``.
 6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys and which of
    them failed transiently, errors, and the measured load hops that feed its cost model).
+
+The jobs in flight and their results are a collaborator's own state (:class:`WorkerJobs`);
+this class decides when each hook submits, fences and reports.
 """
 
 from __future__ import annotations
@@ -44,12 +47,12 @@ from kvtier.connectors.vllm.worker.kv_view import engine_view
 from kvtier.connectors.vllm.worker.layer_fences import LayerFences
 from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.observe.timeline import timeline
-from kvtier.connectors.vllm.worker.jobs import Running, WorkerJobs
+from kvtier.connectors.vllm.worker.jobs import WorkerJobs
 from kvtier.tiers.disk.inventory import register_open_store, unregister_open_store
 from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.stats import KVTierStats, WorkerStatsTaker
-from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView
@@ -57,7 +60,7 @@ from kvtier.tiers.gpu_view import GpuKvView
 log = logging.getLogger(__name__)
 
 
-class WorkerSide(WorkerJobs):
+class WorkerSide:
     def __init__(self, settings: ConnectorSettings, tp_rank: int,
                  handoff: WorkerHandoff | None = None) -> None:
         self.settings = settings
@@ -65,32 +68,28 @@ class WorkerSide(WorkerJobs):
         self.handoff = handoff or WorkerHandoff()  # the scheduler of this engine, if in-process
         self.runtime: WorkerRuntime | None = None
         self.view: GpuKvView | None = None
-        self._running: dict[int, Running] = {}
-        self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
-        self._promotions: dict[int, frozenset[BlockKey]] = {}  # finished load -> keys it failed
-        self._stores_of: dict[str, set[int]] = {}
         self._watch: set[str] = set()
         self._meta: KVTierConnectorMetadata | None = None
         self._loads_taken = self._saves_taken = True
-        self._recving: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._done: dict[int, int] = {}
-        self._failed: dict[int, tuple[BlockKey, ...]] = {}
-        self._transient: dict[int, tuple[BlockKey, ...]] = {}  # of _failed: EIO, EMFILE ...
-        self._errors: dict[int, int] = {}
-        self._load_hops: list[tuple[str, int, float]] = []
         self._forward: ForwardTimer | None = None
         self._stats: WorkerStatsTaker | None = None
         self._tl = timeline()
         self._fences = LayerFences(settings.layer_names)
         self._sync_reqs: dict[int, str] = {}  # this step's synchronous loads: job -> request
         self._taint = LoadTaint()
+        self.jobs = WorkerJobs(settings, self._taint)  # every job in flight, and the report
         self._ahead: set[int] = set()  # sync loads submitted before start_load
-        self.early_loads = True  # False: submit at start_load (benchmarks/vllm_e2e.py's A/B)
-        self.prefetch_loads = True  # False: no copy starts at the lookup (the same A/B)
         self.hook_thread: int | None = None  # the thread vLLM runs this worker's hooks on
-        self.asleep = False  # sleep mode: no GPU copies between unregister and restore
-        self._sleep_addresses: tuple[int, ...] = ()
+        self.sleep_addresses: tuple[int, ...] = ()  # KV pages at unregister (compat/sleep.py)
+
+    @property
+    def asleep(self) -> bool:
+        """Sleep mode: no GPU copies between unregister and restore (compat/sleep.py)."""
+        return self.jobs.asleep
+
+    @asleep.setter
+    def asleep(self, value: bool) -> None:
+        self.jobs.asleep = value
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -104,6 +103,7 @@ class WorkerSide(WorkerJobs):
             config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
             rank0_geometry=self.settings.geometry(0) if replicated else None,
             replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0])
+        self.jobs.bind_runtime(self.runtime)
         if isinstance(self.runtime.store, DiskStore):  # a child's store: LMDB opens it here too
             register_open_store(config.disk.path, self.runtime.store)
         if self.settings.world_size == 1:
@@ -116,6 +116,7 @@ class WorkerSide(WorkerJobs):
     def shutdown(self) -> None:
         self.handoff.detach(self)
         rt, self.runtime = self.runtime, None
+        self.jobs.bind_runtime(None)
         if rt is None:
             return
         store = rt.store
@@ -136,7 +137,7 @@ class WorkerSide(WorkerJobs):
         if not isinstance(meta, KVTierConnectorMetadata):
             return
         if meta.flush:
-            self._poll()
+            self.jobs.poll()
             self._fence_stores(meta.flush)
         sync = [job for job in meta.loads if job.sync and job.job_id not in self._ahead]
         self._start_ahead(sync, "early_load")
@@ -147,7 +148,7 @@ class WorkerSide(WorkerJobs):
         self._start_ahead([job], "load_ahead")
 
     def _fence_stores(self, job_ids: Any) -> None:
-        ids = [j for j in job_ids if j in self._running and self._running[j].kind == "store"]
+        ids = self.jobs.stores_in_flight(job_ids)
         if ids:
             self._rt().engine.fence(ids)
 
@@ -155,19 +156,19 @@ class WorkerSide(WorkerJobs):
         """Submit synchronous loads before ``start_load``, which decides how the forward
         waits for them (it knows the forward)."""
         sync = [job for job in sync if not job.after]
-        if not sync or self.runtime is None or not self.early_loads:
+        if not sync or self.runtime is None:
             return
         if self._tl.enabled:  # marked before: the copy starts with the first submit
             self._tl.mark("worker", ev, sync=[j.job_id for j in sync])
         for job in sync:
-            self._submit_load(job)
+            self.jobs.submit_load(job)
             self._ahead.add(job.job_id)
         if self._tl.enabled:
             self._tl.mark("worker", ev + "_enqueued", prefetches=self._rt().engine.prefetch_counts())
 
     def prefetch_min_bytes(self) -> int | None:
         """The smallest synchronous CPU hit whose copy may start at the lookup; None: none."""
-        if self.runtime is None or self.asleep or not (self.early_loads and self.prefetch_loads):
+        if self.runtime is None or self.asleep:
             return None
         return self.runtime.engine.prefetch_min_bytes(Medium.CPU, Medium.GPU)
 
@@ -198,19 +199,12 @@ class WorkerSide(WorkerJobs):
         if self._forward is not None and not any(j.sync for j in meta.loads):
             self._forward.begin(meta.step_tokens)  # a fenced load would inflate the time
         if meta.forget:
-            self._poll()
-            self._submit_ready_loads()  # nothing waiting may still need a forgotten result
-            for job_id in meta.forget:
-                self._promotions.pop(job_id, None)
+            self.jobs.forget(meta.forget)
         self._watch.update(meta.watch)
         self._taint.acknowledged(meta.untaint)  # planned after the scheduler saw the failure
-        self._submit_stores(meta.stores, this_step=False)
+        self.jobs.submit_stores(meta.stores, this_step=False)
         if meta.background:
-            rt = self._rt()
-            for bg in meta.background:
-                self._running[bg.job_id] = Running("background")
-                self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
-                             bg.job_id)
+            self.jobs.submit_background(meta.background)
 
     def start_load(self, per_layer: bool = False) -> None:
         """``per_layer``: this step's forward runs vLLM's per-layer hooks (not a full graph)."""
@@ -220,16 +214,16 @@ class WorkerSide(WorkerJobs):
         self._loads_taken = True  # the metadata object is shared: never modify it
         if not meta.loads:
             return
-        self._poll()
+        self.jobs.poll()
         sync = [job for job in meta.loads if job.sync]
-        self._deferred.extend(job for job in meta.loads if not job.sync)
+        self.jobs.defer_loads(job for job in meta.loads if not job.sync)
         early = 0
         for job in sync:  # never deferred: their forward runs in this step
             if job.job_id in self._ahead:
                 self._ahead.discard(job.job_id)
                 early += 1
             else:
-                self._submit_load(job)
+                self.jobs.submit_load(job)
         self._sync_reqs = {job.job_id: job.req_id for job in sync}
         per_layer = bool(sync) and per_layer and self._fences.arm(
             {job.job_id: job.gpu_ids for job in sync})
@@ -239,7 +233,7 @@ class WorkerSide(WorkerJobs):
             self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
                           jobs=[j.job_id for j in meta.loads], per_layer=per_layer,
                           early=early)
-        self._submit_ready_loads()
+        self.jobs.submit_ready_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._fences.on_layer(layer_name, lambda ids, l: self._rt().engine.fence_layer(ids, l))
@@ -248,7 +242,7 @@ class WorkerSide(WorkerJobs):
         """After the forward: learn whether vLLM runs the hooks; catch a layer it skipped."""
         seen = self._fences.hooks_seen
         for job_id, gpu_ids in self._fences.end_step(self._rt().engine.fence).items():
-            self._load_errors.update(gpu_ids)
+            self.jobs.add_load_errors(gpu_ids)
             if job_id in self._sync_reqs:
                 self._taint.taint(self._sync_reqs[job_id])
         self._sync_reqs = {}
@@ -266,39 +260,34 @@ class WorkerSide(WorkerJobs):
             self._forward.end()
         # stores of blocks this forward computes (sliding-window models): ordered after it on
         # the GPU (the copy waits for the submitting stream's position), no host sync
-        self._submit_stores(meta.stores, this_step=True)
+        self.jobs.submit_stores(meta.stores, this_step=True)
 
     def clear(self) -> None:
         self._meta = None
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        self._poll()
-        recving, self._recving = self._recving, set()
+        self.jobs.poll()
+        recving = self.jobs.take_recving()
         if self._tl.enabled and recving:
             self._tl.mark("worker", "finished_recving", reqs=sorted(recving))
-        sending = {r for r in self._watch if not self._stores_of.get(r)}
+        sending = {r for r in self._watch if not self.jobs.has_stores(r)}
         self._watch -= sending
         return sending or None, recving or None
 
     def take_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
-        return out
+        return self.jobs.take_load_errors()
 
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
         forwards = self._forward.take() if self._forward is not None else ()
         tainted = self._taint.take_report()
-        if not (self._done or self._failed or self._errors or self._load_hops or forwards
-                or tainted):
+        report = self.jobs.take_report()
+        if report is None and not (forwards or tainted):
             return None
-        meta = KVTierWorkerMetadata(self._done, self._failed, self._errors,
-                                    tuple(self._load_hops), forwards, self._transient, tainted)
-        self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
-        self._transient = {}
-        return meta
+        if report is None:
+            return KVTierWorkerMetadata(forwards=forwards, tainted=tainted)
+        return KVTierWorkerMetadata(report.done, report.failed, report.errors, report.load_hops,
+                                    forwards, report.transient, tainted)
 
     def take_stats(self) -> KVTierStats | None:
         """Transfer counters since the last call, or None (:class:`WorkerStatsTaker`)."""
         return self._stats.take() if self._stats is not None and self.runtime else None
-
-    def has_work(self) -> bool:
-        return bool(self._running or self._deferred)
