@@ -204,6 +204,15 @@ def test_ipc_socket_files_are_0600_under_umask_000(tmp_path):
     assert not (tmp_path / "events.sock").exists()
 
 
+def test_an_ipc_path_too_long_for_a_socket_address_is_refused_not_renamed_into_place(tmp_path):
+    """Binding in a private directory then renaming would accept a path no client can
+    connect to (connect() has the 107-byte limit, rename() has not)."""
+    path = tmp_path / ("x" * 120)
+    with pytest.raises(OSError, match="107"):
+        EventPublisher(EventsConfig(endpoint=f"ipc://{path}"), block_tokens=16)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_event_bounds_are_read_from_yaml_and_checked(tmp_path):
     cfg = load_config(data={"events": {"subscriber_max_bytes": "1MiB", "max_subscribers": 3,
                                        "replay_max_bytes": "8MiB", "replay_max_clients": 2,

@@ -6,7 +6,9 @@ could read the stream (block hashes, token ids) or hold replay answers. The file
 bound inside a fresh 0700 directory beside its path, made 0600 there, and renamed into place:
 it is never reachable with a looser mode. (The umask is process-wide and vLLM's other threads
 create files too, so it is not changed.) The directory is removed at once; a stale file left at
-the path by an earlier run is replaced by the rename.
+the path by an earlier run is replaced by the rename. A path too long for a socket address is
+refused as ZMQ refuses it; one whose directory leaves no room for the private directory's name
+is bound in place and made 0600 at once.
 """
 
 from __future__ import annotations
@@ -33,8 +35,18 @@ def bind(sock: zmq.Socket, endpoint: str) -> str:
     return endpoint
 
 
+_IPC_MAX = getattr(zmq, "IPC_PATH_MAX_LEN", 107)  # sizeof(sockaddr_un.sun_path) - 1
+
+
 def _bind_private_ipc(sock: zmq.Socket, path: str) -> None:
     where = os.path.dirname(os.path.abspath(path))
+    if len(os.fsencode(path)) > _IPC_MAX:
+        sock.bind(f"ipc://{path}")  # raises ZMQ's own error: no client could connect to it
+        return
+    if len(os.fsencode(where)) + 16 > _IPC_MAX:  # no room for the private directory's name
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o600)  # at once: the file was reachable with the umask's mode only now
+        return
     private = tempfile.mkdtemp(prefix=".kvt", dir=where)  # 0700, ours
     staged = os.path.join(private, "s")
     try:
