@@ -31,7 +31,7 @@ side by side on the same machine:
   limited (``--gpu-kv-bytes``) so vLLM's prefix cache overflows; hit tokens per tier.
 * A per-step timeline of one kvtier CPU hit (``KVTIER_TIMELINE``): where the time goes
   (``--vllm-marks``: vLLM's own step phases too; GC pauses over 1 ms are marked), and with
-  ``--profile DIR`` a torch.profiler trace of one hit per length (``profile_summary.py``).
+  ``--profile DIR`` a torch.profiler trace of one hit per length (``diagnostics/profile_summary.py``).
 
 GPU:  ``python benchmarks/vllm_e2e.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl``
 CPU smoke (tiny model, vLLM's CPU engine; what CI runs): ``python benchmarks/vllm_e2e.py
@@ -257,9 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     p.add_argument("--timeout", type=float, default=560.0, help="per configuration, seconds")
     p.add_argument("--vllm-marks", action="store_true",
-                   help="kvtier's timeline also marks vLLM's own step phases (vllm_marks.py)")
+                   help="kvtier's timeline also marks vLLM's own step phases (diagnostics/vllm_marks.py)")
     p.add_argument("--profile", default=None, help="directory for torch.profiler traces of the "
-                   "last timed hit per length (benchmarks/profile_summary.py reads them)")
+                   "last timed hit per length (benchmarks/diagnostics/profile_summary.py reads them)")
     p.add_argument("--cprofile", default=None, help="directory for cProfile text of the timed "
                    "hits per length and configuration (function-level host time)")
     add_host_flags(p)

@@ -111,7 +111,7 @@ def _record_meta(side, sink: list, view, pages: dict) -> None:
 
 def _computed_pages(llm, a, view, metas: list, pages: dict, prompt) -> dict:
     """Run ``prompt`` and settle; the pages of its stored blocks as vLLM computed them."""
-    from vllm_e2e_child import gen, settle
+    from vllm_e2e_engine import gen, settle
 
     metas.clear()
     pages.clear()
@@ -144,7 +144,7 @@ def _max_diff(x: dict, y: dict) -> float:
 
 def run_check(a, model_dir: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm_e2e_child import gen, make_llm, reset, settle, tokens
+    from vllm_e2e_engine import gen, make_llm, reset, settle, tokens
 
     a.connector = "kvtier"
     llm = make_llm(a, model_dir)

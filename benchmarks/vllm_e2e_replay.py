@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from vllm_e2e_child import sampling, settle, tokens
+from vllm_e2e_engine import sampling, settle, tokens
 
 
 def metric_totals(llm) -> dict:

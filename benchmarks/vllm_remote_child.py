@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from vllm_e2e_child import connector_json, write_model  # noqa: E402
+from vllm_e2e_engine import connector_json, write_model  # noqa: E402
 
 TAG = "@@kv "
 

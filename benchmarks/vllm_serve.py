@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from serve_client import Completion, Server, complete, reset_prefix_cache  # noqa: E402
-from vllm_e2e_child import VOCAB, connector_json, merge, tokens, write_model  # noqa: E402
+from vllm_e2e_engine import VOCAB, connector_json, merge, tokens, write_model  # noqa: E402
 
 SKIP = {"kvtier": {"skip_load": True, "skip_store": True}}
 
@@ -183,7 +183,7 @@ def run_config(a, model_dir: str, connector: str) -> dict:
         env["KVTIER_TIMELINE_FLUSH_S"] = "1"
     if a.shape == "tiny":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-    path = (os.path.join(HERE, "serve_marks"),) if a.vllm_marks else ()
+    path = (os.path.join(HERE, "diagnostics", "serve_marks"),) if a.vllm_marks else ()
     server = Server(connector, model_dir, server_args(a, model_dir, connector, port), port, log,
                     env, path)
     t0 = time.perf_counter()
@@ -289,7 +289,7 @@ def main(argv=None) -> int:
                    help="file: kvtier's per-step marks (KVTIER_TIMELINE) and the client's")
     p.add_argument("--vllm-marks", action="store_true",
                    help="with --timeline: also mark vLLM's step, intake and output phases in the "
-                        "server's processes (vllm_marks.py; summed by serve_phases.py)")
+                        "server's processes (diagnostics/vllm_marks.py; summed by diagnostics/serve_phases.py)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model on vLLM's CPU backend, none and kvtier, lengths 64,512")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))

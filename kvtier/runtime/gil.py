@@ -6,7 +6,7 @@ blocking call (a disk read, an fsync, a socket) gets it only when the holder blo
 the interpreter's switch interval runs out: 5 ms by default. A disk read or write is a chain
 of such hand-offs (engine loop -> reader thread -> each syscall -> completion), so each one
 waits up to 5 ms: with a busy Python thread beside it, a disk read takes tens of times as
-long (benchmarks/gil_starvation.py; figures in docs/design-measurements.md).
+long (benchmarks/diagnostics/gil_starvation.py; figures in docs/design-measurements.md).
 
 The same holds for threads that are not kvtier's: under ``vllm serve`` the engine-core process
 hands each step's output to its own output thread (and takes requests from an input thread)

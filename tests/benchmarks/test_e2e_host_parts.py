@@ -11,13 +11,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import host_probe  # noqa: E402
-import pyspy_summary  # noqa: E402
-import request_counters  # noqa: E402
-import request_phases  # noqa: E402
+import host_probe
+import pyspy_summary
+import request_counters
+import request_phases
 
 LINUX = sys.platform.startswith("linux") and os.path.exists("/proc/thread-self/stat")
 

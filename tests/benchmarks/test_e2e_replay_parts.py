@@ -7,17 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import host_probe  # noqa: E402
-import vllm_e2e_replay as replay  # noqa: E402
+import host_probe
+import vllm_e2e_replay as replay
 
 
 def _trace(tmp_path, rows):

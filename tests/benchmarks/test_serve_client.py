@@ -4,16 +4,12 @@ starting is reported with its log, and stopping it leaves none of its process gr
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import serve_client  # noqa: E402
+import serve_client
 
 
 def _alive(pid: int) -> bool:

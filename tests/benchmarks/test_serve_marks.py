@@ -1,5 +1,6 @@
 """``vllm_serve.py --vllm-marks`` without vLLM: the import-time patching its servers load from
-``benchmarks/serve_marks/sitecustomize.py``, and ``serve_phases.py``'s milestones of a request."""
+``benchmarks/diagnostics/serve_marks/sitecustomize.py``, and ``serve_phases.py``'s milestones of
+a request."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import serve_phases
+import vllm_marks
+from kvtier.observe import timeline as timeline_mod
 
-import serve_phases  # noqa: E402
-import vllm_marks  # noqa: E402
-from kvtier.observe import timeline as timeline_mod  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FAKE = textwrap.dedent('''
     class Thing:
@@ -72,7 +72,7 @@ def test_phases_are_wrapped_when_their_module_is_first_imported(tmp_path, monkey
 @pytest.mark.parametrize("timeline_on", [True, False])
 def test_sitecustomize_installs_the_hook_only_with_a_timeline(tmp_path, timeline_on):
     env = {k: v for k, v in os.environ.items() if k != "KVTIER_TIMELINE"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "benchmarks", "serve_marks"), ROOT])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "benchmarks", "diagnostics", "serve_marks"), ROOT])
     if timeline_on:
         env["KVTIER_TIMELINE"] = str(tmp_path / "tl.jsonl")
     out = subprocess.run(

@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from vllm_e2e_child import BYPASS, gen, reset, timed, tokens
+from vllm_e2e_engine import BYPASS, gen, reset, timed, tokens
 
 
 def computed_16(llm, a, seed: int, n: int) -> list[float]:
@@ -70,7 +70,7 @@ def cpu_scan(llm, a) -> dict:
     cycles): a short request's time depends on where the engine thread happens to run, which
     differs between processes. The scan separates that from a configuration's own cost:
     compare configurations CPU by CPU."""
-    from host_probe import python_ms
+    from host_probe import python_ms  # benchmarks/: the harness imports this module
 
     out = {}
     try:

@@ -20,7 +20,7 @@ collection on, as in a server: the slowest request only shows up once the cache 
 (an ``OrderedDict`` of 1M keys rebuilds its table every ~0.5M inserts). Keys are 32-byte
 hashes (+ the 4-byte group index vLLM appends).
 
-    .venv/bin/python benchmarks/arc_cost.py [--sizes 10000,100000,1000000] [--churn 1.0]
+    .venv/bin/python benchmarks/diagnostics/arc_cost.py [--sizes 10000,100000,1000000] [--churn 1.0]
         [--policy arc] [--json]
 
 ``--policy lru`` runs the same protocol for both managers' LRU. The default run (three sizes,

@@ -7,7 +7,7 @@ GPU busy time per kind (kernels, host->device and device->host copies, with byte
 idle gaps, host CUDA runtime calls that took long (syncs, 2D copies), and the annotations
 vLLM records (``record_function`` ranges).
 
-    python benchmarks/profile_summary.py TRACE [TRACE ...] [--gap-ms 0.3] [--call-ms 0.2]
+    python benchmarks/diagnostics/profile_summary.py TRACE [TRACE ...] [--gap-ms 0.3] [--call-ms 0.2]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ beside it: a concurrent bf16 matmul ran 2.1x (8 CTAs) to 4.4x (132 CTAs) slower 
 
 Each figure is a ratio to a baseline taken in the same run (no store, or the matmul alone).
 
-    python benchmarks/d2h_readback.py [--mib 256] [--reps 15]
+    python benchmarks/diagnostics/d2h_readback.py [--mib 256] [--reps 15]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ benchmark drives the production path (``WorkerRuntime.create`` from a config, jo
 Reported as ratios against the idle baseline measured in the same run. Blocks are 512 KiB
 (a Llama-3.2-1B-shaped 16-token block: 16 layers x K/V x 16 KiB).
 
-    PYTHONPATH=. python benchmarks/gil_starvation.py [--settings 0,1,0.5,0.2] [--out F.md]
+    PYTHONPATH=. python benchmarks/diagnostics/gil_starvation.py [--settings 0,1,0.5,0.2] [--out F.md]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ so "kvtier's miss pays 1.3 ms more in ``schedule`` + ``pre_forward`` than the re
 skips" is visible where the TTFTs only scatter. ``LABEL=PATH`` compares runs (e.g. two commits
 on one machine).
 
-    python benchmarks/request_phases.py new=OUT/a/timeline.jsonl old=OUT/before/timeline.jsonl
+    python benchmarks/diagnostics/request_phases.py new=OUT/a/timeline.jsonl old=OUT/before/timeline.jsonl
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ blocks) and, with ``--shape 8b``, Llama-3.1-8B's; CPU slots contiguous or scatte
 (``--scattered``: every block its own DMA).
 Needs CUDA (and CuPy for the default page mover).
 
-    python benchmarks/enqueue_cost.py [--shape 1b|8b] [--reps 40] [--scattered] [--profile]
+    python benchmarks/diagnostics/enqueue_cost.py [--shape 1b|8b] [--reps 40] [--scattered] [--profile]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
 from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402

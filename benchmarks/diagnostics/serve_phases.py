@@ -24,7 +24,7 @@ phases around it do not is time a thread spent waiting (the GIL, a queue). The r
 burst (``--burst K``, kind ``burst``) overlap: each one's milestones are the first such events
 after its own send, which may belong to another request of the burst.
 
-    python benchmarks/serve_phases.py OUT/timeline.jsonl
+    python benchmarks/diagnostics/serve_phases.py OUT/timeline.jsonl
 """
 
 from __future__ import annotations

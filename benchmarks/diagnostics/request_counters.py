@@ -9,7 +9,7 @@ per configuration, prompt length and kind of request (hit, paired recompute, mis
 same request is slower in process A than in B" comes with "and A's engine thread was on a
 core as long / faulted more / gave up its core more often".
 
-    python benchmarks/request_counters.py OUT/a/timeline.jsonl OUT/b/timeline.jsonl
+    python benchmarks/diagnostics/request_counters.py OUT/a/timeline.jsonl OUT/b/timeline.jsonl
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ If the other-process ratio matches the same-process one, the slowdown is the mac
 Reported per ``gil_switch_interval_ms``: the workload's median time alone and its ratios beside
 each writer (baseline measured in the same run), with each writer's blocks/s.
 
-    PYTHONPATH=. python benchmarks/writeback_contention.py [--settings 0.2,0] [--seconds 3]
+    PYTHONPATH=. python benchmarks/diagnostics/writeback_contention.py [--settings 0.2,0] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class ProcessWriter:
     def __init__(self, ms: float, path: str) -> None:
         here = os.path.dirname(os.path.abspath(__file__))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+            [os.path.dirname(os.path.dirname(here)), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
                                       str(ms), path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)

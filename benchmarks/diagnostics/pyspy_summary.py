@@ -7,7 +7,7 @@ Python line, a CUDA driver call, a GIL wait in ``take_gil``/``pthread_cond_*``) 
 on the stack (inclusive), so two configurations running the same request can be compared
 function by function, native frames included.
 
-    python benchmarks/pyspy_summary.py --requests 150 OUT/pyspy/1b-none.txt OUT/pyspy/1b-kvtier.txt
+    python benchmarks/diagnostics/pyspy_summary.py --requests 150 OUT/pyspy/1b-none.txt OUT/pyspy/1b-kvtier.txt
 """
 
 from __future__ import annotations
