@@ -9,7 +9,7 @@ stream of ``BlockStored`` events; a second process holds the misbehaving clients
 The publisher first runs alone until its replay buffer is full (at least ``--warmup`` seconds),
 so the buffer's own bound is not counted as growth; then the clients connect, and RSS is
 sampled every second for ``--seconds``. Prints one JSON line: the RSS before the clients, the
-largest growth after, the publisher's drop counters.
+largest growth after, the slowest ``publish()`` call meanwhile, the publisher's drop counters.
 
     python benchmarks/events_memory.py --mode stuck-subscriber --seconds 120
     python benchmarks/events_memory.py --mode idle-replay --clients 8 --seconds 120
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     pub = EventPublisher(cfg, block_tokens=16, replay_max_bytes=args.replay_max_bytes)
     n = args.events_per_publish
     counter = 0
+    worst_publish_s = 0.0  # while the clients are connected
 
     def buffered() -> int:
         held = getattr(pub.stats(), "replay_buffer_bytes", None)
@@ -91,13 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         return buffered() <= before  # it stopped growing: at its bound
 
     def publish_for(seconds: float, samples: list[int] | None) -> None:
-        nonlocal counter
+        nonlocal counter, worst_publish_s
         end = time.monotonic() + seconds
         next_sample = time.monotonic()
         while time.monotonic() < end:
             keys = tuple((counter + i).to_bytes(16, "little") for i in range(n))
             counter += n
+            t0 = time.perf_counter()
             pub.publish([mgr.BlockStored(Medium.CPU, keys)])
+            if samples is not None:
+                worst_publish_s = max(worst_publish_s, time.perf_counter() - t0)
             time.sleep(args.interval_ms / 1000)
             if samples is not None and time.monotonic() >= next_sample:
                 samples.append(rss_bytes())
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_before_mib": round(before / mib, 1),
         "rss_growth_max_mib": round((max(samples) - before) / mib, 1),
         "rss_growth_end_mib": round((samples[-1] - before) / mib, 1),
+        "worst_publish_ms": round(worst_publish_s * 1000, 2),
         "batches": stats.get("batches"),
         **{k: v for k, v in stats.items() if "subscriber" in k or "replay" in k},
     }))
