@@ -1,9 +1,10 @@
 """``EventPublisher``: kvtier's KV events on a ZMQ PUB socket, vLLM's wire format, with replay.
 
 The caller (the thread that owns the manager) only appends to a bounded in-memory queue: no
-socket call, no encoding, no lock held for longer than an append. One background thread owns
-both sockets; it converts (attaching token ids and parents through the metadata lookup),
-encodes, numbers, sends and buffers batches, and answers replay requests.
+socket call, no encoding, no lock held for longer than an append. One background thread
+(``EventSender``, sender.py) owns both sockets; it converts (attaching token ids and parents
+through the metadata lookup), encodes, numbers, sends and buffers batches, and answers replay
+requests. The two sides share only a ``Handoff`` (handoff.py).
 
 When the queue is full, new events are dropped and counted, and the stream is marked *lost*:
 consumers can no longer rebuild state from it. The next ``publish`` then repairs it with a
@@ -37,8 +38,7 @@ import os
 import stat
 import threading
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Iterable, Mapping
 
 import zmq
@@ -46,54 +46,19 @@ import zmq
 from kvtier.config.schema import EventsConfig, endpoint_problem
 from kvtier.observe.events.bind import bind
 from kvtier.observe.events.convert import EventConverter, WireHash
+from kvtier.observe.events.handoff import Handoff, Item, PublisherStats
 from kvtier.observe.events.metadata import MetadataLookup
 from kvtier.observe.events.peers import PeerWatch
 from kvtier.observe.events.replay import ReplayBuffer
 from kvtier.observe.events.replay_streams import ReplayStreams
 from kvtier.observe.events.resync import DEFAULT_CHUNK, ChunkedWalk, ResidentWalk
-from kvtier.observe.events.sender import MAX_MESSAGE_BYTES, PublisherThread
+from kvtier.observe.events.sender import MAX_MESSAGE_BYTES, EventSender
 from kvtier.manager import events as mgr
 from kvtier.manager.specs import BlockKey, Medium
 
 log = logging.getLogger(__name__)
 
 Resident = Callable[[], Mapping[Medium, Iterable[BlockKey]]]
-
-
-@dataclass
-class PublisherStats:
-    batches: int = 0  # batches sent (sequence numbers used)
-    events: int = 0  # state events sent (BlockStored / BlockRemoved / AllBlocksCleared)
-    access_events: int = 0
-    dropped_events: int = 0  # manager events dropped because the queue was full
-    resyncs: int = 0
-    replay_requests: int = 0
-    replay_gaps: int = 0  # replay requests that reached back past the buffer
-    bad_requests: int = 0
-    send_errors: int = 0
-    metadata_errors: int = 0
-    last_seq: int = -1
-    queued: int = 0
-    subscribers: int = 0  # connected now (tcp / ipc)
-    subscribers_dropped: int = 0  # stopped reading for stall_timeout_s: disconnected
-    subscribers_refused: int = 0  # beyond max_subscribers: disconnected at once
-    replay_clients: int = 0
-    replay_clients_dropped: int = 0
-    replay_clients_refused: int = 0
-    replay_busy: int = 0  # requests beyond replay_max_clients answers under way
-    replay_stalled: int = 0  # answers abandoned: the client stopped reading
-    replay_buffer_bytes: int = 0  # held by the replay buffer (at most replay_max_bytes)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class _Item:
-    ts: float
-    events: list  # manager events
-    cleared: bool = False  # emit AllBlocksCleared first
-    resident: Mapping[Medium, list[BlockKey]] | None = None  # then these as BlockStored
 
 
 def _messages(max_bytes: int) -> int:
@@ -113,7 +78,7 @@ def _remove_ipc_file(endpoint: str | None) -> None:
         pass
 
 
-class EventPublisher(PublisherThread):
+class EventPublisher:
     def __init__(
         self,
         config: EventsConfig,
@@ -140,9 +105,6 @@ class EventPublisher(PublisherThread):
         self._resident_walk = resident_walk
         self._resync_chunk = resync_chunk
         self._walk: ChunkedWalk | None = None  # a resync under way (caller's thread only)
-        self._chunk_queued = False  # its last chunk still waits for the thread
-        self._dp_rank = data_parallel_rank
-        self._topic = config.topic.encode()
         self._max_queue = max_queue_events
         self._min_resync = min_resync_interval_s
         self._buffer = ReplayBuffer(config.buffer_batches, config.replay_max_bytes
@@ -150,49 +112,45 @@ class EventPublisher(PublisherThread):
         self._streams = ReplayStreams(self._buffer, max_clients=config.replay_max_clients,
                                       stall_s=config.stall_timeout_s)
         self._watches: list[PeerWatch] = []
-        self._stats = PublisherStats()
-        self._lock = threading.Lock()
-        self._queue: deque[_Item] = deque()
-        self._queued_events = 0
-        self._enqueued = 0  # items ever queued / sent: flush() waits for these to meet
-        self._sent = 0
-        self._done = threading.Condition(self._lock)
-        self._lost = False
-        self._resync_queued = False  # a resync item waits in the queue
-        self._gap_seen = False
+        self._handoff = Handoff()
         self._last_resync = float("-inf")
-        self._signalled = False
-        self._closing = False
-        self._seq = 0
 
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._replay: zmq.Socket | None = None
+        pub = self._ctx.socket(zmq.PUB)
+        replay: zmq.Socket | None = None  # both are the sender's once it runs
         binding = config.endpoint
         try:
-            self._pub.setsockopt(zmq.SNDHWM, _messages(config.subscriber_max_bytes))
-            self._watches.append(PeerWatch(self._pub, max_peers=config.max_subscribers,
+            pub.setsockopt(zmq.SNDHWM, _messages(config.subscriber_max_bytes))
+            self._watches.append(PeerWatch(pub, max_peers=config.max_subscribers,
                                            stall_s=config.stall_timeout_s,
                                            what="subscriber"))
-            self.endpoint = bind(self._pub, config.endpoint)
+            self.endpoint = bind(pub, config.endpoint)
             self.replay_endpoint: str | None = None
             if config.replay_endpoint is not None:
                 binding = config.replay_endpoint
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.SNDHWM,
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.SNDHWM,
                                         _messages(config.replay_client_max_bytes))
-                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full client: EAGAIN
-                self._watches.append(PeerWatch(self._replay, max_peers=config.max_subscribers,
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full client: EAGAIN
+                self._watches.append(PeerWatch(replay, max_peers=config.max_subscribers,
                                                stall_s=config.stall_timeout_s,
                                                what="replay client"))
-                self.replay_endpoint = bind(self._replay, config.replay_endpoint)
+                self.replay_endpoint = bind(replay, config.replay_endpoint)
         except (zmq.ZMQError, OSError) as exc:
-            self._close_sockets()
+            for watch in self._watches:
+                watch.close()
+            for sock in (pub, replay):
+                if sock is not None:
+                    sock.close(linger=0)
             self._ctx.term()
             raise OSError(f"kvtier events: cannot bind {binding}: {exc}") from None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
+        sender = EventSender(self._handoff, pub=pub, replay=replay,
+                             watches=self._watches, streams=self._streams, buffer=self._buffer,
+                             converter=self._converter, topic=config.topic.encode(),
+                             data_parallel_rank=data_parallel_rank, wake_fd=self._wake_r)
+        self._thread = threading.Thread(target=sender.run, name="kvtier-events", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side
@@ -203,45 +161,45 @@ class EventPublisher(PublisherThread):
         if self._resync_due(now):
             self.resync()  # reflects ``events`` already: they need not be sent
             return
-        if not events and not self._lost and self._walk is None:
+        if not events and not self._handoff.lost and self._walk is None:
             return
-        with self._lock:
-            if self._lost and self._resync_queued:
+        with self._handoff.lock:
+            if self._handoff.lost and self._handoff.resync_queued:
                 # a resync is still waiting for the thread: keep one at a time (bounded
                 # memory); these events are dropped and the next publish resyncs again
-                self._stats.dropped_events += len(events)
+                self._handoff.stats.dropped_events += len(events)
                 return
-            if self._queued_events + len(events) > self._max_queue:
-                self._stats.dropped_events += len(events)
-                self._lost = True
+            if self._handoff.queued_events + len(events) > self._max_queue:
+                self._handoff.stats.dropped_events += len(events)
+                self._handoff.lost = True
                 self._walk = None  # restarted: a dropped event may concern a walked block
                 return
-            if events or self._lost:
-                item = _Item(now, events, cleared=self._lost)
-                self._lost = False
-                self._enqueue_locked(item)
+            if events or self._handoff.lost:
+                item = Item(now, events, cleared=self._handoff.lost)
+                self._handoff.lost = False
+                self._handoff.enqueue_locked(item)
         self._next_chunk(now)  # after the events: it reads the state they led to
         self._wake()
 
     def _resync_due(self, now: float) -> bool:
-        if (self._resident is None and self._resident_walk is None) or self._resync_queued:
+        if (self._resident is None and self._resident_walk is None) or self._handoff.resync_queued:
             return False
-        if self._lost:
+        if self._handoff.lost:
             return True
-        return (self._gap_seen and self._walk is None
+        return (self._handoff.gap_seen and self._walk is None
                 and now - self._last_resync >= self._min_resync)
 
     def _next_chunk(self, now: float) -> None:
         """Queue the next chunk of the resync under way, if the last one has been taken (at
         most one chunk waits, so a stalled thread holds bounded memory)."""
         walk = self._walk
-        if walk is None or self._chunk_queued:
+        if walk is None or self._handoff.chunk_queued:
             return
         resident = walk.next_chunk()
-        with self._lock:
+        with self._handoff.lock:
             if resident:
-                self._chunk_queued = True
-                self._enqueue_locked(_Item(now, [], resident=resident))
+                self._handoff.chunk_queued = True
+                self._handoff.enqueue_locked(Item(now, [], resident=resident))
             if walk.done:
                 self._walk = None
 
@@ -262,46 +220,42 @@ class EventPublisher(PublisherThread):
 
     def _start_resync(self, resident: Mapping[Medium, list[BlockKey]],
                       walk: ChunkedWalk | None = None) -> None:
-        with self._lock:
+        h = self._handoff
+        with h.lock:
             self._walk = walk
-            self._chunk_queued = False
-            self._lost = self._gap_seen = False
+            h.chunk_queued = False
+            h.lost = h.gap_seen = False
             self._last_resync = time.time()
-            self._stats.resyncs += 1
-            self._sent += len(self._queue)  # queued items are superseded by the snapshot
-            self._queue.clear()
-            self._queued_events = 0
-            self._resync_queued = True
-            self._enqueue_locked(_Item(self._last_resync, [], cleared=True, resident=resident))
+            h.stats.resyncs += 1
+            h.sent += len(h.queue)  # queued items are superseded by the snapshot
+            h.queue.clear()
+            h.queued_events = 0
+            h.resync_queued = True
+            h.enqueue_locked(Item(self._last_resync, [], cleared=True, resident=resident))
 
     def set_resident_source(self, resident: Resident | None) -> None:
         """What each tier holds now (called on the caller's thread, for one-shot resyncs)."""
         self._resident = resident
 
     def set_resident_walk(self, walk: ResidentWalk | None) -> None:
-        """A live walk of the resident blocks (``kvtier.observe.events.resync``): resyncs then go out
-        in chunks. Preferred over ``set_resident_source`` when both are set."""
+        """A live walk of the resident blocks (``kvtier.observe.events.resync``): resyncs then go
+        out in chunks. Preferred over ``set_resident_source`` when both are set."""
         self._resident_walk = walk
 
     @property
     def wants_resync(self) -> bool:
         """True when consumers cannot rebuild state from the stream until a resync (or the
         resync under way) is done."""
-        return self._lost or self._gap_seen or self._walk is not None
+        return self._handoff.lost or self._handoff.gap_seen or self._walk is not None
 
     def mark_lost(self) -> None:
         """Events were lost before reaching ``publish`` (e.g. the manager's own bus dropped)."""
-        self._lost = True
-
-    def _enqueue_locked(self, item: _Item) -> None:
-        self._queue.append(item)
-        self._queued_events += len(item.events)
-        self._enqueued += 1
+        self._handoff.lost = True
 
     def _wake(self) -> None:
-        if self._signalled:
+        if self._handoff.signalled:
             return
-        self._signalled = True
+        self._handoff.signalled = True
         try:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):
@@ -310,19 +264,19 @@ class EventPublisher(PublisherThread):
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued so far is sent; False on timeout."""
         deadline = time.monotonic() + timeout
-        with self._lock:
-            target = self._enqueued
-            while self._sent < target and self._thread.is_alive():
+        with self._handoff.lock:
+            target = self._handoff.enqueued
+            while self._handoff.sent < target and self._thread.is_alive():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._done.wait(left)
-            return self._sent >= target
+                self._handoff.done.wait(left)
+            return self._handoff.sent >= target
 
     def stats(self) -> PublisherStats:
-        with self._lock:
-            s = PublisherStats(**asdict(self._stats))
-            s.queued = self._queued_events
+        with self._handoff.lock:
+            s = PublisherStats(**asdict(self._handoff.stats))
+            s.queued = self._handoff.queued_events
         s.metadata_errors = self._converter.metadata_errors
         for watch in self._watches:
             prefix = "subscribers" if watch.what == "subscriber" else "replay_clients"
@@ -336,10 +290,10 @@ class EventPublisher(PublisherThread):
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (up to ``timeout``), then close the sockets."""
-        if self._closing:
+        if self._handoff.closing:
             return
-        self._closing = True
-        self._signalled = False
+        self._handoff.closing = True
+        self._handoff.signalled = False
         self._wake()
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -1,8 +1,9 @@
-"""The publisher's own thread: encodes, numbers, sends and buffers batches, answers replay.
+"""``EventSender``: the publisher's own thread. Encodes, numbers, sends and buffers batches,
+answers replay, and watches the clients.
 
-A mixin of ``EventPublisher`` (split out to keep each file short; it shares the publisher's
-state and is not used on its own). Only this thread touches the sockets; the caller side only
-appends to the queue under the lock.
+Only this thread touches the sockets; it shares with the caller's side only the ``Handoff``
+(queued items, counters, the lost/gap flags). ``EventPublisher`` builds it with the sockets it
+bound and runs ``run`` on a thread of its own.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import time
 
 import zmq
 
-from kvtier.observe.events.peers import CHECK_INTERVAL_S
-from kvtier.observe.events.replay_streams import Sent
+from kvtier.observe.events.convert import EventConverter
+from kvtier.observe.events.handoff import Handoff, Item
+from kvtier.observe.events.peers import CHECK_INTERVAL_S, PeerWatch
+from kvtier.observe.events.replay import ReplayBuffer
+from kvtier.observe.events.replay_streams import ReplayStreams, Sent
 from kvtier.observe.events.split import split_batch
 from kvtier.observe.events.wire import (
     END_SEQ,
@@ -36,11 +40,27 @@ MAX_REPLAY_REQUESTS_PER_WAKE = 16
 STREAMING_POLL_MS = 20  # while replay answers wait for their clients to read
 
 
-class PublisherThread:
-    """The sending side of ``EventPublisher``; see the module docstring."""
-    def _run(self) -> None:
+class EventSender:
+    def __init__(self, handoff: Handoff, *, pub: zmq.Socket, replay: zmq.Socket | None,
+                 watches: list[PeerWatch], streams: ReplayStreams, buffer: ReplayBuffer,
+                 converter: EventConverter, topic: bytes, data_parallel_rank: int | None,
+                 wake_fd: int) -> None:
+        self._handoff = handoff
+        self._pub = pub
+        self._replay = replay
+        self._watches = watches
+        self._streams = streams
+        self._buffer = buffer
+        self._converter = converter
+        self._topic = topic
+        self._dp_rank = data_parallel_rank
+        self._wake_fd = wake_fd
+        self._seq = 0
+
+    def run(self) -> None:
+        h = self._handoff
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake_fd, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         for watch in self._watches:
@@ -48,11 +68,11 @@ class PublisherThread:
         idle_ms = int(CHECK_INTERVAL_S * 1000)
         try:
             while True:
-                wait = 0 if self._queue else STREAMING_POLL_MS if self._streams else idle_ms
+                wait = 0 if h.queue else STREAMING_POLL_MS if self._streams else idle_ms
                 ready = dict(poller.poll(wait))
-                if self._wake_r in ready:
-                    self._signalled = False
-                    os.read(self._wake_r, 4096)
+                if self._wake_fd in ready:
+                    h.signalled = False
+                    os.read(self._wake_fd, 4096)
                 for watch in self._watches:
                     if watch.monitor in ready:
                         watch.on_events()
@@ -61,34 +81,27 @@ class PublisherThread:
                     self._serve_replay()
                 if self._streams:
                     self._pump_replay()
-                with self._lock:
-                    items = list(self._queue)
-                    self._queue.clear()
-                    self._queued_events = 0
-                    self._resync_queued = False
-                    self._chunk_queued = False
+                items = h.take()
                 if items:
                     self._send_items(items)
-                    with self._lock:
-                        self._sent += len(items)
-                        self._done.notify_all()
-                elif self._closing:
+                    h.finished(len(items))
+                elif h.closing:
                     break
         except Exception:  # noqa: BLE001 - never take the instance down; log once, stop
             log.exception("kvtier events: publisher thread failed; events are off")
         finally:
-            self._close_sockets()
-            with self._lock:
-                self._done.notify_all()
+            self.close_sockets()
+            with h.lock:
+                h.done.notify_all()
 
-    def _close_sockets(self) -> None:
+    def close_sockets(self) -> None:
         for watch in self._watches:
             watch.close()
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=500)
 
-    def _send_items(self, items: list) -> None:  # of publisher._Item
+    def _send_items(self, items: list[Item]) -> None:
         state: list = []
         access: list = []
         ts: float | None = None
@@ -112,9 +125,8 @@ class PublisherThread:
             payload = encode_batch(batch)
         except Exception:  # noqa: BLE001 - e.g. a wire_hash returning an unencodable value
             log.exception("kvtier events: cannot encode a batch; consumers will be resynced")
-            with self._lock:
-                self._stats.send_errors += 1
-            self._lost = True
+            self._handoff.count(send_errors=1)
+            self._handoff.lost = True
             return
         if len(payload) > MAX_MESSAGE_BYTES:
             parts = split_batch(batch)
@@ -126,15 +138,15 @@ class PublisherThread:
         try:
             self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
         except zmq.Again:  # PUB drops at HWM itself; kept for sockets that do not
-            with self._lock:
-                self._stats.send_errors += 1
+            self._handoff.count(send_errors=1)
         self._seq += 1
         self._buffer.append(seq, payload)
-        with self._lock:
-            self._stats.batches += 1
-            self._stats.events += len(batch.events)
-            self._stats.access_events += len(batch.access)
-            self._stats.last_seq = seq
+        h = self._handoff
+        with h.lock:
+            h.stats.batches += 1
+            h.stats.events += len(batch.events)
+            h.stats.access_events += len(batch.access)
+            h.stats.last_seq = seq
 
     def _serve_replay(self) -> None:
         """Take replay requests; each starts a stream (``_pump_replay`` sends it)."""
@@ -146,9 +158,7 @@ class PublisherThread:
             except zmq.Again:
                 return
             bad = len(frames) != 3 or len(frames[2]) != SEQ_BYTES
-            with self._lock:
-                self._stats.replay_requests += 1
-                self._stats.bad_requests += bad
+            self._handoff.count(replay_requests=1, bad_requests=int(bad))
             if bad:
                 if len(frames) >= 2:  # tell the client it is done rather than let it hang
                     self._reply(frames[0], False, END_SEQ, b"")
@@ -166,14 +176,14 @@ class PublisherThread:
         gaps, stalled = counts.gaps, counts.stalled
         self._streams.pump(self._reply, time.monotonic())
         if counts.gaps > gaps:
-            with self._lock:
-                self._stats.replay_gaps += counts.gaps - gaps
-            self._gap_seen = True
+            self._handoff.count(replay_gaps=counts.gaps - gaps)
+            self._handoff.gap_seen = True
         if counts.stalled > stalled and stalled == 0:
             log.warning("kvtier events: a replay client stopped reading its answer for %.0f s; "
                         "abandoned (events.stall_timeout_s; logged once)", self._streams.stall_s)
 
     def _reply(self, client: bytes, with_topic: bool, seq: int, payload: bytes) -> Sent:
+        assert self._replay is not None
         topic = self._topic if with_topic else b""
         try:
             self._replay.send_multipart((client, b"", topic, seq_bytes(seq), payload),
@@ -183,6 +193,5 @@ class PublisherThread:
             return Sent.FULL
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:  # anything but "that client has gone"
-                with self._lock:
-                    self._stats.send_errors += 1
+                self._handoff.count(send_errors=1)
             return Sent.GONE
