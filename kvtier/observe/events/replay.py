@@ -3,7 +3,7 @@
 A consumer asks for everything after the last sequence number it saw (vLLM's protocol: an
 8-byte big-endian start sequence to a ROUTER socket). When the batches it needs are no longer
 buffered it is told so with a ``ReplayGap`` before the rest, never silently handed a partial
-history. Bounded by batch count and by bytes (``events.replay_max_bytes``), whichever binds
+history (replay_streams.py). Bounded by batch count and by bytes (``events.replay_max_bytes``), whichever binds
 first; answers are streamed from here a few batches at a time (replay_streams.py).
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvtier.config.schema import DEFAULT_EVENTS_REPLAY_MAX_BYTES as DEFAULT_MAX_BYTES
-from kvtier.observe.events.wire import ReplayGap
+from kvtier.config.schema import DEFAULT_EVENTS_REPLAY_MAX_BYTES
 
 
 class ReplayBuffer:
-    def __init__(self, max_batches: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_batches: int,
+                 max_bytes: int = DEFAULT_EVENTS_REPLAY_MAX_BYTES) -> None:
         if max_batches < 1 or max_bytes < 1:
             raise ValueError("replay buffer bounds must be positive")
         self.max_batches = max_batches
@@ -56,11 +56,3 @@ class ReplayBuffer:
         if i < len(self._items) and self._items[i][0] == seq:
             return self._items[i][1]
         return next((p for s, p in self._items if s == seq), None)
-
-    def reply(self, start: int) -> tuple[ReplayGap | None, list[tuple[int, bytes]]]:
-        """Batches with ``seq >= start``, and a gap notice if some of them are gone."""
-        if start > self.last_seq:
-            return None, []
-        first = self.first_seq
-        gap = ReplayGap(start, first) if first < 0 or start < first else None
-        return gap, [(seq, p) for seq, p in self._items if seq >= start]
