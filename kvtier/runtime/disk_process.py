@@ -24,11 +24,11 @@ reads as a miss). A replacement that fails to start waits twice as long, up to
 ``RESPAWN_MAX_S``, before the next try; the worker log says each time.
 
 Hangs: every request has a deadline (``tiers.disk.request_timeout_s`` for each started
-``DEADLINE_BYTES`` of blocks it moves, at least one). A child that misses it (stopped, stuck in
-the kernel on a dead disk ...) is declared lost exactly as if it had died: it is killed, so
-every other request it holds fails at once too, the load is reported failed (the engine
-recomputes), the write fails, and it is replaced as above. A caller never waits longer than its
-deadline.
+``DEADLINE_BYTES`` of blocks it moves, at least one; the start-up key listing gets
+``start_timeout``). A child that misses it (stopped, stuck in the kernel on a dead disk ...)
+is declared lost exactly as if it had died: it is killed, so every other request it holds
+fails at once too, the load is reported failed (the engine recomputes), the write fails, and
+it is replaced as above. A caller never waits longer than its deadline.
 """
 
 from __future__ import annotations
@@ -200,7 +200,11 @@ class DiskProcess:
 
     def deadline_s(self, op: int, n_keys: int) -> float:
         """Seconds a request may take: ``request_timeout_s`` per started ``DEADLINE_BYTES``
-        of blocks it moves (at least one), so a large batch on a busy disk is not a hang."""
+        of blocks it moves (at least one), so a large batch on a busy disk is not a hang. The
+        key listing (once, at start-up, before any load: millions of keys on a large store)
+        gets the start-up allowance instead."""
+        if op == wire.KEYS:
+            return max(self._start_timeout, self.request_timeout_s)
         moved = n_keys * self.geometry.block_bytes if op in (wire.PUT, wire.FETCH) else 0
         return self.request_timeout_s * max(1, -(-moved // DEADLINE_BYTES))
 

@@ -16,7 +16,12 @@ from kvtier.config import load_config
 from kvtier.config.errors import ConfigError
 from kvtier.config.schema import DiskTierConfig
 from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.disk_process import DEADLINE_BYTES, DiskProcess, DiskProcessGone
+from kvtier.runtime.disk_process import (
+    DEADLINE_BYTES,
+    START_TIMEOUT_S,
+    DiskProcess,
+    DiskProcessGone,
+)
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.layout import BlockGeometry
 
@@ -92,7 +97,8 @@ def test_the_deadline_grows_with_the_bytes_a_request_moves(proc):
     assert proc.deadline_s(wire.FETCH, 1) == TIMEOUT_S
     assert proc.deadline_s(wire.PUT, per_share) == TIMEOUT_S
     assert proc.deadline_s(wire.PUT, per_share + 1) == 2 * TIMEOUT_S
-    assert proc.deadline_s(wire.KEYS, 0) == TIMEOUT_S
+    assert proc.deadline_s(wire.STATS, 0) == proc.deadline_s(wire.DELETE, 3) == TIMEOUT_S
+    assert proc.deadline_s(wire.KEYS, 0) == START_TIMEOUT_S  # once, at start-up
 
 
 def test_request_timeout_is_read_from_yaml_and_checked(tmp_path):
