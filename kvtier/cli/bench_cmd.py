@@ -13,14 +13,17 @@ import time
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvtier.bench.compare import DEFAULT_POLICIES
 from kvtier.bench.trace import load_trace
 from kvtier.bench.trace_gen import SHAPES, generate
-from kvtier.cli.errors import user_errors
+from kvtier.cli import compare_table
+from kvtier.cli.errors import EXIT_USAGE, user_errors
+from kvtier.cli.inputs import load_config_file, regular_file
+from kvtier.cli.progress import progress
 from kvtier.config import format_size, load_config
 
 DEFAULT_BLOCK_KIB = 64
@@ -114,16 +117,28 @@ def _int_list(ctx, param, value):
 
 def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool) -> None:
     """``--compare``: the policy table (real manager per policy, Belady, infinite cache)."""
-    from kvtier.bench.compare import as_rows, check_specs, compare
-    from kvtier.bench.policy_sim import format_table, infinite
+    from kvtier.bench import policy_sim
+    from kvtier.bench.compare import as_rows, check_specs, replay
+    from kvtier.bench.policy_sim import infinite
 
     try:
         specs = check_specs(policies.split(","))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--policies") from None
+    runs = len(capacities) * len(dict.fromkeys(["lru", *specs]))
     t0 = time.perf_counter()
-    results = compare(trace, capacities, specs)
-    ceiling = infinite(trace)
+    with progress(runs, "policy runs") as update:
+        done = 0
+
+        def run_one(trace, capacity, spec):  # the real manager's replay, counted
+            nonlocal done
+            update(done, f"C={capacity:,} {spec}")
+            result = replay(trace, capacity, spec)
+            done += 1
+            return result
+
+        results = policy_sim.compare(trace, capacities, specs, run=run_one)
+        ceiling = infinite(trace)
     seconds = time.perf_counter() - t0
     blocks = sum(len(r.hash_ids) for r in trace)
     if as_json:
@@ -133,24 +148,51 @@ def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool
             "infinite": ceiling.as_dict(),
         }))
         return
-    click.echo(f"kvtier bench --compare: {trace_name}, {len(trace):,} requests, {blocks:,} "
-               f"block lookups, {seconds:.1f}s (capacity in 512-token trace blocks; gap closed "
-               "= share of the LRU->Belady hit-rate gap; wasted = written, evicted unread)\n")
-    click.echo(format_table(results, ceiling))
+    click.echo(compare_table.intro(trace_name, len(trace), blocks, seconds) + "\n")
+    click.echo(compare_table.table(results, ceiling))
 
 
-def run_shared_bench(config_path, trace, trace_name: str, block_bytes: int, gpu_blocks: int):
+def run_shared_bench(config, trace, trace_name: str, block_bytes: int, gpu_blocks: int):
     from kvtier.bench.shared import run_shared
 
-    config = load_config(config_path) if config_path else None
     if config is None or config.remote is None:
         raise click.UsageError("--shared needs --config with a tiers.remote section "
                                "(a Redis/Valkey server to share)")
-    report = run_shared(config, trace, block_bytes, gpu_blocks)
+    try:
+        report = run_shared(config, trace, block_bytes, gpu_blocks)
+    except OSError as exc:  # a port or path it could not bind, a server it could not reach
+        _fail(f"--shared: {exc}")
     report["trace"] = trace_name
     click.echo(json.dumps(report, default=str))
     if report["wrong_blocks"]:
         sys.exit(1)
+
+
+def _fail(message: str) -> None:
+    click.echo("kvtier: error: " + " ".join(message.split()), err=True)
+    sys.exit(EXIT_USAGE)
+
+
+MODE_OPTIONS = (
+    # (options, when they apply, what to say when given elsewhere)
+    (("capacity_blocks", "policies"), lambda p: p["do_compare"], "used only with --compare"),
+    (("seed", "n_requests"), lambda p: p["shape"] is not None, "used only with --shape"),
+    (("config_path", "gpu_blocks", "block_kib", "overlap", "do_shared"),
+     lambda p: not p["do_compare"],
+     "not used by --compare (it replays the manager alone: no bytes, no config)"),
+    (("overlap",), lambda p: not p["do_shared"], "not used by --shared"),
+)
+"""Every option is used by the mode it is given in, or refused: none is silently ignored."""
+
+
+def refuse_unused_options(ctx: click.Context) -> None:
+    given = {p.name: p.opts[-1] for p in ctx.command.params
+             if ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE,
+                                                      ParameterSource.ENVIRONMENT)}
+    for names, applies, why in MODE_OPTIONS:
+        wrong = [given[n] for n in names if n in given]
+        if wrong and not applies(ctx.params):
+            raise click.UsageError(f"{', '.join(wrong)}: {why}")
 
 
 @click.command()
@@ -189,7 +231,8 @@ def run_shared_bench(config_path, trace, trace_name: str, block_bytes: int, gpu_
                    "trace's halves against one Redis/Valkey tier, vs one instance with twice "
                    "the CPU capacity; plus the tier's GB/s vs a raw redis-py client's.")
 @user_errors
-def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, policies, config_path,
+@click.pass_context
+def bench(ctx, trace_path, shape, seed, n_requests, do_compare, capacity_blocks, policies, config_path,
           as_json, limit, block_kib, gpu_blocks, overlap, do_shared):
     """Replay a request trace through kvtier's manager, transfer workers and tiers.
 
@@ -205,9 +248,10 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
     """
     if shape and trace_path:
         raise click.UsageError("give --trace or --shape, not both")
-    if do_compare and (config_path or gpu_blocks):
-        raise click.UsageError("--compare replays the manager alone: --config and --gpu-blocks "
-                               "do not apply")
+    refuse_unused_options(ctx)
+    config = load_config_file(config_path) if config_path else None  # before any slow import
+    if trace_path is not None:
+        regular_file(trace_path, "--trace")
     if shape:
         trace = generate(shape, n_requests, seed)[:limit]
         trace_name = f"generated {shape} (seed {seed})"
@@ -226,20 +270,18 @@ def bench(trace_path, shape, seed, n_requests, do_compare, capacity_blocks, poli
     from kvtier.bench.replay import Replay  # torch: only here, where bytes move
 
     if do_shared:
-        run_shared_bench(config_path, trace, trace_name, block_kib * 1024, gpu_blocks)
+        run_shared_bench(config, trace, trace_name, block_kib * 1024, gpu_blocks)
         return
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        config = load_config(config_path) if config_path else default_bench_config(Path(tmp) / "disk")
-        replay = Replay(config, block_kib * 1024, gpu_blocks, overlap=overlap)
+        config = config or default_bench_config(Path(tmp) / "disk")
         try:
-            if as_json or not sys.stderr.isatty():
-                replay.run(trace)
-            else:
-                with Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-                    task = bar.add_task("requests", total=len(trace))
-                    replay.run(trace, progress=lambda n: bar.update(task, completed=n))
+            replay = Replay(config, block_kib * 1024, gpu_blocks, overlap=overlap)
+        except OSError as exc:  # an events/metrics port in use, an ipc:// path too long
+            _fail(str(exc))
+        try:
+            with progress(len(trace), "requests replayed") as update:
+                replay.run(trace, progress=lambda n: update(n, ""))
             report = replay.report()
         finally:
             replay.close()

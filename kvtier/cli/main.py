@@ -1,10 +1,11 @@
 """``kvtier`` command line: ``bench`` (trace replay), ``stats`` (what a tier holds, live
-counters) and ``events`` (tail an instance's KV-event stream)."""
+counters) and ``events`` (tail an instance's KV-event stream); ``--version``."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from importlib import metadata
 
 import click
 
@@ -44,17 +45,31 @@ def report(exc: click.ClickException) -> int:
     return exc.exit_code
 
 
+def installed_version() -> str:
+    try:
+        return metadata.version("kvtier")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 @click.group(cls=KvtierGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(installed_version(), "-V", "--version", prog_name="kvtier",
+                      message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
 def cli(verbose: int) -> None:
-    """kvtier: a KV-cache storage hierarchy for vLLM (GPU -> pinned CPU -> local disk).
+    """kvtier: a KV-cache storage hierarchy for vLLM: GPU -> pinned CPU memory -> local disk
+    -> a tier shared by many instances (Redis/Valkey).
 
     \b
-    kvtier bench            replay the bundled sample trace through all tiers
-    kvtier bench --trace T  replay a Mooncake-format trace
-    kvtier stats --dir D    what a disk tier (and a running instance) holds
-    kvtier stats --url U    live counters of an instance from its metrics endpoint
-    kvtier events --endpoint E   tail an instance's KV events
+    kvtier bench              replay the bundled sample trace through all tiers
+    kvtier bench --trace T    replay a Mooncake-format trace
+    kvtier bench --compare    compare placement policies (no bytes moved)
+    kvtier bench --shared --config C
+                              two instances sharing one Redis/Valkey tier
+    kvtier stats --dir D      what a disk tier (and a running instance) holds
+    kvtier stats --url U      live counters of an instance (metrics endpoint)
+    kvtier events --endpoint E
+                              tail an instance's KV events
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

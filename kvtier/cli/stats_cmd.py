@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from kvtier.cli.errors import user_errors
-from kvtier.config import ConfigError, format_size, load_config
+from kvtier.cli.inputs import MAX_CONFIG_BYTES, load_config_file, regular_file
+from kvtier.config import ConfigError, format_size
 from kvtier.config.schema import STATS_FILE_NAME
 from kvtier.observe.metrics import ScrapeError, enrich, scrape
 from kvtier.runtime.snapshot import read_snapshot
@@ -60,6 +63,21 @@ def _rate(part, total) -> float | None:
     return round(part / total, 4) if isinstance(part, (int, float)) and total else None
 
 
+def shared_tier_configured(data: dict) -> bool:
+    """Whether a shared tier is part of this setup: the config names one, or the instance
+    reports its usage (the manager lists REMOTE usage only when it has the tier) or its
+    counters. The manager's ``remote_degraded`` flag and zero REMOTE hit counts are exported
+    either way, and alone they showed a REMOTE row and "shared tier ok" for an instance that
+    has no shared tier."""
+    if "REMOTE" in data["tiers"] and "server" in data["tiers"]["REMOTE"]:
+        return True
+    inst = data.get("instance") or {}
+    usage = inst.get("usage")
+    manager = inst.get("manager") or {}
+    return bool((isinstance(usage, dict) and "REMOTE" in usage) or inst.get("remote")
+                or manager.get("remote_degraded") is True)
+
+
 def summarize(data: dict) -> dict:
     """Add per-tier hit rates and the transfers table of the instance to ``data`` (in place)."""
     inst = data.get("instance")
@@ -90,27 +108,90 @@ def summarize(data: dict) -> dict:
     if _is_number(ratio) and "DISK" in tiers:
         tiers["DISK"].setdefault("compression_ratio", round(float(ratio), 4))
     data["transfers"] = inst.get("transfers") or {}
+    if not shared_tier_configured(data):
+        tiers.pop("REMOTE", None)
     return data
+
+
+URL_ALLOWED = "a kvtier metrics URL such as http://127.0.0.1:9400/metrics"
+FETCH_ERROR_GRACE_S = 0.25
+"""When the fetch's own deadline fires, its error (which phase stalled) arrives a moment after
+``timeout``; waiting this much longer lets it be the one reported."""
+
+
+def scrape_within(url: str, timeout: float) -> dict:
+    """``scrape`` with ``timeout`` for all of it: the fetch's own deadline covers the socket
+    but not resolving the host name (a DNS server that never answers) nor parsing a huge body,
+    so the whole call runs in a daemon thread that is abandoned when the deadline passes."""
+    result: dict = {}
+
+    def work() -> None:
+        try:
+            result["stats"] = scrape(url, timeout)
+        except ScrapeError as exc:
+            result["error"] = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported as one line, never a traceback
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    worker = threading.Thread(target=work, name="kvtier-stats-scrape", daemon=True)
+    worker.start()
+    worker.join(timeout + FETCH_ERROR_GRACE_S)
+    if worker.is_alive():
+        raise ConfigError(f"no answer within {timeout:g}s (--timeout: name lookup, connection, "
+                          "transfer and parsing included)", key="--url", allowed=URL_ALLOWED)
+    if "error" in result:
+        raise ConfigError(result["error"], key="--url", allowed=URL_ALLOWED)
+    return result["stats"]
+
+
+def _snapshot(path: Path | None) -> dict | None:
+    """The snapshot at ``path`` if it is a regular file of sane size (a FIFO would block the
+    read forever); None if there is none."""
+    if path is None or not os.path.lexists(path):
+        return None
+    regular_file(path, "stats snapshot", MAX_CONFIG_BYTES)
+    return read_snapshot(path)
+
+
+def _disk_tier(disk_dir: Path, config) -> dict:
+    if not disk_dir.is_dir():
+        raise ConfigError(f"no such directory: {disk_dir}", file=str(disk_dir), key="--dir",
+                          allowed="a kvtier disk-tier directory")
+    tier: dict = {"path": str(disk_dir)}
+    if config is not None and config.disk is not None:
+        tier["capacity_bytes"] = config.disk.capacity
+    if not any(disk_dir.iterdir()):  # configured, never used yet (loading the config made it)
+        return {**tier, "blocks": 0, "used_bytes": 0}
+    d = DiskStore.read_stats(disk_dir)
+    return {
+        **tier,
+        "blocks": d.num_blocks,
+        "used_bytes": d.logical_bytes,
+        "stored_bytes": d.stored_bytes,
+        "file_bytes": d.file_bytes,
+        "compression_ratio": round(d.compression_ratio, 4),
+        "checksum_failures": d.checksum_failures,
+        "read_errors": d.read_errors,
+        "oldest": _ts(d.oldest_ts),
+        "newest": _ts(d.newest_ts),
+        "geometry": d.geometry,
+    }
 
 
 def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | None = None,
                   snapshot_path: Path | None = None, timeout: float = 5.0) -> dict:
     if url is not None:
-        try:
-            inst = scrape(url, timeout)
-        except ScrapeError as exc:
-            raise ConfigError(str(exc), key="--url", allowed="a kvtier metrics URL "
-                              "such as http://127.0.0.1:9400/metrics") from None
+        inst = scrape_within(url, timeout)
         inst.update(source=url, live=True)
         return summarize({"tiers": {}, "instance": inst})
     if snapshot_path is not None:
-        snap = read_snapshot(snapshot_path)
+        snap = _snapshot(snapshot_path)
         if snap is None:
             raise ConfigError(f"no readable kvtier stats snapshot at {snapshot_path} (missing, "
                               "unreadable or malformed)",
                               key="--snapshot", allowed="a kvtier-stats.json file")
         return summarize({"tiers": {}, "instance": _instance_from_snapshot(snap)})
-    config = load_config(config_path) if config_path else None
+    config = load_config_file(config_path) if config_path else None
     if disk_dir is None and config is not None and config.disk is not None:
         disk_dir = config.disk.path
     out: dict = {"tiers": {}, "instance": None}
@@ -121,30 +202,11 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
         out["tiers"]["REMOTE"] = {"capacity_bytes": r.capacity, "capacity_is": "advisory",
                                   "server": r.url or ",".join(r.nodes)}
     if disk_dir is not None:
-        if not Path(disk_dir).is_dir():
-            raise ConfigError(f"no such directory: {disk_dir}", file=str(disk_dir), key="--dir",
-                              allowed="a kvtier disk-tier directory")
-        d = DiskStore.read_stats(disk_dir)
-        tier = {
-            "path": str(disk_dir),
-            "blocks": d.num_blocks,
-            "used_bytes": d.logical_bytes,
-            "stored_bytes": d.stored_bytes,
-            "file_bytes": d.file_bytes,
-            "compression_ratio": round(d.compression_ratio, 4),
-            "checksum_failures": d.checksum_failures,
-            "read_errors": d.read_errors,
-            "oldest": _ts(d.oldest_ts),
-            "newest": _ts(d.newest_ts),
-            "geometry": d.geometry,
-        }
-        if config is not None and config.disk is not None:
-            tier["capacity_bytes"] = config.disk.capacity
-        out["tiers"]["DISK"] = tier
+        out["tiers"]["DISK"] = _disk_tier(Path(disk_dir), config)
     snap_path = config.snapshot_path() if config is not None else None
     if snap_path is None and disk_dir is not None:
         snap_path = Path(disk_dir) / STATS_FILE_NAME
-    snap = read_snapshot(snap_path) if snap_path is not None else None
+    snap = _snapshot(snap_path)
     if snap is not None:
         out["instance"] = _instance_from_snapshot(snap)
     return summarize(out)
@@ -234,7 +296,7 @@ def print_stats(data: dict, console: Console) -> None:
         parts.append("admission rejections " + ", ".join(f"{k} {v}" for k, v in m["admission_rejected"].items()))
     if "checksum_failures" in d:
         parts.append(f"checksum failures {d['checksum_failures']}")
-    if "remote_degraded" in m:
+    if "remote_degraded" in m and shared_tier_configured(data):
         state = "DEGRADED" if m["remote_degraded"] else "ok"
         parts.append(f"shared tier {state} ({m.get('remote_degradations', 0)} degradations, "
                      f"{m.get('remote_writes_skipped', 0)} write-backs skipped)")
@@ -245,6 +307,24 @@ def print_stats(data: dict, console: Console) -> None:
     if ev:
         parts.append(f"events: {ev.get('batches', 0)} batches, {ev.get('dropped_events', 0)} dropped")
     console.print("; ".join(parts))
+
+
+def refuse_unused_options(ctx: click.Context) -> None:
+    """No option is silently ignored: --url and --snapshot read one instance and nothing else,
+    --timeout is --url's, --interval and --count are --watch's."""
+    given = {p.name: p.opts[-1] for p in ctx.command.params
+             if ctx.get_parameter_source(p.name) in (ParameterSource.COMMANDLINE,
+                                                      ParameterSource.ENVIRONMENT)}
+    sources = [given[n] for n in ("url", "snapshot_path", "config_path", "disk_dir")
+               if n in given]
+    if len(sources) > 1 and ("url" in given or "snapshot_path" in given):
+        raise click.UsageError(f"give one of {' and '.join(sources)} (--url and --snapshot "
+                               "read a running instance alone)")
+    if "timeout" in given and "url" not in given:
+        raise click.UsageError("--timeout: used only with --url")
+    wrong = [given[n] for n in ("interval", "count") if n in given]
+    if wrong and "watch" not in given:
+        raise click.UsageError(f"{', '.join(wrong)}: used only with --watch")
 
 
 @click.command()
@@ -263,11 +343,13 @@ def print_stats(data: dict, console: Console) -> None:
               help="Seconds between refreshes with --watch.")
 @click.option("--count", type=click.IntRange(min=1), help="With --watch: stop after N refreshes.")
 @user_errors
-def stats(config_path, disk_dir, url, timeout, snapshot_path, as_json, watch, interval, count):
+@click.pass_context
+def stats(ctx, config_path, disk_dir, url, timeout, snapshot_path, as_json, watch, interval, count):
     """Capacity, used bytes, block count, hit rates, compression ratio and oldest/newest entry
     per tier; for a running instance also bytes and GB/s per transfer direction."""
     if config_path is None and disk_dir is None and url is None and snapshot_path is None:
         raise click.UsageError("give --config FILE, --dir DISK_DIR, --url URL or --snapshot FILE")
+    refuse_unused_options(ctx)
     console = Console()
     shown = 0
     try:
