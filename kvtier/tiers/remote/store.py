@@ -1,4 +1,6 @@
-"""The shared tier's I/O: batched GET / SET / EXISTS against Redis or Valkey, never blocking.
+"""The shared tier's presence checks and upkeep: batched EXISTS / DEL / PING against Redis or
+Valkey, never blocking. (Blocks themselves move through ``block_io.RemoteBlockIO`` in the I/O
+processes of ``runtime/remote_process.py``: values never pass through this client.)
 
 The store owns one asyncio loop in a daemon thread and the redis-py client that lives on it;
 callers on any thread or loop get futures (``submit``) or await them (``call``). Each command
@@ -9,8 +11,7 @@ Failures are contained. A batch in which every command failed on the connection 
 hung, unreachable) marks the tier degraded (``RemoteHealth``): later batches fail at once
 without touching a socket, and one PING per ``probe_interval_s`` looks for recovery. A batch in
 which only some commands failed (one dead Cluster primary) costs only those keys: they read as
-misses. A key the server evicted reads as a miss, never an error. A write the server refuses
-(``maxmemory`` with a no-eviction policy: ``OOM``) is a failed write of that block only.
+misses.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Sequence, TypeVar
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.remote.client import make_client
@@ -30,7 +31,7 @@ from kvtier.tiers.remote.keys import RemoteKeys
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
-IN_FLIGHT = 16  # commands on the wire at once (values are large: more only queues in sockets)
+IN_FLIGHT = 16  # commands on the wire at once (an EXISTS of many keys is one command)
 
 
 class RemoteUnavailable(Exception):
@@ -39,14 +40,6 @@ class RemoteUnavailable(Exception):
 
 @dataclass
 class RemoteStats:
-    gets: int = 0
-    hits: int = 0
-    misses: int = 0  # absent: never stored, or evicted by the server
-    rejected: int = 0  # present but failed verification (corrupt, foreign, truncated)
-    puts: int = 0
-    failed_puts: int = 0
-    get_bytes: int = 0
-    put_bytes: int = 0
     errors: int = 0  # commands that failed on the connection or the server
     degraded: bool = False
     degradations: int = 0
@@ -120,23 +113,14 @@ class RemoteStore:
             async with _timeout(self.deadline_s):
                 return await getattr(client, method)(*args)
 
-    async def _then(self, landed: Callable[[int, Any], Any], i: int, method: str,
-                    *args: Any) -> Any:
-        return landed(i, await self._one(method, *args))
-
-    async def _batch(self, method: str, calls: Sequence[tuple],
-                     landed: Callable[[int, Any], Any] | None = None) -> list[Any]:
-        """Run one command per entry of ``calls``; results, or the exception of each. With
-        ``landed``, each reply is replaced by ``landed(position, reply)``, called on the loop
-        as soon as that reply is in (not after the whole batch)."""
+    async def _batch(self, method: str, calls: Sequence[tuple]) -> list[Any]:
+        """Run one command per entry of ``calls``; results, or the exception of each."""
         if not calls:
             return []
         if self.health.degraded and not await self._probe_if_due():
             self._sync_health()
             raise RemoteUnavailable(f"degraded: {self.health.last_error}")
-        out = await asyncio.gather(*(self._one(method, *c) if landed is None else
-                                     self._then(landed, i, method, *c)
-                                     for i, c in enumerate(calls)),
+        out = await asyncio.gather(*(self._one(method, *c) for c in calls),
                                    return_exceptions=True)
         failed = [r for r in out if isinstance(r, BaseException)]
         for exc in failed:
@@ -176,38 +160,6 @@ class RemoteStore:
         self._stats.degradations = self.health.degradations
 
     # ---- operations (run on the store's loop) -----------------------------------------------
-    async def get_values(self, server_keys: Sequence[bytes],
-                         consume: Callable[[int, bytes | None], T] | None = None) -> list[Any]:
-        """The raw values (None: absent, evicted, or its command failed). Unverified: the
-        caller checks each with ``value.decode_value_into``. With ``consume``, what
-        ``consume(position, value)`` returned for each instead, called on this loop as each
-        value lands (a failed GET is consumed as None): verifying and copying a value then
-        overlaps the replies still on the wire, and no other thread is woken per batch."""
-
-        def landed(i: int, reply: Any) -> Any:
-            value = reply if isinstance(reply, (bytes, bytearray)) else None
-            if value is None:
-                self._stats.misses += reply is None
-            else:
-                self._stats.get_bytes += len(value)
-            return value if consume is None else consume(i, value)
-
-        out = await self._batch("get", [(k,) for k in server_keys], landed)
-        self._stats.gets += len(out)
-        failed = [i for i, r in enumerate(out) if isinstance(r, BaseException)]
-        for i in failed:
-            out[i] = None if consume is None else consume(i, None)
-        return out
-
-    async def set_values(self, server_keys: Sequence[bytes], values: Sequence[bytes]) -> list[bool]:
-        """Write each value; which writes the server accepted."""
-        out = await self._batch("set", list(zip(server_keys, values)))
-        ok = [r is True for r in out]
-        self._stats.puts += sum(ok)
-        self._stats.failed_puts += len(ok) - sum(ok)
-        self._stats.put_bytes += sum(len(v) for v, good in zip(values, ok) if good)
-        return ok
-
     async def count_present(self, key_groups: Sequence[Sequence[bytes]]) -> list[int | None]:
         """How many keys of each group exist: one EXISTS per group (a Cluster client splits a
         group across its slots and sums); None: its command failed."""
@@ -220,10 +172,6 @@ class RemoteStore:
         return sum(r for r in out if isinstance(r, int))
 
     # ---- accounting -------------------------------------------------------------------------
-    def count_verified(self, hits: int, rejected: int) -> None:
-        self._stats.hits += hits
-        self._stats.rejected += rejected
-
     def stats(self) -> RemoteStats:
         self._sync_health()
         return RemoteStats(**asdict(self._stats))

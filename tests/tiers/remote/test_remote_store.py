@@ -1,6 +1,9 @@
-"""The shared tier's store against real Valkey/Redis servers on 127.0.0.1 (tests/support/valkey_servers.py):
-verified reads, corruption, eviction under maxmemory, a hung server, a dead server, a Cluster
-losing a primary. The rule everywhere: a block comes back with its exact bytes or as a miss."""
+"""The shared tier's data path (``RemoteBlockIO``, what each I/O process runs) against real
+Valkey/Redis servers on 127.0.0.1 (see tests/support/valkey_servers.py): verified reads,
+corruption, eviction under maxmemory, a hung server, a dead server, a Cluster losing a primary,
+tensor-parallel shards. The rule everywhere: a block comes back with its exact bytes or as a
+miss, and a miss that a connection caused is told apart (``transient``) from one the server's
+contents caused."""
 
 from __future__ import annotations
 
@@ -10,183 +13,172 @@ import time
 import pytest
 
 from kvtier.config import load_config
-from kvtier.tiers.remote import RemoteKeys, RemoteStore, RemoteUnavailable, derive_namespace
-from kvtier.tiers.remote.blocks import RemoteBlocks
+from kvtier.tiers.disk.record import HEADER_BYTES
+from kvtier.tiers.remote import RemoteKeys, RemoteStore, derive_namespace
+from kvtier.tiers.remote.connect import remote_keys
+from support.remote_blocks import BLOCK, open_io, read, remote_cfg, write
 from support.valkey_fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
 
-BLOCK = 256 << 10
 
-
-def remote_cfg(**remote):
-    remote.setdefault("timeout_s", 0.2)
-    remote.setdefault("connect_timeout_s", 0.2)
-    remote.setdefault("probe_interval_s", 0.3)
-    return load_config(data={"tiers": {"remote": remote}}, env={}).remote
-
-
-def open_blocks(cfg, fingerprint="geo-a", namespace=None) -> RemoteBlocks:
-    ns = namespace or derive_namespace(fingerprint)
-    return RemoteBlocks(RemoteStore(cfg, RemoteKeys(ns, fingerprint)))
-
-
-def payloads(n: int, seed: int = 0) -> list[bytes]:
+def payloads(n: int) -> list[bytes]:
     return [os.urandom(BLOCK) for _ in range(n)]
-
-
-def read(blocks: RemoteBlocks, keys) -> tuple[list[bytes], list[int]]:
-    outs = [memoryview(bytearray(BLOCK)) for _ in keys]
-    missed = blocks.get_into(keys, outs)
-    return [bytes(o) for o in outs], missed
 
 
 def test_round_trip_is_exact_and_absent_keys_miss(valkey):
     server = valkey()
-    for compression in ("none", "zstd"):
-        b = open_blocks(remote_cfg(url=server.url, compression=compression))
-        keys = [f"k{i}-{compression}".encode() for i in range(4)]
-        data = payloads(4)
-        data[0] = bytes(BLOCK)  # compresses: stored zstd, read back exact
-        assert b.put(keys, [memoryview(d) for d in data]) == [True] * 4
-        got, missed = read(b, keys + [b"never-stored"])
-        assert missed == [4]
-        assert got[:4] == data
-        assert b.store.stats().hits == 4 and b.store.stats().rejected == 0
-        b.store.close()
-    assert server.client().strlen(open_blocks(remote_cfg(url=server.url),
-                                              ).server_keys([b"k0-zstd"])[0]) < BLOCK // 2
-
-
-def test_each_value_is_consumed_on_the_store_loop_as_it_lands(valkey):
-    """A promotion verifies and copies each value where it lands (no thread hop per batch):
-    ``consume`` sees every position once, on the store's thread, an absent key as None."""
-    import threading
-
-    b = open_blocks(remote_cfg(url=valkey().url))
-    keys = [b"a", b"b", b"c"]
-    data = payloads(2)
-    assert b.put(keys[:2], [memoryview(d) for d in data]) == [True, True]
-    outs = [memoryview(bytearray(BLOCK)) for _ in keys]
-    seen = []
-
-    def consume(i, value):
-        seen.append((i, threading.current_thread() is b.store._thread))
-        return b.verify_into(keys[i], value, outs[i])
-
-    verdicts = b.store.run(b.store.get_values(b.server_keys(keys), consume))
-    assert verdicts == ["hit", "hit", "absent"]
-    assert sorted(seen) == [(0, True), (1, True), (2, True)]
-    assert [bytes(o) for o in outs[:2]] == data and b.count(verdicts) == [2]
-    assert b.store.stats().hits == 2 and b.store.stats().misses == 1
-    b.store.close()
+    io = open_io(remote_cfg(url=server.url))
+    keys = [f"k{i}".encode() for i in range(4)]
+    data = payloads(4)
+    assert write(io, keys, data).ok == [True] * 4
+    got, r = read(io, keys + [b"never-stored"])
+    assert got[:4] == data
+    assert r.failed == [4] and r.transient == []  # absent: a miss, not a connection loss
+    assert (io.stats.hits, io.stats.misses, io.stats.rejected) == (4, 1, 0)
+    assert io.stats.puts == 4 and io.stats.errors == 0
+    io.close()
 
 
 def test_foreign_geometry_under_a_shared_namespace_is_a_miss(valkey):
     server = valkey()
     cfg = remote_cfg(url=server.url, namespace="team")
-    a, b = open_blocks(cfg, "geo-a", "team"), open_blocks(cfg, "geo-b", "team")
+    a, b = open_io(cfg, "geo-a", "team"), open_io(cfg, "geo-b", "team")
     data = payloads(1)
-    assert a.put([b"same"], [memoryview(data[0])]) == [True]
-    assert a.server_keys([b"same"]) == b.server_keys([b"same"])  # the operator chose to share
-    got, missed = read(b, [b"same"])
-    assert missed == [0] and got[0] != data[0]
-    assert b.store.stats().rejected == 1
-    assert read(a, [b"same"]) == ([data[0]], [])
+    assert write(a, [b"same"], data).ok == [True]
+    assert a.keys.server_key(b"same") == b.keys.server_key(b"same")  # the operator chose to share
+    _, r = read(b, [b"same"])
+    assert r.failed == [0] and r.transient == []
+    assert b.stats.rejected == 1 and b.stats.hits == 0
+    assert read(a, [b"same"])[0] == data
     # the default namespaces of two geometries never even share a key
-    assert open_blocks(cfg, "geo-a").server_keys([b"x"]) != open_blocks(cfg, "geo-b").server_keys([b"x"])
+    assert (RemoteKeys(derive_namespace("geo-a"), "geo-a").server_key(b"x")
+            != RemoteKeys(derive_namespace("geo-b"), "geo-b").server_key(b"x"))
 
 
-@pytest.mark.parametrize("damage", ["payload_bit", "header_byte", "truncate", "garbage", "empty"])
-def test_value_corrupted_in_place_is_a_miss_never_wrong_bytes(valkey, damage):
+def test_a_record_of_another_block_size_is_a_miss(valkey):
+    """Same key, same fingerprint, other slot size (a misconfigured peer): never loaded."""
+    cfg = remote_cfg(url=valkey().url)
+    small = open_io(cfg, block_bytes=BLOCK // 2)
+    assert write(small, [b"k"], [os.urandom(BLOCK // 2)]).ok == [True]
+    io = open_io(cfg)
+    _, r = read(io, [b"k"])
+    assert r.failed == [0] and r.transient == []
+    assert io.stats.rejected == 1 and io.stats.hits == 0
+
+
+DAMAGES = ["payload_bit", "header_byte", "key_byte", "truncate", "extend", "garbage", "empty"]
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_value_corrupted_in_place_is_a_miss_never_loaded(valkey, damage, compression):
+    """A value of the exact record size lands in the slot before it is verified (the slot is
+    the load's own until it completes): what matters is that it is not reported loaded."""
     server = valkey()
-    b = open_blocks(remote_cfg(url=server.url))
-    data = payloads(1)
-    b.put([b"victim"], [memoryview(data[0])])
-    key = b.server_keys([b"victim"])[0]
+    io = open_io(remote_cfg(url=server.url, compression=compression))
+    data = [bytes(BLOCK // 2) + os.urandom(BLOCK // 2)]  # half zeros: zstd stores it smaller
+    assert write(io, [b"victim"], data).ok == [True]
+    key = io.keys.server_key(b"victim")
     raw = server.client()
     value = raw.get(key)
+    assert (len(value) < BLOCK) == (compression == "zstd")
     if damage == "payload_bit":
         raw.setrange(key, len(value) - 100, bytes([value[-100] ^ 0x01]))
     elif damage == "header_byte":
         raw.setrange(key, 20, bytes([value[20] ^ 0xFF]))
+    elif damage == "key_byte":  # the stored identity, just after the header
+        raw.setrange(key, HEADER_BYTES + 3, bytes([value[HEADER_BYTES + 3] ^ 0x01]))
     elif damage == "truncate":
         raw.set(key, value[: len(value) // 2])
+    elif damage == "extend":
+        raw.append(key, b"\0" * 16)
     elif damage == "garbage":
         raw.set(key, os.urandom(len(value)))
     else:
         raw.set(key, b"")
-    got, missed = read(b, [b"victim"])
-    assert missed == [0]
-    assert got[0] == bytes(BLOCK)  # the output buffer was left as it was: nothing served
-    assert b.store.stats().rejected == 1
+    _, r = read(io, [b"victim"])
+    assert r.failed == [0] and r.transient == []
+    assert io.stats.rejected == 1 and io.stats.hits == 0
+    raw.delete(key)
+    assert write(io, [b"victim"], data).ok == [True]  # the connection is still good
+    got, r = read(io, [b"victim"])
+    assert got == data and r.failed == [] and io.stats.hits == 1
 
 
 def test_maxmemory_eviction_reads_as_misses_with_exact_survivors(valkey):
     server = valkey("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru")
-    b = open_blocks(remote_cfg(url=server.url))
+    io = open_io(remote_cfg(url=server.url))
     keys = [f"e{i}".encode() for i in range(40)]  # 10 MiB into a 3 MiB server
     data = payloads(40)
     for i in range(0, 40, 4):
-        assert all(b.put(keys[i:i + 4], [memoryview(d) for d in data[i:i + 4]]))
-    got, missed = read(b, keys)
-    assert 0 < len(missed) < 40
-    assert all(got[i] == data[i] for i in range(40) if i not in missed)
-    assert not b.store.health.degraded  # eviction is a miss, not a failure
+        assert write(io, keys[i:i + 4], data[i:i + 4]).ok == [True] * 4
+    got, r = read(io, keys)
+    assert 0 < len(r.failed) < 40
+    assert r.transient == []  # eviction is a miss, not a failure
+    assert all(got[i] == data[i] for i in range(40) if i not in r.failed)
+    assert io.stats.misses == len(r.failed) and io.stats.rejected == 0
 
 
 def test_full_server_refusing_writes_fails_those_writes_only(valkey):
     server = valkey("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
-    b = open_blocks(remote_cfg(url=server.url))
+    io = open_io(remote_cfg(url=server.url))
+    keys = [f"f{i}".encode() for i in range(16)]
+    data = payloads(16)
     oks = []
-    for i in range(16):
-        oks += b.put([f"f{i}".encode()], [memoryview(os.urandom(BLOCK))])
-    assert True in oks and False in oks  # OOM refusals once full
-    assert not b.store.health.degraded
-    assert b.store.stats().failed_puts == oks.count(False)
+    for i in range(0, 16, 2):  # two SETs per pipeline: a refusal must not cost its neighbour
+        r = write(io, keys[i:i + 2], data[i:i + 2])
+        assert r.lost == []  # an OOM refusal is not a lost connection
+        oks += r.ok
+    assert True in oks and False in oks
+    assert io.stats.failed_puts == oks.count(False) and io.stats.puts == oks.count(True)
+    stored = [i for i, good in enumerate(oks) if good]
+    got, r = read(io, [keys[i] for i in stored])
+    assert r.failed == [] and got == [data[i] for i in stored]
 
 
-def test_hung_server_costs_a_bounded_wait_then_nothing_until_a_probe_succeeds(valkey):
+def test_hung_server_costs_a_bounded_wait_per_call_then_recovers(valkey):
     server = valkey()
     cfg = remote_cfg(url=server.url)
-    b = open_blocks(cfg)
-    data = payloads(2)
+    io = open_io(cfg)
     keys = [b"h0", b"h1"]
-    b.put(keys, [memoryview(d) for d in data])
+    data = payloads(2)
+    assert write(io, keys, data).ok == [True, True]
+    bound = cfg.connect_timeout_s + cfg.timeout_s + 0.3
     server.pause()  # SIGSTOP: the socket stays open, nothing answers
     try:
+        for _ in range(2):  # the second call reconnects to the hung server: bounded too
+            t0 = time.monotonic()
+            _, r = read(io, keys)
+            assert time.monotonic() - t0 < bound
+            assert r.failed == [0, 1] and r.transient == [0, 1]
         t0 = time.monotonic()
-        _, missed = read(b, keys)
-        first = time.monotonic() - t0
-        assert missed == [0, 1]
-        assert first < b.store.deadline_s + 0.5
-        assert b.store.health.degraded
-        t0 = time.monotonic()
-        with pytest.raises(RemoteUnavailable):
-            b.store.run(b.store.get_values(b.server_keys(keys)))
-        assert time.monotonic() - t0 < 0.05  # degraded: no socket touched
+        p = write(io, [b"h2"], payloads(1))
+        assert time.monotonic() - t0 < bound
+        assert p.ok == [False] and p.lost == [0]
+        assert io.stats.errors >= 3 and io.stats.hits == 0
     finally:
         server.resume()
-    time.sleep(cfg.probe_interval_s + 0.05)
-    assert read(b, keys) == (data, [])  # the due probe found it back
-    assert not b.store.health.degraded and b.store.stats().degradations == 1
+    assert read(io, keys)[0] == data  # a fresh connection, no stale reply read as a value
+    assert io.stats.hits == 2
 
 
-def test_dead_server_degrades_and_a_restart_recovers(valkey):
+def test_dead_server_fails_fast_and_a_restart_recovers(valkey):
     server = valkey()
     cfg = remote_cfg(url=server.url)
-    b = open_blocks(cfg)
+    io = open_io(cfg)
     data = payloads(1)
-    b.put([b"d"], [memoryview(data[0])])
+    assert write(io, [b"d"], data).ok == [True]
     server.kill()
     t0 = time.monotonic()
-    assert b.put([b"d2"], [memoryview(data[0])]) == [False]
-    assert time.monotonic() - t0 < b.store.deadline_s + 0.5
-    assert b.store.health.degraded
+    p = write(io, [b"d2"], data)
+    assert p.ok == [False] and p.lost == [0]
+    _, r = read(io, [b"d"])
+    assert r.failed == [0] and r.transient == [0]
+    assert time.monotonic() - t0 < 2 * (cfg.connect_timeout_s + cfg.timeout_s) + 0.5
     server.start()  # same port, empty (nothing persisted): a miss, not an error
-    time.sleep(cfg.probe_interval_s + 0.05)
-    assert read(b, [b"d"])[1] == [0]
-    assert not b.store.health.degraded
-    assert b.put([b"d"], [memoryview(data[0])]) == [True]
-    assert read(b, [b"d"]) == (data, [])
+    _, r = read(io, [b"d"])
+    assert r.failed == [0] and r.transient == []
+    assert write(io, [b"d"], data).ok == [True]
+    assert read(io, [b"d"])[0] == data
 
 
 def _owner(nodes, key: bytes):
@@ -197,22 +189,28 @@ def _owner(nodes, key: bytes):
 
 def test_cluster_round_trip_and_a_killed_primary_costs_only_its_keys(cluster):
     cfg = remote_cfg(nodes=[n.node for n in cluster])
-    b = open_blocks(cfg)
+    io = open_io(cfg)
     keys = [f"c{i}".encode() for i in range(24)]
     data = payloads(24)
-    assert b.put(keys, [memoryview(d) for d in data]) == [True] * 24
-    assert read(b, keys) == (data, [])
-    owners = [_owner(cluster, k) for k in b.server_keys(keys)]
+    assert write(io, keys, data).ok == [True] * 24
+    got, r = read(io, keys)
+    assert got == data and r.failed == []
+    owners = [_owner(cluster, io.keys.server_key(k)) for k in keys]
     assert len({o.port for o in owners}) == 3  # the keys really spread over the primaries
     dead = cluster[1]
     dead.kill()
+    lost = [i for i, o in enumerate(owners) if o is dead]
     t0 = time.monotonic()
-    got, missed = read(b, keys)
-    assert time.monotonic() - t0 < 3 * b.store.deadline_s + 1
-    lost = {i for i, o in enumerate(owners) if o is dead}
-    assert set(missed) == lost
+    got, r = read(io, keys)
+    assert time.monotonic() - t0 < cfg.connect_timeout_s + cfg.timeout_s + 0.5
+    assert r.failed == lost and r.transient == lost
     assert all(got[i] == data[i] for i in range(24) if i not in lost)
-    assert not b.store.health.degraded  # the live primaries keep serving
+    fresh = payloads(24)
+    p = write(io, keys, fresh)  # writes too: only the dead primary's keys fail
+    assert p.lost == lost
+    assert p.ok == [i not in lost for i in range(24)]
+    got, r = read(io, keys)
+    assert r.failed == lost and all(got[i] == fresh[i] for i in range(24) if i not in lost)
 
 
 def _answers(directory, keys, wait_s: float = 10.0):
@@ -237,20 +235,22 @@ def test_with_tensor_parallelism_a_block_is_held_only_if_every_rank_shard_is(req
     else:
         cfg = remote_cfg(url=request.getfixturevalue("valkey")().url)
     ns = derive_namespace("geo-tp", world_size=2)
-    ranks = [RemoteBlocks(RemoteStore(cfg, RemoteKeys(ns, "geo-tp", rank=r))) for r in range(2)]
+    ranks = [open_io(cfg, keys=RemoteKeys(ns, "geo-tp", rank=r)) for r in range(2)]
     both, rank0_only = b"both", b"rank0-only"
-    data = [memoryview(d) for d in payloads(1)]
-    assert ranks[0].put([both], data) == [True] and ranks[1].put([both], data) == [True]
-    assert ranks[0].put([rank0_only], data) == [True]
-    every = RemoteDirectory(ranks[0].store, shards=2)
-    rank0 = RemoteDirectory(ranks[0].store, shards=1)  # what the scheduler asked before
+    data = payloads(1)
+    assert write(ranks[0], [both], data).ok == [True]
+    assert write(ranks[1], [both], data).ok == [True]
+    assert write(ranks[0], [rank0_only], data).ok == [True]
+    store = RemoteStore(cfg, ranks[0].keys)
+    every = RemoteDirectory(store, shards=2)
+    rank0 = RemoteDirectory(store, shards=1)  # what the scheduler asked before
     try:
         assert _answers(every, [both, rank0_only, b"neither"]) == [True, False, False]
         assert _answers(rank0, [both, rank0_only]) == [True, True]
     finally:
-        every.close(), rank0.close()
-        for b in ranks:
-            b.store.close()
+        every.close(), rank0.close(), store.close()
+        for io in ranks:
+            io.close()
     replicated = RemoteKeys(ns, "geo-tp", rank=1, replicated=True)
     assert replicated.shard_server_keys(both, 2) == [replicated.server_key(both)]
 
@@ -261,7 +261,6 @@ def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replica
     rank's shard (one shared one when replicated), and the scheduler asks for exactly those."""
     from kvtier.tiers.remote.presence import open_remote_directory
     from kvtier.connectors.vllm.settings import ConnectorSettings
-    from kvtier.tiers.remote.connect import connect_remote
 
     url = valkey().url
     cfg = load_config(data={"tiers": {"cpu": {"capacity": "1MiB"}, "remote": {"url": url}}},
@@ -270,11 +269,11 @@ def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replica
                                  layer_names=("l0",), page_bytes=1024, sliding_window=None,
                                  world_size=2, tp_size=2, kv_dtype="uint8", identity="tp-remote",
                                  replicated_kv=replicated)
-    workers = [RemoteBlocks(connect_remote(cfg.remote, settings.geometry(r), rank=r,
-                                           world_size=2, replicated=replicated))
-               for r in range(2)]
-    payload = [memoryview(bytes(settings.geometry(0).block_bytes))]
-    assert workers[0].put([b"blk"], payload) == [True]  # rank 1 has not written its shard
+    block_bytes = settings.geometry(0).block_bytes
+    worker0 = open_io(cfg.remote, block_bytes=block_bytes, slots=1,
+                      keys=remote_keys(cfg.remote, settings.geometry(0), rank=0, world_size=2,
+                                       replicated=replicated))
+    assert write(worker0, [b"blk"], [bytes(block_bytes)]).ok == [True]  # rank 1 has not
     directory = open_remote_directory(cfg.remote, settings.geometry(0), settings.world_size,
                                       settings.replicated)
     try:
@@ -282,29 +281,4 @@ def test_scheduler_directory_checks_the_shards_its_workers_write(valkey, replica
         assert _answers(directory, [b"blk"]) == [replicated]
     finally:
         directory.close(), directory.store.close()
-        for w in workers:
-            w.store.close()
-
-
-def test_write_buffers_are_reused_once_acknowledged_and_values_stay_exact(valkey):
-    """Uncompressed records are built in reused buffers (no fresh allocation per SET): a
-    buffer goes back only after the server acknowledged its SET, and reuse never changes what
-    an earlier write stored."""
-    from kvtier.tiers.remote.buffers import RecordBuffers
-
-    b = open_blocks(remote_cfg(url=valkey().url))
-    first, second = payloads(3), payloads(3)
-    assert b.put([b"f0", b"f1", b"f2"], [memoryview(d) for d in first]) == [True] * 3
-    idle = b.buffers.idle_bytes
-    assert idle >= 3 * BLOCK  # all three came back
-    assert b.put([b"s0", b"s1", b"s2"], [memoryview(d) for d in second]) == [True] * 3
-    assert b.buffers.idle_bytes == idle  # the same buffers, taken and given back
-    got, missed = read(b, [b"f0", b"f1", b"f2", b"s0", b"s1", b"s2"])
-    assert missed == [] and got == first + second
-    b.store.close()
-    pool = RecordBuffers(max_bytes=2 * BLOCK)
-    views = [pool.take(BLOCK) for _ in range(3)]
-    pool.give(views + [b"not a buffer"])
-    assert pool.idle_bytes == 2 * BLOCK  # bounded; bytes objects ignored
-    taken = pool.take(BLOCK)
-    assert pool.idle_bytes == BLOCK and any(taken.obj is v.obj for v in views)
+        worker0.close()
