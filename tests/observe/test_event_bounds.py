@@ -65,7 +65,9 @@ def test_idle_replay_clients_hold_a_bounded_share_and_memory_stays_flat():
     # at most replay_max_clients (4) answers of replay_client_max_bytes (4 MiB) each; the
     # unbounded publisher held 8 copies of the 30 MiB buffer
     assert out["rss_growth_max_mib"] < 25, out
-    assert out["replay_busy"] >= 4 and out["replay_stalled"] >= 1, out
+    assert out["replay_busy"] >= 4, out  # 8 asked, 4 answers at once
+    # the 4 that never read are disconnected (their answers end with them, or are abandoned
+    # first: whichever of the two stall timers fires first)
     assert out["replay_clients_dropped"] >= 1, out
 
 
