@@ -63,7 +63,8 @@ class BlockIndex:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--replay-endpoint")
     ap.add_argument("--topic", default="")
@@ -84,7 +85,8 @@ def main() -> None:
                 counts = ", ".join(f"{t} {len(k)}" for t, k in sorted(index.tiers.items()))
                 hits = ", ".join(f"{t} {n}" for t, n in sorted(index.hits.items()))
                 flag = " (stale: waiting for a resync)" if index.stale else ""
-                print(f"seq {index.last_seq}: blocks {counts or 'none'}; hits {hits or 'none'}{flag}",
+                print(f"seq {index.last_seq}: blocks {counts or 'none'}; "
+                      f"hits {hits or 'none'}{flag}",
                       flush=True)
                 next_print = time.monotonic() + args.every
     except KeyboardInterrupt:

@@ -132,7 +132,8 @@ def test_top_level_help_names_the_shared_tier():
 
 def test_compare_table_fits_80_columns():
     res = invoke("bench", "--compare", "--shape", "multiturn", "--requests", "300",
-                 "--capacity-blocks", "60,12000", "--policies", "arc+reuse_gate+hints,lru+threshold")
+                 "--capacity-blocks", "60,12000",
+                 "--policies", "arc+reuse_gate+hints,lru+threshold")
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert max(map(len, lines)) <= 80, max(lines, key=len)
@@ -164,3 +165,14 @@ def test_progress_stays_quiet_off_a_terminal_for_a_short_run():
     res = invoke("bench", "--compare", "--shape", "zipf", "--requests", "60",
                  "--capacity-blocks", "20", "--policies", "arc", "--json")
     assert res.exit_code == 0 and res.stderr == "", res.stderr
+
+
+# -- stats on a config whose disk tier was never used ----------------------------------------------
+
+def test_stats_on_a_fresh_config_shows_an_empty_disk_tier(tmp_path):
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text(f"tiers:\n  disk: {{path: {tmp_path / 'disk'}, capacity: 1GiB}}\n")
+    res = invoke("stats", "--json", "--config", str(cfg))
+    assert res.exit_code == 0, res.output
+    disk = json.loads(res.stdout)["tiers"]["DISK"]
+    assert disk["blocks"] == 0 and disk["capacity_bytes"] == 1 << 30
