@@ -18,7 +18,7 @@ import yaml
 from kvtier.config import ConfigError, KvtierConfig, format_size, load_config
 
 MAX_CONFIG_BYTES = 16 << 20
-"""A real config is a few KiB; anything past this is a wrong file, not a config."""
+"""A real config (or stats snapshot) is a few KiB; anything past this is a wrong file."""
 
 
 def _kind(mode: int) -> str:
@@ -44,7 +44,7 @@ def regular_file(path: Path, option: str, max_bytes: int | None = None) -> Path:
         raise ConfigError(f"{option} {str(path)!r} is {_kind(st.st_mode)}, not a regular file")
     if max_bytes is not None and st.st_size > max_bytes:
         raise ConfigError(f"{option} {str(path)!r} is {format_size(st.st_size)}, more than "
-                          f"the {format_size(max_bytes)} a config may be")
+                          f"the {format_size(max_bytes)} kvtier reads from one")
     return path
 
 

@@ -71,6 +71,8 @@ SPECIAL = {
     "stats --snapshot directory": (lambda t, f: ["stats", "--snapshot", str(t)], "directory"),
     "bench --config oversized": (lambda t, f: ["bench", "--config", _oversized(t)], "16 MiB"),
     "stats --config oversized": (lambda t, f: ["stats", "--config", _oversized(t)], "16 MiB"),
+    "stats --snapshot oversized": (lambda t, f: ["stats", "--snapshot", _oversized(t)],
+                                   "16 MiB"),
 }
 
 
