@@ -63,6 +63,8 @@ class Instance:
         if remote is not None:
             cmd += ["--remote", json.dumps(remote)]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, VLLM_USE_FLASHINFER_SAMPLER="0")
+        if args.timeline:  # kvtier's per-step marks of this instance (where a hit's time goes)
+            env["KVTIER_TIMELINE"] = str(Path(args.timeline) / f"{name}-timeline.jsonl")
         self.log = open(log_dir / f"{name}.log", "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)
@@ -268,6 +270,7 @@ def main() -> int:
     ap.add_argument("--think-ms", type=float, default=300.0)
     ap.add_argument("--configs", default="kvtier,kvtier_remote,native")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--timeline", default=None, help="a folder for each instance's timeline")
     args = ap.parse_args()
     gpus = gpu_list()
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-remote-"))

@@ -40,7 +40,7 @@ from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
-from kvtier.tiers.remote.directory import RemoteDirectory
+from kvtier.tiers.remote.presence import open_remote_directory
 
 BENCH_LAYERS = 4
 TIERS = ("GPU", "CPU", "DISK", "REMOTE")  # where a block's hit came from
@@ -145,8 +145,9 @@ class Replay:
         self.worker = WorkerRuntime.create(config, self.view, g)
         # a trace block is one kvtier block of 512 tokens, whatever block_tokens the YAML says
         # (the manager's cost model prices recompute per block with it)
-        self.remote = (RemoteDirectory(self.worker.remote) if self.worker.remote is not None
-                       else None)
+        # the presence directory on its own connection, as the connector's scheduler side opens
+        # it; the worker's I/O processes move the bytes
+        self.remote = open_remote_directory(config.remote, g, world_size=1, replicated=False)
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
                                      g.block_bytes, self.worker.disk_keys(), remote=self.remote)
         self.lookup_wait_s = 0.0  # time spent waiting for the shared tier's presence answers
@@ -371,6 +372,7 @@ class Replay:
             self.snapshot.close()
         if self.remote is not None:
             self.remote.close()
+            self.remote.store.close()
         self.worker.close()
 
 

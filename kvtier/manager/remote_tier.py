@@ -18,10 +18,15 @@ The manager cannot index the shared tier (other instances write and the server e
 * ``complete_store`` queues a CPU -> REMOTE write of the newly stored blocks that the shared
   tier admits and does not hold yet, at most ``max_writes`` blocks at once. The CPU slot is
   pinned (a reader) until the write is reported, so it cannot be evicted or reused under it.
+  What exceeds ``max_writes`` waits in a backlog (oldest first, unpinned, at most the CPU
+  tier's size) and is written as earlier writes are reported: a long prompt is shared whole,
+  not cut at the first ``max_writes`` blocks. A backlogged block evicted from CPU memory
+  before its turn is skipped (counted in ``remote_writes_skipped``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
@@ -49,6 +54,8 @@ class RemoteTier:
         self.background = background
         self._make_room = make_room
         self.writing = 0  # blocks whose CPU -> REMOTE write is queued or running
+        self.backlog: OrderedDict[BlockKey, None] = OrderedDict()  # admitted, awaiting room
+        self.max_backlog = max(self.max_writes, cpu.capacity)
         self.promotions: set[BlockKey] = set()  # keys whose REMOTE -> CPU hop is in flight
         if directory is not None:  # per-tier counters gain a REMOTE column
             s = self.stats
@@ -108,18 +115,30 @@ class RemoteTier:
                 self.stats.admission_rejected["REMOTE"] += 1
                 continue
             wanted.append(key)
-        room = max(0, self.max_writes - self.writing)
-        if len(wanted) > room:
-            self.stats.remote_writes_skipped += len(wanted) - room
-            wanted = wanted[:room]
-        slots = []
         for key in wanted:
+            self.backlog[key] = None
+        while len(self.backlog) > self.max_backlog:  # the oldest waiting write gives way
+            self.backlog.popitem(last=False)
+            self.stats.remote_writes_skipped += 1
+        self._drain()
+
+    def _drain(self) -> None:
+        """Start the backlog's writes, oldest first, while fewer than ``max_writes`` run."""
+        keys, slots = [], []
+        while self.backlog and self.writing + len(keys) < self.max_writes:
+            key, _ = self.backlog.popitem(last=False)
             entry = self.cpu.ready(key)
+            if entry is None:  # evicted from CPU memory (or rewritten) before its turn
+                self.stats.remote_writes_skipped += 1
+                continue
+            if self.directory.known_present(key):
+                continue
             entry.readers += 1  # pinned until the write is reported
+            keys.append(key)
             slots.append(entry.slot)
-        if wanted:
-            self.writing += len(wanted)
-            self.background.queue(LoadStoreSpec.cpu(slots), LoadStoreSpec.remote(wanted), wanted)
+        if keys:
+            self.writing += len(keys)
+            self.background.queue(LoadStoreSpec.cpu(slots), LoadStoreSpec.remote(keys), keys)
 
     def write_done(self, t: BackgroundTransfer, success: bool) -> None:
         """Settle a reported CPU -> REMOTE transfer (``complete_background``)."""
@@ -137,6 +156,7 @@ class RemoteTier:
         else:
             self.stats.failed_stores["REMOTE"] += len(t.keys)
         self._sync_stats()
+        self._drain()
 
     def count_hits(self, keys: Sequence[BlockKey]) -> None:
         """``prepare_load`` promoted ``keys`` from the shared tier: counted, and an event."""

@@ -227,3 +227,21 @@ def test_server_evicting_under_maxmemory_costs_hits_only(tmp_path, valkey, trace
     assert r["rejected"] == 0 and (second["failed_loads"] > 0) == (r["misses"] > 0)
     assert second["failed_loads"] >= r["misses"]
     assert not r["degraded"] and r["errors"] == 0
+
+
+def test_stores_beyond_max_writes_in_flight_wait_their_turn_and_are_all_shared(tmp_path, valkey,
+                                                                                trace):
+    """A prompt longer than ``max_writes_in_flight`` blocks used to be shared only up to that
+    many blocks (the rest were skipped); now they wait in a backlog and are all written."""
+    server = valkey()
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "64MiB"},
+                                      "remote": {"url": server.url, "max_writes_in_flight": 4,
+                                                 "timeout_s": 1.0}}}, env={})
+    first = replay(cfg, trace)
+    m = first["manager"]
+    assert m["remote_writes_skipped"] == 0
+    assert m["stored_blocks"]["REMOTE"] == m["stored_blocks"]["CPU"] > 8
+    assert server.client().dbsize() == m["stored_blocks"]["REMOTE"]
+    second = replay(cfg, trace)
+    assert second["wrong_blocks"] == 0
+    assert second["blocks"]["MISS"] < first["blocks"]["MISS"] // 10

@@ -58,7 +58,8 @@ class SchedulerObservability:
         usage = self.manager.usage()
         for tier in usage.values():
             tier["used_bytes"] = tier["used_blocks"] * self.block_bytes
-            tier["capacity_bytes"] = tier["capacity_blocks"] * self.block_bytes
+            cap = tier["capacity_blocks"]  # None: advisory only (the shared tier's server rules)
+            tier["capacity_bytes"] = None if cap is None else cap * self.block_bytes
         out = {"manager": self.manager.stats.snapshot(), "usage": usage,
                "block_bytes": self.block_bytes}
         cost = self.manager.cost
