@@ -29,10 +29,14 @@ log = logging.getLogger("kvtier.disk_process")
 class MappedSlots:
     """The worker's CPU pool, mapped from its memfd: slot ``i`` is bytes [i*B, (i+1)*B)."""
 
-    def __init__(self, fd: int, num_slots: int, block_bytes: int) -> None:
+    def __init__(self, fd: int, num_slots: int, block_bytes: int, populate: bool = False) -> None:
         self.num_slots = num_slots
         self.block_bytes = block_bytes
-        self._map = mmap.mmap(fd, num_slots * block_bytes, mmap.MAP_SHARED,
+        # populate: the page tables are filled once at start-up (seconds for a large pool),
+        # not by a fault per 4 KiB page the first time each slot is touched; for a child whose
+        # start nobody waits for, on a path where a fresh hit lands in fresh slots
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._map = mmap.mmap(fd, num_slots * block_bytes, flags,
                               mmap.PROT_READ | mmap.PROT_WRITE)
         self._view = memoryview(self._map)
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import logging
+import selectors
 import socket
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Sequence
 
@@ -103,7 +103,6 @@ class RemoteIOProcesses:
         self._closed = False
         n = processes or cfg.io_processes
         self._children = [_Child(i) for i in range(n)]
-        self._threads = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvtier-remote-io")
         for child in self._children:  # they connect and warm up while the engine starts
             self._spawn(child)
 
@@ -164,18 +163,8 @@ class RemoteIOProcesses:
         return self.cfg.connect_timeout_s + (self.cfg.retries + 1) * self.cfg.timeout_s * (
             2 + blocks) + 1.0
 
-    def _request(self, child: _Child, op: int, slots: Sequence[int],
-                 keys: Sequence[bytes]) -> dict | None:
-        with child.lock:
-            if not self._ensure(child):
-                return None
-            try:
-                child.sock.settimeout(self._deadline_s(len(keys)))
-                child.sock.sendall(wire.encode_request(op, slots, keys))
-                status, payload = wire.read_reply(child.sock)
-            except OSError as exc:  # died, or hung past its deadline (socket.timeout)
-                self._lose(child, f"{type(exc).__name__}: {exc}")
-                return None
+    def _reply(self, status: int, payload: memoryview) -> dict | None:
+        """A child's answer as data (its stats counted); None for an error or junk."""
         if status != wire.OK:
             with self._stats_lock:
                 self._stats.errors += 1
@@ -188,6 +177,52 @@ class RemoteIOProcesses:
         with self._stats_lock:
             self._stats.add(reply.get("stats", {}))
         return reply
+
+    def _fan_out(self, children: list[_Child], op: int,
+                 parts: list[tuple[list[int], list[bytes]]]) -> list[dict | None]:
+        """Send each child its part, then read the replies as they come, all on this thread
+        (one GIL hand-off per reply, not per thread and system call). The children's locks
+        are taken in index order, so concurrent jobs never wait on each other in a circle."""
+        replies: list[dict | None] = [None] * len(children)
+        held = sorted(set(range(len(children))), key=lambda i: children[i].index)
+        for i in held:
+            children[i].lock.acquire()
+        try:
+            waiting: dict[int, int] = {}  # socket fd -> part
+            for i, (child, (slots, keys)) in enumerate(zip(children, parts)):
+                if not self._ensure(child):
+                    continue
+                try:
+                    child.sock.settimeout(self._deadline_s(len(keys)))
+                    child.sock.sendall(wire.encode_request(op, slots, keys))
+                    waiting[child.sock.fileno()] = i
+                except OSError as exc:
+                    self._lose(child, f"{type(exc).__name__}: {exc}")
+            end = time.monotonic() + max((self._deadline_s(len(k)) for _, k in parts),
+                                         default=0.0)
+            with selectors.DefaultSelector() as sel:
+                for fd, i in waiting.items():
+                    sel.register(children[i].sock, selectors.EVENT_READ, i)
+                while sel.get_map():
+                    ready = sel.select(timeout=max(0.0, end - time.monotonic()))
+                    if not ready:  # past the deadline: whoever has not answered is hung
+                        for key in list(sel.get_map().values()):
+                            sel.unregister(key.fileobj)
+                            self._lose(children[key.data], "missed its request deadline")
+                        break
+                    for key, _ in ready:
+                        sel.unregister(key.fileobj)
+                        child = children[key.data]
+                        try:
+                            status, payload = wire.read_reply(child.sock)
+                        except OSError as exc:  # died, or sent half a frame and hung
+                            self._lose(child, f"{type(exc).__name__}: {exc}")
+                            continue
+                        replies[key.data] = self._reply(status, payload)
+        finally:
+            for i in held:
+                children[i].lock.release()
+        return replies
 
     def _shares(self, n: int) -> list[range]:
         k = max(1, min(len(self._children), n // MIN_BLOCKS_PER_CHILD))
@@ -204,12 +239,12 @@ class RemoteIOProcesses:
             raise RemoteUnavailable(f"degraded: {self.health.last_error}")
         shares = self._shares(len(keys))
         # children are taken from a rotating start so concurrent jobs spread over all of them
-        first = self._next = (getattr(self, "_next", -1) + 1) % len(self._children)
-        futures = [self._threads.submit(self._request,
-                                        self._children[(first + i) % len(self._children)], op,
-                                        [slots[j] for j in r], [keys[j] for j in r])
-                   for i, r in enumerate(shares)]
-        return list(zip(shares, (f.result() for f in futures)))
+        n = len(self._children)
+        first = self._next = (getattr(self, "_next", -1) + 1) % n
+        children = [self._children[(first + i) % n] for i in range(len(shares))]
+        replies = self._fan_out(children, op, [([slots[j] for j in r], [keys[j] for j in r])
+                                               for r in shares])
+        return list(zip(shares, replies))
 
     def _settle_health(self, lost: int, total: int) -> None:
         if total and lost == total:
@@ -261,9 +296,8 @@ class RemoteIOProcesses:
 
     def warm_up(self) -> int:
         """Wait for every child's start (and first connection); how many are ready."""
-        replies = [self._threads.submit(self._request, c, wire.STATS, [], [])
-                   for c in self._children]
-        return sum(1 for f in replies if f.result() is not None)
+        replies = self._fan_out(self._children, wire.STATS, [([], [])] * len(self._children))
+        return sum(1 for r in replies if r is not None)
 
     def stats(self) -> BlockIOStats:
         with self._stats_lock:
@@ -276,4 +310,3 @@ class RemoteIOProcesses:
         for child in self._children:
             with child.lock:
                 child.stop()
-        self._threads.shutdown(wait=False)

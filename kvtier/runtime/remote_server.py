@@ -50,7 +50,8 @@ def main(argv: list[str]) -> int:
     try:
         cfg = RemoteTierConfig(**spec["config"])
         keys = RemoteKeys(**spec["keys"])
-        pool = MappedSlots(spec["pool_fd"], spec["num_slots"], spec["block_bytes"])
+        pool = MappedSlots(spec["pool_fd"], spec["num_slots"], spec["block_bytes"],
+                           populate=True)
         io = RemoteBlockIO(cfg, keys, secrets, pool.buffer, spec["block_bytes"])
     except Exception as exc:  # noqa: BLE001 - the worker logs it and runs without the tier
         wire.send_reply(sock, wire.error_payload(exc), wire.ERROR)
