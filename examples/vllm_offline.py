@@ -1,7 +1,7 @@
 """kvtier behind vLLM's offline ``LLM``: one prompt, twice, and where the second run's hit came
 from.
 
-Nothing is downloaded: a tiny Llama-shaped model with random weights (2 layers, hidden 128) is
+Nothing is downloaded: a tiny Llama-shaped model with random weights (2 layers, hidden 256) is
 written to a temporary directory, and prompts are token ids (no tokenizer). The first run
 computes the prompt and kvtier stores its KV blocks in its CPU tier; vLLM's own prefix cache
 (GPU memory, or host memory on vLLM's CPU backend) is then reset, so the second run's hit can
@@ -34,7 +34,8 @@ def write_tiny_model(path: str, seed: int = 0) -> str:
     import torch
     from safetensors.torch import save_file
 
-    hidden, layers, heads, kv_heads, head_dim, vocab, inter = 128, 2, 4, 2, 32, 1000, 256
+    # head_dim 64: every attention backend takes it (FlashAttention on GPUs, the CPU one)
+    hidden, layers, heads, kv_heads, head_dim, vocab, inter = 256, 2, 4, 2, 64, 1000, 512
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,

@@ -11,7 +11,8 @@ import click
 import zmq
 
 from kvtier.cli.errors import user_errors
-from kvtier.config import ConfigError, load_config
+from kvtier.cli.inputs import load_config_file, read_snapshot_file
+from kvtier.config import ConfigError
 from kvtier.observe.events import (
     AllBlocksCleared,
     BlockAccessed,
@@ -21,7 +22,6 @@ from kvtier.observe.events import (
     EventSubscriber,
     Gap,
 )
-from kvtier.runtime.snapshot import read_snapshot
 
 SHOW_HASHES = 4
 
@@ -91,13 +91,13 @@ def item_lines(item: Delivery | Gap) -> list[str]:
 def endpoints_from_config(path: Path) -> tuple[str, str | None, str]:
     """The event endpoints of the instance ``path`` configures: the bound ones its stats
     snapshot records when it runs (needed for any-port endpoints), else the configured ones."""
-    config = load_config(path)
+    config = load_config_file(path)
     if config.events is None:
         raise ConfigError("the config has no events section (the event stream is off)",
                           file=str(path), key="events", allowed="events: {endpoint: ...}")
     endpoint, replay = config.events.endpoint, config.events.replay_endpoint
     snap_path = config.snapshot_path()
-    snap = read_snapshot(snap_path) if snap_path is not None else None
+    snap = read_snapshot_file(snap_path)
     info = (snap or {}).get("events") or {}
     if isinstance(info.get("endpoint"), str):
         endpoint = info["endpoint"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from kvtier.config import ConfigError, KvtierConfig, format_size, load_config
+from kvtier.runtime.snapshot import read_snapshot
 
 MAX_CONFIG_BYTES = 16 << 20
 """A real config (or stats snapshot) is a few KiB; anything past this is a wrong file."""
@@ -58,6 +59,15 @@ def _holds_settings(text: str) -> bool:
     if node is None:
         return False
     return not (isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null"))
+
+
+def read_snapshot_file(path: Path | None) -> dict | None:
+    """The stats snapshot at ``path`` if it is a regular file of sane size (a FIFO would block
+    the read forever); None if there is none (or it is unreadable or malformed)."""
+    if path is None or not os.path.lexists(path):
+        return None
+    regular_file(path, "stats snapshot", MAX_CONFIG_BYTES)
+    return read_snapshot(path)
 
 
 def load_config_file(path: Path, option: str = "--config") -> KvtierConfig:

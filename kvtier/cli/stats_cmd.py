@@ -22,11 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.cli.errors import user_errors
-from kvtier.cli.inputs import MAX_CONFIG_BYTES, load_config_file, regular_file
+from kvtier.cli.inputs import load_config_file, read_snapshot_file
 from kvtier.config import ConfigError, format_size
 from kvtier.config.schema import STATS_FILE_NAME
 from kvtier.observe.metrics import ScrapeError, enrich, scrape
-from kvtier.runtime.snapshot import read_snapshot
 from kvtier.tiers.disk import DiskStore
 
 STALE_AFTER_S = 30.0
@@ -144,15 +143,6 @@ def scrape_within(url: str, timeout: float) -> dict:
     return result["stats"]
 
 
-def _snapshot(path: Path | None) -> dict | None:
-    """The snapshot at ``path`` if it is a regular file of sane size (a FIFO would block the
-    read forever); None if there is none."""
-    if path is None or not os.path.lexists(path):
-        return None
-    regular_file(path, "stats snapshot", MAX_CONFIG_BYTES)
-    return read_snapshot(path)
-
-
 def _disk_tier(disk_dir: Path, config) -> dict:
     if not disk_dir.is_dir():
         raise ConfigError(f"no such directory: {disk_dir}", file=str(disk_dir), key="--dir",
@@ -185,7 +175,7 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
         inst.update(source=url, live=True)
         return summarize({"tiers": {}, "instance": inst})
     if snapshot_path is not None:
-        snap = _snapshot(snapshot_path)
+        snap = read_snapshot_file(snapshot_path)
         if snap is None:
             raise ConfigError(f"no readable kvtier stats snapshot at {snapshot_path} (missing, "
                               "unreadable or malformed)",
@@ -206,7 +196,7 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
     snap_path = config.snapshot_path() if config is not None else None
     if snap_path is None and disk_dir is not None:
         snap_path = Path(disk_dir) / STATS_FILE_NAME
-    snap = _snapshot(snap_path)
+    snap = read_snapshot_file(snap_path)
     if snap is not None:
         out["instance"] = _instance_from_snapshot(snap)
     return summarize(out)

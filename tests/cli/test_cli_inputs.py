@@ -63,6 +63,8 @@ SPECIAL = {
     "stats --config FIFO": (lambda t, f: ["stats", "--config", f], "FIFO"),
     "stats --snapshot FIFO": (lambda t, f: ["stats", "--snapshot", f], "FIFO"),
     "bench --trace FIFO": (lambda t, f: ["bench", "--trace", f], "FIFO"),
+    "events --config FIFO": (lambda t, f: ["events", "--config", f], "FIFO"),
+    "events --config /dev/zero": (lambda t, f: ["events", "--config", "/dev/zero"], "device"),
     "bench --config /dev/zero": (lambda t, f: ["bench", "--config", "/dev/zero"], "device"),
     "stats --config /dev/zero": (lambda t, f: ["stats", "--config", "/dev/zero"], "device"),
     "stats --snapshot /dev/zero": (lambda t, f: ["stats", "--snapshot", "/dev/zero"], "device"),
