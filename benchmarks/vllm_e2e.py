@@ -6,15 +6,9 @@ side by side on the same machine:
 * ``none``: no connector (recompute); ``kvtier``: kvtier's CPU tier; ``native``: vLLM's
   ``OffloadingConnector`` with the same CPU bytes; ``kvtier_disk``: kvtier with a small CPU
   tier and a disk tier (prompts pushed out of CPU first; ``kvtier_disk_cold``: the disk
-  files dropped from the page cache before each hit); ``kvtier_ab``: each kvtier hit
-  timed with the copy started early (handed over when planned, or at vLLM's first worker hook
-  of the step) and at ``start_load_kv``,
-  alternating in one engine (the paired A/B of the early start); ``kvtier_staged``: kvtier with
-  whole-load copies through the staging ring (``KVTIER_CUDA_LOADS=staged``), the A/B of
-  layer-by-layer loads; ``kvtier_ab_tail``: each hit timed with the last block of a hit that
-  reaches the last prompt token loaded whole and cut a block short (hit_claim.py's A/B);
-  ``kvtier_ab_prefetch``: each hit timed with its copy's first pieces prefetched at the lookup
-  and without (hit_prefetch.py's A/B);
+  files dropped from the page cache before each hit); ``kvtier_ab_whole``: each hit timed with a load its forward waits for
+  whole in one launch and layer by layer, alternating in one engine (the A/Bs of the early
+  start, the lookup prefetch and the whole tail are settled: results/vllm_e2e_*.md);
   ``check``: GPU page bytes and
   tokens/logprobs of kvtier hits against vLLM's own prefix-cache hits.
 * Random-weight models built from a config (Llama-3.1-8B shape, Llama-3.2-1B shape), bf16,
@@ -209,8 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="8b,1b")
     p.add_argument("--connectors", default="none,kvtier,native,kvtier_disk,check",
                    help="comma list of: none, kvtier, native, kvtier_disk, kvtier_disk_cold "
-                        "(page cache dropped before each disk hit), kvtier_staged, kvtier_ab, "
-                        "kvtier_ab_tail, kvtier_ab_prefetch, kvtier_ab_whole, check")
+                        "(page cache dropped before each disk hit), kvtier_ab_whole, "
+                        "check")
     p.add_argument("--lengths", default="1024,2048,8192,32768",
                    help="prompt lengths in tokens (16 = one vLLM block)")
     p.add_argument("--reps", type=int, default=5)
@@ -319,8 +313,7 @@ def main(argv=None) -> int:
                          "--trace-offset", str(a.trace_offset), "--trace-speedup",
                          str(a.trace_speedup),
                          "--trace-chunks", "1" if a.cpu_smoke else str(a.trace_chunks)]
-            marked = conn in ("kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch",
-                              "kvtier_ab_whole", "kvtier_staged") \
+            marked = conn in ("kvtier", "kvtier_ab_whole", "kvtier_staged") \
                 or disk or (
                 a.vllm_marks and conn in ("none", "native"))  # vLLM's phases: compare like with like
             if marked:

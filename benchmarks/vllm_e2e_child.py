@@ -9,15 +9,9 @@ process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Co
   alternating), the ratio that host-speed drift between processes cannot bend;
 * ``kvtier_disk`` - kvtier with a small CPU tier and a disk tier: every prompt is written,
   pushed out of CPU by filler prompts, then timed (cost-aware loading may recompute instead);
-* ``kvtier_ab`` - kvtier, CPU tier only, each repetition timed twice in the same engine:
-  synchronous loads started early (the default: handed over when planned, or at vLLM's first
-  worker hook) and at ``start_load_kv`` (the paired A/B of the early start);
-* ``kvtier_ab_tail`` - the same pairing for the last block of a hit that reaches the prompt's
-  last token: loaded whole (one token computed, the default) or not (a block computed);
-* ``kvtier_ab_prefetch`` - the same pairing for a hit's copy started at the lookup (its first
-  pieces prefetched, the default) or once the load is planned;
-* ``kvtier_ab_whole`` - the same pairing for a hit's load that its forward waits for whole
-  (``LoadStoreSpec.whole``): one kernel launch at any size, or layer by layer (as before);
+* ``kvtier_ab_whole`` - kvtier, CPU tier only, each repetition timed twice in the same engine:
+  a hit's load that its forward waits for whole (``LoadStoreSpec.whole``) in one kernel launch
+  at any size, or layer by layer (as before);
 * ``native`` - vLLM's ``OffloadingConnector`` with the same CPU bytes;
 * ``check``  - kvtier, in-process engine: GPU page bytes after a load against the bytes vLLM
   computed, and tokens/logprobs against vLLM's own prefix-cache hit.
@@ -167,7 +161,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--connector", required=True,
-                   choices=["none", "kvtier", "kvtier_ab", "kvtier_ab_tail", "kvtier_ab_prefetch", "kvtier_ab_whole", "kvtier_disk", "native",
+                   choices=["none", "kvtier", "kvtier_ab_whole", "kvtier_disk", "native",
                             "check"])
     p.add_argument("--lengths", default="1024,2048,8192,32768")
     p.add_argument("--reps", type=int, default=5)

@@ -303,7 +303,9 @@ class RemoteIOProcesses:
         with self._stats_lock:
             out = BlockIOStats()
             out.add(self._stats.to_dict())
-            return out
+        out.degraded = self.health.degraded
+        out.degradations = self.health.degradations
+        return out
 
     def close(self) -> None:
         self._closed = True

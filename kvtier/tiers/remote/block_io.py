@@ -49,11 +49,15 @@ class BlockIOStats:
     put_bytes: int = 0
     errors: int = 0  # commands lost to a connection, protocol or server error
     last_error: str = ""
+    degraded: bool = False  # the tier is failing fast (set by whoever tracks its health)
+    degradations: int = 0
 
     def add(self, other: dict) -> None:
         for k, v in other.items():
             if k == "last_error":
                 self.last_error = v or self.last_error
+            elif k == "degraded":
+                self.degraded = bool(v)
             elif hasattr(self, k):
                 setattr(self, k, getattr(self, k) + int(v))
 
