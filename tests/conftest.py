@@ -39,6 +39,13 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if report.skipped and os.environ.get("KVTIER_REQUIRE_TLS_SERVER") == "1":
+        lr = report.longrepr
+        reason = (lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)).lower()
+        if "redis-server built with tls" in reason:  # CI installs it: a skip proves nothing
+            report.outcome = "failed"
+            report.longrepr = f"a TLS server is required here (KVTIER_REQUIRE_TLS_SERVER=1) but: {lr}"
+            return
     if report.skipped and os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
         lr = report.longrepr  # (path, line, message): only the message says why
         reason = (lr[2] if isinstance(lr, tuple) and len(lr) == 3 else str(lr)).lower()
