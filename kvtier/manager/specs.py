@@ -109,24 +109,6 @@ class LoadPlan:
     joined: tuple[bool, ...] = ()
     from_remote: tuple[bool, ...] = ()  # REMOTE -> CPU hop first (empty: no shared-tier hits)
 
-    def disk_hop(self) -> tuple[LoadStoreSpec, LoadStoreSpec] | None:
-        idx = [i for i, d in enumerate(self.from_disk) if d]
-        if not idx:
-            return None
-        return (
-            LoadStoreSpec.disk([self.keys[i] for i in idx]),
-            LoadStoreSpec.cpu([self.cpu_slots[i] for i in idx]),
-        )
-
-    def remote_hop(self) -> tuple[LoadStoreSpec, LoadStoreSpec] | None:
-        idx = [i for i, r in enumerate(self.from_remote) if r]
-        if not idx:
-            return None
-        return (
-            LoadStoreSpec.remote([self.keys[i] for i in idx]),
-            LoadStoreSpec.cpu([self.cpu_slots[i] for i in idx]),
-        )
-
 
 @dataclass(frozen=True)
 class StorePlan:

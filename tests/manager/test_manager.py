@@ -18,6 +18,7 @@ from kvtier.manager.events import BlockRemoved, BlockStored
 from kvtier.manager.specs import Medium, RequestContext
 from kvtier.manager.tier_index import BlockState
 from kvtier.manager.tiered import TieredOffloadingManager
+from support.plan_hops import disk_hop
 
 
 def k(i: int) -> bytes:
@@ -96,7 +97,7 @@ def test_demotion_to_disk_then_promotion_on_hit():
     assert m.lookup([k(0), k(1)]).tiers == (Medium.DISK, Medium.DISK)
     load = m.prepare_load([k(0)])
     assert load.from_disk == (True,)
-    src, dst = load.disk_hop()
+    src, dst = disk_hop(load)
     assert src.keys == (k(0),) and dst.ids == load.cpu_slots
     m.complete_load(load.keys)
     assert m.lookup([k(0)]).tiers == (Medium.CPU,)

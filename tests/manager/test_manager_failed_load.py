@@ -23,6 +23,7 @@ from reliability.rig import StackRig
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
+from support.plan_hops import disk_hop
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def _load(rig: StackRig, k: bytes, gpu_id: int) -> tuple[bool, bool]:
     """Load ``k`` into engine block ``gpu_id`` the way the rig does; (job ok, bytes right)."""
     plan = rig.manager.prepare_load([k])
     assert plan.keys == (k,)
-    hops = [plan.disk_hop()] if plan.disk_hop() is not None else []
+    hops = [disk_hop(plan)] if disk_hop(plan) is not None else []
     hops.append((LoadStoreSpec.cpu(plan.cpu_slots), LoadStoreSpec.gpu([gpu_id])))
     [res] = rig.engine.wait([rig.engine.submit_chain(hops)], timeout=30)
     failed = set(plan.keys) if res.error is not None else set(res.failed_keys)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvtier.manager.specs import Medium
 from kvtier.manager.tiered import TieredOffloadingManager
+from support.plan_hops import disk_hop
 
 
 def k(i: int) -> bytes:
@@ -50,7 +51,7 @@ def test_second_load_joins_the_promotion_and_sees_the_block_published():
     assert second.keys == (k(0), k(1))
     assert second.joined == (True, True) and second.from_disk == (False, False)
     assert second.cpu_slots == first.cpu_slots  # reads the slot the promotion fills
-    assert second.disk_hop() is None  # no second disk read
+    assert disk_hop(second) is None  # no second disk read
     m.complete_load(first.keys)
     assert m.lookup([k(0), k(1)]).tiers == (Medium.CPU, Medium.CPU)
     assert m.pins() == 2  # the joined load still pins both slots

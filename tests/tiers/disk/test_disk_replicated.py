@@ -34,6 +34,7 @@ from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.disk import DiskStore, host
 from kvtier.tiers.disk.record import HEADER_BYTES
+from support.plan_hops import disk_hop  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "replica_child.py"
 HANG_S = 300
@@ -350,7 +351,7 @@ def test_replicated_capacity_is_the_configured_capacity_and_restart_reads_rank0(
         on_disk = set(rts[0].store.keys_by_age())
         assert on_disk == set(manager.tier(Medium.DISK).entries)
         plan = manager.prepare_load(sorted(on_disk)[:2])
-        assert plan.from_disk == (True, True) and run(*plan.disk_hop())
+        assert plan.from_disk == (True, True) and run(*disk_hop(plan))
         manager.complete_load(plan.keys, ())
     finally:
         for rt in rts:

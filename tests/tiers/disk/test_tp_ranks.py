@@ -30,6 +30,7 @@ from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.disk_io import CpuToDiskHandler, DiskDropHandler, DiskToCpuHandler
+from support.plan_hops import disk_hop  # noqa: E402
 
 PAGE = 1024
 LAYERS = 2
@@ -167,7 +168,7 @@ def test_record_corrupt_on_one_rank_is_deleted_on_every_rank(tmp_path):
         flip_payload(rs.ranks[0].store, victim, None)
         plan = rs.manager.prepare_load([victim])
         assert plan.from_disk == (True,)
-        ok, failed, transient = rs.run_reads(*plan.disk_hop())
+        ok, failed, transient = rs.run_reads(*disk_hop(plan))
         assert failed == {victim} and not transient  # rank 0 found it bad; rank 1 read it
         rs.manager.complete_load(plan.keys, failed, transient)
         rs.background()
@@ -200,7 +201,7 @@ def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(tmp_path):
         files.pread = eio
         plan = rs.manager.prepare_load([victim])
         assert plan.from_disk == (True,)
-        ok, failed, transient = rs.run_reads(*plan.disk_hop())
+        ok, failed, transient = rs.run_reads(*disk_hop(plan))
         files.pread = real_pread
         assert failed == transient == {victim}
         assert rs.ranks[1].store.contains(victim)  # kept by the store: the read failed, not it
