@@ -297,6 +297,22 @@ def print_stats(data: dict, console: Console) -> None:
     if ev:
         parts.append(f"events: {ev.get('batches', 0)} batches, {ev.get('dropped_events', 0)} dropped")
     console.print("; ".join(parts))
+    cost = inst.get("cost")
+    if isinstance(cost, dict) and cost.get("load_gbps"):
+        console.print(cost_line(cost, m))
+
+
+def cost_line(cost: dict, manager: dict) -> str:
+    """Cost-aware loading's view: what recompute costs, each tier's measured load speed, and
+    the hits it left to recompute because loading them would have been slower."""
+    skipped = manager.get("skipped_slower_than_recompute") or {}
+    tiers = ", ".join(
+        f"{tier} {gbps:.2f} GB/s ({cost.get('measured', {}).get(tier, 0)} samples"
+        + (f", {skipped[tier]} blocks recomputed instead" if skipped.get(tier) else "") + ")"
+        for tier, gbps in cost["load_gbps"].items())
+    return (f"cost-aware loading: recompute {cost.get('recompute_ms_per_block', '-')} ms/block "
+            f"(loads pay above {cost.get('break_even_gbps', '-')} GB/s); measured loads: {tiers}; "
+            f"lookups cut {cost.get('cuts', 0)}, probes {cost.get('probes', 0)}")
 
 
 def refuse_unused_options(ctx: click.Context) -> None:

@@ -115,3 +115,19 @@ def test_snapshot_writer_on_a_full_disk_leaves_no_temp_files(tmp_path, monkeypat
     writer.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kvtier-stats.json"]
     assert read_snapshot(path)["manager"] == {"lookups": 1}  # the last good one stays
+
+
+def test_stats_shows_cost_aware_loadings_view_of_each_tier(tmp_path):
+    """The shared tier's speed decides whether its hits are loaded: ``kvtier stats`` says what
+    recompute costs, what each tier measured, and how many blocks were recomputed instead."""
+    cost = {"load_gbps": {"CPU": 48.2, "REMOTE": 1.9}, "measured": {"CPU": 12, "REMOTE": 2},
+            "fixed_ms": {}, "fixed_measured": {}, "recompute_ms_per_block": 0.6,
+            "break_even_gbps": 3.4, "cuts": 5, "probes": 0}
+    manager = {"lookups": 9, "skipped_slower_than_recompute": {"CPU": 0, "REMOTE": 2560}}
+    path = _snapshot(tmp_path, manager=manager, cost=cost)
+    res = CliRunner().invoke(cli, ["stats", "--snapshot", str(path)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if ln.startswith("cost-aware loading"))
+    assert "recompute 0.6 ms/block" in line and "above 3.4 GB/s" in line
+    assert "REMOTE 1.90 GB/s (2 samples, 2560 blocks recomputed instead)" in line
+    assert "CPU 48.20 GB/s (12 samples)" in line and "lookups cut 5" in line
