@@ -59,13 +59,15 @@ def bandwidth_rows(args, remote: dict, tmp: Path) -> list[dict]:
     key_file.chmod(0o600)
     for kib in (int(k) for k in args.block_kib.split(",")):
         for mac in ([False, True] if args.mac else [False]):
-            section = dict(remote, io_processes=args.io_processes, timeout_s=5.0)
+            section = dict(remote, io_processes=args.io_processes, timeout_s=5.0,
+                           connections=args.connections)
             if mac:
                 section["auth_key_file"] = str(key_file)
             cfg = load_config(data={"tiers": {"cpu": {"capacity": "1GiB"}, "remote": section}},
                               env={})
             row = tier_vs_ceiling(cfg, kib << 10, clients=args.clients,
-                                  total_bytes=args.total_mib << 20, repeats=args.repeats)
+                                  total_bytes=args.total_mib << 20, repeats=args.repeats,
+                                  batch=args.batch, jobs_at_once=args.jobs_at_once)
             print(json.dumps({k: row[k] for k in ("block_bytes", "cluster", "mac", "gbps",
                                                   "share", "failed")}), flush=True)
             rows.append(row)
@@ -97,6 +99,11 @@ def main() -> int:
                     help="raw ceiling client processes (default: cores / 2)")
     ap.add_argument("--io-processes", type=int, default=max(2, (os.cpu_count() or 2) // 2),
                     help="the tier's tiers.remote.io_processes")
+    ap.add_argument("--connections", type=int, default=4,
+                    help="the tier's tiers.remote.connections (per I/O process and node)")
+    ap.add_argument("--batch", type=int, default=32, help="blocks per tier job")
+    ap.add_argument("--jobs-at-once", type=int, default=None,
+                    help="tier jobs in flight (1: one hit's promotion at a time; default all)")
     ap.add_argument("--total-mib", type=int, default=512, help="bytes per round")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mac", action="store_true", help="also run the tier with a MAC key")

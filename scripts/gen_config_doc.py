@@ -103,10 +103,12 @@ MEANINGS = {
     "tiers.remote.capacity": "Advisory: reported, never enforced. The budget is the server's "
                              "`maxmemory`.",
     "tiers.remote.max_writes_in_flight": "Blocks being written to the server at once; more "
-                                         "are skipped (counted).",
+                                         "wait in a backlog (up to the CPU tier's size).",
     "tiers.remote.lookup_ttl_s": "How long a presence answer from the server is trusted.",
     "tiers.remote.io_processes": "Child processes per worker that move block bytes to and "
                                  "from the server.",
+    "tiers.remote.connections": "Connections of each I/O process to each server node; one "
+                                "hit's blocks are spread over them.",
     "tiers.remote.username": "ACL user name.",
     "tiers.remote.password_file": "File whose first line is the password (never the YAML "
                                   "itself). At most one of `password_file` and `password_env`.",

@@ -41,17 +41,27 @@ def _runtime(config: KvtierConfig, block_bytes: int, blocks: int) -> WorkerRunti
     return WorkerRuntime.create(cfg, GpuKvView(gpu, layout="kv_first"), geo)
 
 
-def _tier_round(rt: WorkerRuntime, blocks: int, batch: int) -> tuple[float, float, int]:
+def _waves(rt: WorkerRuntime, specs: list, at_once: int | None) -> list:
+    """Run ``(src, dst)`` jobs, ``at_once`` of them in flight (None: all submitted at once)."""
+    step = at_once or len(specs)
+    out = []
+    for w in range(0, len(specs), step):
+        out += rt.engine.wait([rt.engine.submit(s, d) for s, d in specs[w:w + step]])
+    return out
+
+
+def _tier_round(rt: WorkerRuntime, blocks: int, batch: int,
+                at_once: int | None) -> tuple[float, float, int]:
     keys = [f"bw-{uuid.uuid4().hex}".encode() for _ in range(blocks)]
     jobs = [(keys[i:i + batch], list(range(i, min(blocks, i + batch))))
             for i in range(0, blocks, batch)]
     t0 = time.perf_counter()
-    ids = [rt.engine.submit(LoadStoreSpec.cpu(s), LoadStoreSpec.remote(k)) for k, s in jobs]
-    stored = rt.engine.wait(ids)
+    stored = _waves(rt, [(LoadStoreSpec.cpu(s), LoadStoreSpec.remote(k)) for k, s in jobs],
+                    at_once)
     t_set = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ids = [rt.engine.submit(LoadStoreSpec.remote(k), LoadStoreSpec.cpu(s)) for k, s in jobs]
-    loaded = rt.engine.wait(ids)
+    loaded = _waves(rt, [(LoadStoreSpec.remote(k), LoadStoreSpec.cpu(s)) for k, s in jobs],
+                    at_once)
     t_get = time.perf_counter() - t0
     bad = sum(not r.ok for r in stored) + sum(len(r.failed_keys) for r in loaded)
     _drop(rt, keys)
@@ -68,7 +78,10 @@ def _drop(rt: WorkerRuntime, keys: list[bytes]) -> None:
 
 
 def tier_vs_ceiling(config: KvtierConfig, block_bytes: int, *, clients: int,
-                    total_bytes: int = 256 << 20, batch: int = 32, repeats: int = 3) -> dict:
+                    total_bytes: int = 256 << 20, batch: int = 32, repeats: int = 3,
+                    jobs_at_once: int | None = None) -> dict:
+    """``jobs_at_once``: 1 times one hit's promotion at a time (a job of ``batch`` blocks),
+    None submits every job at once (throughput)."""
     blocks = max(batch, total_bytes // block_bytes)
     rt = _runtime(config, block_bytes, blocks)
     try:
@@ -82,7 +95,7 @@ def tier_vs_ceiling(config: KvtierConfig, block_bytes: int, *, clients: int,
         bad = 0
         nbytes = blocks * block_bytes
         for _ in range(repeats):
-            t_set, t_get, b = _tier_round(rt, blocks, batch)
+            t_set, t_get, b = _tier_round(rt, blocks, batch, jobs_at_once)
             bad += b
             samples["tier_set"].append(nbytes / t_set / 1e9)
             samples["tier_get"].append(nbytes / t_get / 1e9)
@@ -96,6 +109,7 @@ def tier_vs_ceiling(config: KvtierConfig, block_bytes: int, *, clients: int,
     share = {what: [t / r for t, r in zip(samples[f"tier_{op}"], samples[f"raw_{op}"])]
              for what, op in (("store", "set"), ("load", "get"))}
     return {"block_bytes": block_bytes, "blocks": blocks, "batch": batch, "repeats": repeats,
+            "jobs_at_once": jobs_at_once, "connections": config.remote.connections,
             "clients": clients, "io_processes": config.remote.io_processes,
             "cluster": config.remote.cluster, "mac": config.remote.auth_key_file is not None,
             "gbps": gbps, "failed": bad, "tier_stats": stats,

@@ -20,7 +20,7 @@ REMOTE_BACKENDS = ("redis",)
 REMOTE_KEYS = ("backend", "url", "nodes", "namespace", "connect_timeout_s", "timeout_s",
                "retries", "probe_interval_s", "compression", "zstd_level", "admission",
                "store_threshold", "capacity", "max_writes_in_flight", "lookup_ttl_s",
-               "io_processes", "username", "password_file", "password_env", "tls", "tls_ca_file",
+               "io_processes", "connections", "username", "password_file", "password_env", "tls", "tls_ca_file",
                "auth_key_file")
 URL_ALLOWED = "redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB] (Redis or Valkey)"
 NODE_ALLOWED = "a list of HOST:PORT strings (any reachable Cluster nodes)"
@@ -48,6 +48,8 @@ class RemoteTierConfig:
     max_writes_in_flight: int = 256  # blocks being written to the server at once
     lookup_ttl_s: float = 2.0  # how long a presence answer from the server is trusted
     io_processes: int = 4  # child processes per worker that move block bytes (remote_process.py)
+    connections: int = 4  # per I/O process and server node: a server serves each one at a
+    # bounded rate, so one hit's blocks go over several at once
     username: str | None = None  # ACL user (the password never sits in the YAML)
     password_file: str | None = None  # a file holding the password (first line)
     password_env: str | None = None  # or the environment variable that holds it

@@ -89,7 +89,7 @@ class RemoteBlockIO:
         self.tag_bytes = MAC_BYTES if secrets.mac_key else 0
         self.stats = BlockIOStats()
         self._tls = secrets.ssl_context()
-        self._conns: dict[tuple[str, int], RespConnection] = {}
+        self._conns: dict[tuple[tuple[str, int], int], RespConnection] = {}  # (node, lane)
         self._slots: SlotMap | None = None
         if cfg.cluster:
             self._seeds = [(h, int(p)) for h, _, p in (n.rpartition(":") for n in cfg.nodes)]
@@ -105,21 +105,26 @@ class RemoteBlockIO:
                         connect_timeout_s=self.cfg.connect_timeout_s,
                         timeout_s=self.cfg.timeout_s)
 
-    def _conn(self, node: tuple[str, int]) -> RespConnection:
-        conn = self._conns.get(node)
+    def _conn(self, node: tuple[str, int], lane: int = 0) -> RespConnection:
+        conn = self._conns.get((node, lane))
         if conn is None or conn.broken:
             if conn is not None:
                 conn.close()
             conn = RespConnection(self._endpoint(node))
             if not self.cfg.cluster and self._db:
                 conn.call("SELECT", self._db)
-            self._conns[node] = conn
+            self._conns[(node, lane)] = conn
         return conn
 
+    def _lanes(self, node: tuple[str, int], n: int) -> list[RespConnection]:
+        """Up to ``cfg.connections`` connections to ``node`` for ``n`` commands: a server
+        serves each connection at a bounded rate, so a batch goes over several at once
+        (command ``k`` on lane ``k % lanes``, its reply read in the same order)."""
+        return [self._conn(node, j) for j in range(max(1, min(self.cfg.connections, n)))]
+
     def _drop(self, node: tuple[str, int]) -> None:
-        conn = self._conns.pop(node, None)
-        if conn is not None:
-            conn.close()
+        for key in [k for k in self._conns if k[0] == node]:
+            self._conns.pop(key).close()
 
     def _slot_map(self) -> SlotMap:
         if self._slots is None:
@@ -158,7 +163,8 @@ class RemoteBlockIO:
         try:
             nodes = self._slot_map().primaries if self.cfg.cluster else self._seeds
             for node in nodes:
-                self._conn(node).call("PING")
+                for conn in self._lanes(node, self.cfg.connections):
+                    conn.call("PING")
             return True
         except (OSError, RespError, ProtocolError, ValueError) as exc:
             self._lost(self._seeds[0], exc)
@@ -189,15 +195,16 @@ class RemoteBlockIO:
             groups = {}
         for node, positions in groups.items():
             try:
-                conn = self._conn(node)
-                cmds, sizes = [], []
-                for i in positions:
+                lanes = self._lanes(node, len(positions))
+                sizes = []
+                for k, i in enumerate(positions):  # interleaved: every lane carries bytes
                     parts = self._value_parts(self.keys.record_key(server_keys[i]),
                                               self.slot_buffer(slots[i]))
                     sizes.append(sum(memoryview(p).nbytes for p in parts))
-                    cmds.append(command_with_value((b"SET", server_keys[i]), parts))
-                conn.send(cmds)
-                for i, size in zip(positions, sizes):
+                    lanes[k % len(lanes)].send([command_with_value((b"SET", server_keys[i]),
+                                                                   parts)])
+                for k, (i, size) in enumerate(zip(positions, sizes)):
+                    conn = lanes[k % len(lanes)]
                     try:
                         ok[i] = conn.read_reply() == "OK"
                     except RespError as exc:  # OOM (maxmemory), MOVED: that block only
@@ -230,9 +237,12 @@ class RemoteBlockIO:
         max_other = self.block_bytes + OTHER_VALUE_SLACK
         for node, positions in groups.items():
             try:
-                conn = self._conn(node)
-                conn.send([command("GET", server_keys[i]) for i in positions])
-                for i in positions:
+                lanes = self._lanes(node, len(positions))
+                for j, lane in enumerate(lanes):
+                    lane.send([command("GET", server_keys[i])
+                               for i in positions[j::len(lanes)]])
+                for k, i in enumerate(positions):
+                    conn = lanes[k % len(lanes)]
                     head = memoryview(bytearray(HEADER_BYTES + len(record_keys[i])))
                     tag = memoryview(bytearray(self.tag_bytes))
                     out = self.slot_buffer(slots[i])
@@ -323,5 +333,5 @@ class RemoteBlockIO:
         return "hit"
 
     def close(self) -> None:
-        for node in list(self._conns):
+        for node in {node for node, _ in self._conns}:
             self._drop(node)

@@ -306,3 +306,44 @@ def test_block_io_in_process_matches_the_children(tmp_path, valkey):
                    for i in range(3))
     finally:
         direct.close()
+
+
+def test_io_processes_run_on_every_cpu_though_the_worker_is_pinned(tmp_path, valkey):
+    """An engine process pinned to a few cores (NUMA binding) must not squeeze its I/O
+    processes onto them: a single hit's promotion then moves at a fraction of the server's
+    speed. The children widen the affinity they inherited."""
+    every = set(range(os.cpu_count() or 1))
+    if len(every) < 2:
+        pytest.skip("needs a machine with 2 or more CPUs to pin the worker to fewer")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(every)})
+    try:
+        pool, io = open_io(remote_cfg(tmp_path, url=valkey().url))
+    finally:
+        os.sched_setaffinity(0, before)
+    try:
+        assert io.warm_up() == 2
+        for child in io._children:
+            assert os.sched_getaffinity(child.proc.pid) == every
+    finally:
+        io.close()
+
+
+def test_each_io_process_spreads_a_batch_over_its_connections(tmp_path, valkey):
+    """One hit's blocks go over ``connections`` connections per process and node (a server
+    serves each connection at a bounded rate); bytes stay exact and in order."""
+    server = valkey()
+    cfg = remote_cfg(tmp_path, url=server.url, io_processes=1, connections=3)
+    pool, io = open_io(cfg)
+    try:
+        assert io.warm_up() == 1
+        clients = server.client().client_list()
+        assert len([c for c in clients if c.get("name", "") == "" and c["cmd"] != "client|list"]) \
+            >= 3  # the child's three connections
+        want = fill(pool, range(10), seed=5)
+        assert io.put_slots(list(range(10)), keys_of(10)) == [True] * 10
+        r = io.fetch_slots(keys_of(10)[::-1], list(range(10, 20)))
+        assert r.failed == []
+        assert all(torch.equal(pool.slot(10 + i), want[9 - i]) for i in range(10))
+    finally:
+        io.close()
