@@ -10,7 +10,6 @@ Run: ``python scripts/gen_cli_doc.py [--check]``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +17,9 @@ import click
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from doc_page import parse_args, write_or_check  # noqa: E402
 from kvtier.cli.main import cli  # noqa: E402
 
 OUT = ROOT / "docs" / "cli.md"
@@ -56,20 +57,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 if the committed page differs from the generated one")
-    ap.add_argument("--out", type=Path, default=OUT, help="page to write or check")
-    args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        if not args.out.exists() or args.out.read_text() != text:
-            print(f"{args.out} is stale: run python scripts/gen_cli_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    args = parse_args(__doc__.splitlines()[0], OUT, argv)
+    return write_or_check(args.out, render(), args.check, "scripts/gen_cli_doc.py")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ committed page differs from what the code gives; tests/docs runs this).
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +23,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from doc_page import parse_args, write_or_check  # noqa: E402
 from kvtier.config import ConfigError, load_config  # noqa: E402
 from kvtier.config.env import ENV_OVERRIDES  # noqa: E402
 # The loader's key table is module-private; documenting it is exactly what it is for here.
@@ -334,25 +334,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 if the committed page differs from the generated one")
-    ap.add_argument("--out", type=Path, default=OUT, help="page to write or check")
-    args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.out.read_text() if args.out.exists() else ""
-        if current != text:
-            diff = difflib.unified_diff(current.splitlines(), text.splitlines(),
-                                        str(args.out), "generated", lineterm="")
-            print("\n".join(list(diff)[:60]))
-            print(f"{args.out} is stale: run python scripts/gen_config_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    args = parse_args(__doc__.splitlines()[0], OUT, argv)
+    return write_or_check(args.out, render(), args.check, "scripts/gen_config_doc.py")
 
 
 if __name__ == "__main__":

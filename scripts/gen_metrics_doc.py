@@ -11,13 +11,14 @@ Run: ``python scripts/gen_metrics_doc.py [--check]``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from doc_page import parse_args, write_or_check  # noqa: E402
 from kvtier.observe.metrics.families import SPECS  # noqa: E402
 
 PAGE = ROOT / "docs" / "events-and-metrics.md"
@@ -48,22 +49,9 @@ def render(page: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 if the page's table differs from the generated one")
-    ap.add_argument("--page", type=Path, default=PAGE, help="page to update or check")
-    args = ap.parse_args(argv)
-    current = args.page.read_text()
-    text = render(current)
-    if args.check:
-        if text != current:
-            print(f"{args.page}: metrics table is stale: run python scripts/gen_metrics_doc.py",
-                  file=sys.stderr)
-            return 1
-        return 0
-    args.page.write_text(text)
-    print(f"wrote {args.page}")
-    return 0
+    args = parse_args(__doc__.splitlines()[0], PAGE, argv, flag="--page")
+    return write_or_check(args.out, render(args.out.read_text()), args.check,
+                          "scripts/gen_metrics_doc.py")
 
 
 if __name__ == "__main__":
