@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.config.remote import RemoteTierConfig
+from kvtier.tiers.remote.secrets import RemoteSecrets
 
 MAX_CONNECTIONS = 32  # per server node; the store keeps fewer commands than this in flight
 
 
-def make_client(cfg: RemoteTierConfig) -> Any:
-    """A ``redis.asyncio.Redis`` or ``RedisCluster``; create it on the loop that will use it."""
+def make_client(cfg: RemoteTierConfig, secrets: RemoteSecrets | None = None) -> Any:
+    """A ``redis.asyncio.Redis`` or ``RedisCluster``; create it on the loop that will use it.
+    ``secrets``: the ACL user and password and TLS settings (the same the I/O processes use)."""
     try:
         from redis.asyncio import Redis
         from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -31,6 +33,19 @@ def make_client(cfg: RemoteTierConfig) -> Any:
     common = dict(socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.connect_timeout_s,
                   retry=retry, retry_on_error=[ConnectionError, TimeoutError],
                   decode_responses=False, socket_keepalive=True)
+    url = cfg.url
+    if secrets is not None:
+        if secrets.username:
+            common["username"] = secrets.username
+        if secrets.password is not None:
+            common["password"] = secrets.password
+        if secrets.tls:
+            if cfg.cluster:
+                common["ssl"] = True
+            elif url.startswith("redis://"):  # tls: true on a plain URL
+                url = "rediss://" + url[len("redis://"):]
+            if secrets.tls_ca_file:
+                common["ssl_ca_certs"] = secrets.tls_ca_file
     if cfg.cluster:
         nodes = [ClusterNode(host, int(port)) for host, _, port in
                  (n.rpartition(":") for n in cfg.nodes)]
@@ -38,4 +53,4 @@ def make_client(cfg: RemoteTierConfig) -> Any:
         return RedisCluster(startup_nodes=nodes, require_full_coverage=False,
                             max_connections=MAX_CONNECTIONS,
                             **common)
-    return Redis.from_url(cfg.url, max_connections=MAX_CONNECTIONS, **common)
+    return Redis.from_url(url, max_connections=MAX_CONNECTIONS, **common)

@@ -27,6 +27,7 @@ from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.remote.client import make_client
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.keys import RemoteKeys
+from kvtier.tiers.remote.secrets import RemoteSecrets
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,9 +59,11 @@ def _is_connection_error(exc: BaseException) -> bool:
 
 class RemoteStore:
     def __init__(self, cfg: RemoteTierConfig, keys: RemoteKeys, *,
-                 name: str = "kvtier-remote") -> None:
+                 name: str = "kvtier-remote", secrets: RemoteSecrets | None = None) -> None:
         self.cfg = cfg
         self.keys = keys
+        # ACL and TLS: read once, here (a missing or exposed secret stops start-up, clearly)
+        self.secrets = secrets if secrets is not None else RemoteSecrets.load(cfg)
         self.health = RemoteHealth(cfg.probe_interval_s)
         self._stats = RemoteStats()
         # a command's whole budget: connect, then every try with its backoff, plus slack
@@ -93,7 +96,7 @@ class RemoteStore:
         first, once, under a lock: redis-py's asyncio Cluster client loses commands issued
         concurrently while it is still connecting (seen with redis-py 8.1)."""
         if self._client is None:
-            self._client = make_client(self.cfg)
+            self._client = make_client(self.cfg, self.secrets)
             self._sem = asyncio.Semaphore(IN_FLIGHT)
             self._init_lock = asyncio.Lock()
             self._ready = not self.cfg.cluster

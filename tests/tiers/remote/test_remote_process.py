@@ -19,11 +19,10 @@ from kvtier.runtime.remote_process import RemoteIOProcesses
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.layout import BlockGeometry
 from kvtier.tiers.remote.block_io import RemoteBlockIO
-from kvtier.tiers.remote.connect import remote_keys
+from kvtier.tiers.remote.connect import connect_remote, remote_keys
 from kvtier.tiers.remote.secrets import RemoteSecretError, RemoteSecrets
 from kvtier.tiers.remote.store import RemoteUnavailable
 from support.valkey_fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
-from support.valkey_servers import Server
 
 BLOCK = 256 << 10
 SLOTS = 48
@@ -173,6 +172,13 @@ def test_acl_credentials_reach_the_server_never_a_command_line(tmp_path, valkey)
         r = io.fetch_slots(keys_of(4), [4, 5, 6, 7])
         assert r.failed == [] and all(torch.equal(pool.slot(4 + i), want[i]) for i in range(4))
         assert not any(password in c for c in _cmdlines())
+        # the scheduler's presence directory authenticates the same way
+        presence = connect_remote(cfg, geometry())
+        try:
+            assert presence.run(presence.count_present([[presence.keys.server_key(k)]
+                                                        for k in keys_of(4)])) == [1] * 4
+        finally:
+            presence.close()
         for child in io._children:  # isolated: -I, started in /, not the test's directory
             assert os.readlink(f"/proc/{child.proc.pid}/cwd") == "/"
             with open(f"/proc/{child.proc.pid}/cmdline", "rb") as f:
@@ -273,6 +279,12 @@ def test_tls_with_a_ca_file_against_a_tls_server(tmp_path):
             r = io.fetch_slots(keys_of(4), [4, 5, 6, 7])
             assert r.failed == []
             assert all(torch.equal(pool.slot(4 + i), want[i]) for i in range(4))
+            presence = connect_remote(cfg, geometry())  # the scheduler's directory: TLS too
+            try:
+                assert presence.run(presence.count_present(
+                    [[presence.keys.server_key(k)] for k in keys_of(4)])) == [1] * 4
+            finally:
+                presence.close()
         finally:
             io.close()
         # without the CA the server's certificate is not trusted: nothing is stored
