@@ -123,7 +123,10 @@ class RemoteIOProcesses:
         finally:
             theirs.close()
         child.sock = mine
-        wire.send_reply(mine, self._secrets)  # its private socket: never the command line
+        try:
+            wire.send_reply(mine, self._secrets)  # its private socket: never the command line
+        except OSError as exc:  # it died at once: lost, replaced later like any other
+            self._lose(child, f"did not take its start-up frame: {exc}")
 
     def _ensure(self, child: _Child) -> bool:
         """The child is up and ready (starting or replacing it when due); False: lost."""
