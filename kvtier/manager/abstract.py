@@ -33,7 +33,7 @@ from kvtier.manager.stats import ManagerStats
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from kvtier.manager.cost import LoadCostModel
     from kvtier.manager.hints import RetentionHint
-    from kvtier.manager.tier_index import TierIndex
+    from kvtier.manager.index.tier_index import TierIndex
 
 
 class OffloadingManager(ABC):

@@ -16,7 +16,7 @@ from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockRemoved, EventBus
 from kvtier.manager.specs import BlockKey, Medium
 from kvtier.manager.stats import ManagerStats
-from kvtier.manager.tier_index import TierIndex
+from kvtier.manager.index.tier_index import TierIndex
 
 
 class CpuEviction:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Sequence
 
-from kvtier.manager.keyed_list import KeyedList
+from kvtier.manager.index.keyed_list import KeyedList
 
 PARAM_KEY = "kvtier_retention"
 DEFAULT_TTL_S = 3600.0

@@ -34,7 +34,7 @@ from kvtier.manager.background import BackgroundQueue
 from kvtier.manager.events import BlockAccessed, BlockStored, EventBus
 from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec, Medium
 from kvtier.manager.stats import ManagerStats
-from kvtier.manager.tier_index import BlockState, Entry, TierIndex
+from kvtier.manager.index.tier_index import BlockState, Entry, TierIndex
 
 
 class RemoteTier:

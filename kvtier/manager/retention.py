@@ -16,7 +16,7 @@ from kvtier.manager.admission import AdmissionPolicy
 from kvtier.manager.hints import HintBook, RetentionHint
 from kvtier.manager.policies.hinted import HintedEviction
 from kvtier.manager.specs import BlockKey, RequestContext
-from kvtier.manager.tier_index import TierIndex
+from kvtier.manager.index.tier_index import TierIndex
 
 log = logging.getLogger(__name__)
 MAX_REQUESTS = 1 << 16  # hints of requests not yet stored (oldest dropped)

@@ -48,7 +48,7 @@ from kvtier.manager.specs import (
     StorePlan,
 )
 from kvtier.manager.stats import ManagerStats
-from kvtier.manager.tier_index import BlockState, TierIndex
+from kvtier.manager.index.tier_index import BlockState, TierIndex
 from kvtier.manager.writeback import WriteBack
 
 

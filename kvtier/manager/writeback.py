@@ -24,7 +24,7 @@ from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockRemoved, BlockStored, EventBus
 from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec, Medium
 from kvtier.manager.stats import ManagerStats
-from kvtier.manager.tier_index import BlockState, TierIndex
+from kvtier.manager.index.tier_index import BlockState, TierIndex
 
 log = logging.getLogger("kvtier.manager.tiered")  # the name operators already filter on
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.manager.admission import make_admission
-from kvtier.manager.keyed_list import SHARD_KEYS, KeyedList, KeyShards
+from kvtier.manager.index.keyed_list import SHARD_KEYS, KeyedList, KeyShards
 from kvtier.manager.tiered import TieredOffloadingManager
 
 CAP = 8

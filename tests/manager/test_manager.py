@@ -16,7 +16,7 @@ from kvtier.manager.admission import SightingThreshold
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission, StoreThresholdAdmission
 from kvtier.manager.events import BlockRemoved, BlockStored
 from kvtier.manager.specs import Medium, RequestContext
-from kvtier.manager.tier_index import BlockState
+from kvtier.manager.index.tier_index import BlockState
 from kvtier.manager.tiered import TieredOffloadingManager
 from support.plan_hops import disk_hop
 

@@ -13,7 +13,7 @@ from kvtier.manager.admission.base import AdmissionPolicy, AdmitAll
 from kvtier.manager.policies import make_policy, policy_names
 from kvtier.manager.policies.base import EvictionPolicy
 from kvtier.manager.specs import Medium, RequestContext
-from kvtier.manager.tier_index import BlockState, TierIndex
+from kvtier.manager.index.tier_index import BlockState, TierIndex
 from kvtier.manager.tiered import TieredOffloadingManager
 
 from ref_arc import RefARC  # tests/manager/ref_arc.py

@@ -16,7 +16,7 @@ from reliability.rig import StackRig
 
 from kvtier.manager.events import BlockRemoved
 from kvtier.manager.specs import Medium
-from kvtier.tiers.disk.index import IndexWriter
+from kvtier.tiers.disk.catalog.index import IndexWriter
 
 N_KEYS = 12
 MARKER = Path("/tmp/kvtier-reliability-pwned")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.events import BlockRemoved, BlockStored
 from kvtier.manager.specs import Medium
-from kvtier.manager.tier_index import BlockState
+from kvtier.manager.index.tier_index import BlockState
 from kvtier.manager.tiered import TieredOffloadingManager
 
 GARBAGE = b"<garbage>"

@@ -28,7 +28,7 @@ from reliability.model import ManagerModel, run_random
 
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.eviction import CpuEviction
-from kvtier.manager.tier_index import TierIndex
+from kvtier.manager.index.tier_index import TierIndex
 from kvtier.manager.tiered import TieredOffloadingManager
 
 KEYS = st.lists(st.integers(0, 23), min_size=1, max_size=4, unique=True)

@@ -53,7 +53,7 @@ from kvtier.tiers.disk import (
     NotADiskStore,
     UnsafeDiskDirectory,
 )
-from kvtier.tiers.disk.index import IndexWriter
+from kvtier.tiers.disk.catalog.index import IndexWriter
 
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

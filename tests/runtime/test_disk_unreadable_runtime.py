@@ -23,7 +23,7 @@ CHILD = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
     from kvtier.config import load_config
-    from kvtier.tiers.disk.inventory import read_keys
+    from kvtier.tiers.disk.catalog.inventory import read_keys
     from kvtier.runtime.worker import WorkerRuntime
     from kvtier.tiers.gpu_view import GpuKvView
     from kvtier.tiers.layout import BlockGeometry

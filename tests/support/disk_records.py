@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtier.tiers.disk import DiskStore
-from kvtier.tiers.disk.index import BlockIndex, IndexEntry
+from kvtier.tiers.disk.catalog.index import BlockIndex, IndexEntry
 from kvtier.tiers.disk.segments import segment_name
 from kvtier.tiers.disk.stats import index_dir, segments_dir
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
-from kvtier.manager.keyed_list import KeyedList
+from kvtier.manager.index.keyed_list import KeyedList
 from kvtier.manager.specs import BlockKey
 
 

@@ -39,7 +39,7 @@ from typing import Hashable, Sequence
 from kvtier.manager.admission.base import AdmissionPolicy, register_admission
 from kvtier.manager.admission.shadow import ShadowCaches
 from kvtier.manager.hints import KEEP, ONE_OFF, HintBook
-from kvtier.manager.keyed_list import KeyedList
+from kvtier.manager.index.keyed_list import KeyedList
 from kvtier.manager.specs import BlockKey
 
 GATE_BAR = 0.5  # first-timers must be read at least this often (at full pressure) to be written

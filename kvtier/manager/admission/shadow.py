@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from kvtier.manager.keyed_list import KeyedList
+from kvtier.manager.index.keyed_list import KeyedList
 
 MINI_BLOCKS = 4096  # slots of each miniature cache (a tier up to this size is simulated whole)
 TOLERANCE = 0.005  # gating stops once it trails by this share of lookups (0.5 point)

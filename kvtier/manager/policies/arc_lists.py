@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array
 from typing import Iterable, Iterator
 
-from kvtier.manager.keyed_list import KeyShards
+from kvtier.manager.index.keyed_list import KeyShards
 from kvtier.manager.policies.base import Evictable
 from kvtier.manager.specs import BlockKey
 

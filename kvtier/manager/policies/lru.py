@@ -7,7 +7,7 @@ from __future__ import annotations
 from array import array
 from typing import Iterable
 
-from kvtier.manager.keyed_list import KeyedList
+from kvtier.manager.index.keyed_list import KeyedList
 from kvtier.manager.policies.base import EvictionPolicy, Evictable, register_policy
 from kvtier.manager.specs import BlockKey
 

@@ -18,7 +18,7 @@ from kvtier.observe.events.publisher import EventPublisher
 from kvtier.observe.events.resync import walk_resident
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.specs import BlockKey, Medium
-from kvtier.manager.tier_index import BlockState
+from kvtier.manager.index.tier_index import BlockState
 
 
 def resident_blocks(manager: OffloadingManager) -> dict[Medium, list[BlockKey]]:

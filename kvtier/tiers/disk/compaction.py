@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvtier.tiers.disk.index import IndexEntry, IndexWriter
+from kvtier.tiers.disk.catalog.index import IndexEntry, IndexWriter
 from kvtier.tiers.disk.reader import ReadFailure, read_record
 
 if TYPE_CHECKING:

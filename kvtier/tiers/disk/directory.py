@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import lmdb
 
-from kvtier.tiers.disk import lmdb_check
+from kvtier.tiers.disk.catalog import lmdb_check
 from kvtier.tiers.disk.errors import (
     DiskIndexUnreadable,
     DiskLayoutMismatch,
@@ -37,7 +37,7 @@ from kvtier.tiers.disk.errors import (
     NotADiskStore,
     UnsafeDiskDirectory,
 )
-from kvtier.tiers.disk.index import BlockIndex, IndexWriter
+from kvtier.tiers.disk.catalog.index import BlockIndex, IndexWriter
 from kvtier.tiers.disk.record import FORMAT_VERSION
 from kvtier.tiers.disk.segments import SegmentFiles, open_dir
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir

@@ -14,7 +14,7 @@ from enum import Enum
 from typing import NamedTuple
 
 from kvtier.tiers.disk.codec import BlockCodec
-from kvtier.tiers.disk.index import IndexEntry
+from kvtier.tiers.disk.catalog.index import IndexEntry
 from kvtier.tiers.disk.record import (
     CODEC_NONE,
     HEADER_BYTES,

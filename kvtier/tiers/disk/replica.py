@@ -37,11 +37,11 @@ from pathlib import Path
 
 import lmdb
 
-from kvtier.tiers.disk import lmdb_check
+from kvtier.tiers.disk.catalog import lmdb_check
 from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.directory import check_owner_mode
 from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskLayoutMismatch, NotADiskStore
-from kvtier.tiers.disk.index import BlockIndex, IndexEntry
+from kvtier.tiers.disk.catalog.index import BlockIndex, IndexEntry
 from kvtier.tiers.disk.reader import ReadStatus, read_into
 from kvtier.tiers.disk.record import FORMAT_VERSION
 from kvtier.tiers.disk.segments import SegmentFiles, open_dir

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvtier.tiers.disk.index import IndexView
+from kvtier.tiers.disk.catalog.index import IndexView
 from kvtier.tiers.disk.segments import SegmentFiles
 
 

@@ -23,11 +23,12 @@ from typing import Iterable, Sequence
 
 import lmdb
 
-from kvtier.tiers.disk import directory, host, lmdb_check, replica
+from kvtier.tiers.disk import directory, host, replica
+from kvtier.tiers.disk.catalog import lmdb_check
 from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.compaction import Compactor
 from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskWriteError, describe_os_error
-from kvtier.tiers.disk.index import BlockIndex, IndexEntry, IndexWriter
+from kvtier.tiers.disk.catalog.index import BlockIndex, IndexEntry, IndexWriter
 from kvtier.tiers.disk.reader import (
     CHECKSUM_FAILURE,
     READ_ERROR,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.tiers.disk import DiskLayoutMismatch, DiskStore
-from kvtier.tiers.disk.index import BlockIndex, IndexWriter
+from kvtier.tiers.disk.catalog.index import BlockIndex, IndexWriter
 from kvtier.tiers.layout import BlockGeometry
 
 MODEL_A = BlockGeometry(num_layers=2, kv_parts=2, engine_blocks_per_block=1, page_bytes=256,

@@ -24,7 +24,7 @@ import lmdb
 import pytest
 
 from kvtier.tiers.disk import DiskIndexUnreadable, DiskStore
-from kvtier.tiers.disk import index as index_mod
+from kvtier.tiers.disk.catalog import index as index_mod
 from kvtier.tiers.disk import segments as segments_mod
 from kvtier.tiers.layout import BlockGeometry
 
@@ -212,7 +212,7 @@ def test_broken_index_file_is_a_clear_error_not_a_signal(tmp_path, how, mode):
 
 
 def test_clean_close_is_not_reverified_but_a_later_change_is(tmp_path, monkeypatch):
-    from kvtier.tiers.disk import lmdb_check
+    from kvtier.tiers.disk.catalog import lmdb_check
 
     path = tmp_path / "d"
     _filled(path, 40)

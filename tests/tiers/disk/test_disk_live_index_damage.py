@@ -11,7 +11,7 @@ import lmdb
 import pytest
 
 from kvtier.tiers.disk import DiskIndexUnreadable, DiskStore, DiskWriteError
-from kvtier.tiers.disk.lmdb_check import is_live_damage
+from kvtier.tiers.disk.catalog.lmdb_check import is_live_damage
 from kvtier.tiers.disk.reader import ReadStatus
 from kvtier.tiers.layout import BlockGeometry
 

@@ -27,7 +27,7 @@ from replica_common import (BLOCK, DISK_BLOCKS, PAGE, geometry, pattern,
                             rank_config, view_for)
 
 from kvtier.config import load_config
-from kvtier.tiers.disk.inventory import restored_keys
+from kvtier.tiers.disk.catalog.inventory import restored_keys
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.manager.factory import build_manager
 from kvtier.manager.specs import LoadStoreSpec, Medium

@@ -24,7 +24,7 @@ from kvtier.tiers.disk import (
     NotADiskStore,
 )
 from kvtier.tiers.disk import segments as segments_mod
-from kvtier.tiers.disk.index import IndexWriter
+from kvtier.tiers.disk.catalog.index import IndexWriter
 from kvtier.tiers.disk.record import CODEC_NONE, CODEC_ZSTD, HEADER_BYTES
 from kvtier.tiers.layout import BlockGeometry
 
@@ -455,7 +455,7 @@ def test_threads_lose_no_acknowledged_block(tmp_path):
 def test_sealed_segment_with_uncommitted_records_is_not_removed(tmp_path):
     """A group's records can sit in a just-sealed segment while an earlier group's commit
     (and its empty-segment sweep) runs; the sweep must not unlink that segment."""
-    from kvtier.tiers.disk.index import IndexEntry
+    from kvtier.tiers.disk.catalog.index import IndexEntry
     from kvtier.tiers.disk.record import encode_head
     from kvtier.tiers.disk.writer import LAYOUT_VERSION
 

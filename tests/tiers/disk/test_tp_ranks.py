@@ -22,7 +22,7 @@ import torch
 from reliability.corrupt import flip_payload
 
 from kvtier.config import load_config
-from kvtier.tiers.disk.inventory import restored_keys
+from kvtier.tiers.disk.catalog.inventory import restored_keys
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.manager.factory import build_manager
 from kvtier.manager.specs import LoadStoreSpec, Medium

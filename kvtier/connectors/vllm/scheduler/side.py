@@ -42,7 +42,7 @@ from typing import Any, Iterable
 
 from kvtier.connectors.vllm.handoff import WorkerHandoff
 from kvtier.connectors.vllm.compat.hints import request_hints
-from kvtier.tiers.disk.inventory import restored_keys
+from kvtier.tiers.disk.catalog.inventory import restored_keys
 from kvtier.tiers.remote.presence import open_remote_directory
 from kvtier.connectors.vllm.scheduler.vllm_events import VllmEventConverter
 from kvtier.connectors.vllm.group_keys import GroupKeyMap

@@ -48,7 +48,7 @@ from kvtier.connectors.vllm.worker.layer_fences import LayerFences
 from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.observe.timeline import timeline
 from kvtier.connectors.vllm.worker.jobs import WorkerJobs
-from kvtier.tiers.disk.inventory import register_open_store, unregister_open_store
+from kvtier.tiers.disk.catalog.inventory import register_open_store, unregister_open_store
 from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata, LoadJob
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.stats import KVTierStats, WorkerStatsTaker

@@ -1,6 +1,6 @@
 """The eviction-order walks of a tier: victims, clean-first victims, the dirty blocks at the
-cold end. :class:`~kvtier.manager.tier_index.TierIndex` owns one :class:`TierWalks`, built over
-the tier's key shards and columns (:class:`~kvtier.manager.tier_entry.TierColumns`), and passes
+cold end. :class:`~kvtier.manager.index.tier_index.TierIndex` owns one :class:`TierWalks`, built over
+the tier's key shards and columns (:class:`~kvtier.manager.index.tier_entry.TierColumns`), and passes
 its current eviction policy to each walk (the policy can be swapped: retention hints wrap it).
 
 Kept apart because these walks are the request path's hot loops under write-back: each checks
@@ -15,11 +15,11 @@ from typing import Sequence
 
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.specs import BlockKey
-from kvtier.manager.tier_entry import FLUSH_FAILED as _FLUSH_FAILED
-from kvtier.manager.tier_entry import FLUSHING as _FLUSHING
-from kvtier.manager.tier_entry import ON_DISK as _ON_DISK
-from kvtier.manager.tier_entry import READY as _READY
-from kvtier.manager.tier_entry import Entry, TierColumns
+from kvtier.manager.index.tier_entry import FLUSH_FAILED as _FLUSH_FAILED
+from kvtier.manager.index.tier_entry import FLUSHING as _FLUSHING
+from kvtier.manager.index.tier_entry import ON_DISK as _ON_DISK
+from kvtier.manager.index.tier_entry import READY as _READY
+from kvtier.manager.index.tier_entry import Entry, TierColumns
 
 
 class _WalkDone(Exception):

@@ -30,7 +30,7 @@ from pathlib import Path
 import lmdb
 
 from kvtier.tiers.disk.errors import DiskFull, DiskIndexUnreadable, describe_os_error
-from kvtier.tiers.disk.index import MAX_READERS
+from kvtier.tiers.disk.catalog.index import MAX_READERS
 
 LOCK_BYTES = (MAX_READERS - 1) * 64 + 192  # LMDB 0.9's reader table: 64-byte slots + header
 MIN_FREE_BYTES = 64 << 10  # a new index's first commits

@@ -18,7 +18,7 @@ an ``OrderedDict`` node value) makes every full garbage collection walk a millio
   of a million keys makes every full collection touch a million scattered objects.
   Nothing is ever reallocated after construction except the small dicts.
 
-Measured figures: docs/design-measurements.md, "kvtier/manager/keyed_list.py".
+Measured figures: docs/design-measurements.md, "kvtier/manager/index/keyed_list.py".
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ an internal number on the disk tier) and its state, pin count and flags live in 
 by it; ``key -> handle`` is a :class:`KeyShards`. A tier of a million blocks therefore holds
 no per-block Python objects (a full garbage collection does not walk them) and no big dict
 that rebuilds its table on one request. :class:`Entry` is a short-lived view of one handle.
-The columns (:class:`~kvtier.manager.tier_entry.TierColumns`) are shared, explicitly, with the
-tier's eviction-order walks (:class:`~kvtier.manager.tier_walks.TierWalks`).
+The columns (:class:`~kvtier.manager.index.tier_entry.TierColumns`) are shared, explicitly, with the
+tier's eviction-order walks (:class:`~kvtier.manager.index.tier_walks.TierWalks`).
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from array import array
 from collections.abc import Mapping
 from typing import Iterator, Sequence
 
-from kvtier.manager.keyed_list import KeyShards
+from kvtier.manager.index.keyed_list import KeyShards
 from kvtier.manager.policies import EvictionPolicy
 from kvtier.manager.specs import BlockKey, Medium
-from kvtier.manager.tier_entry import CODES as _CODES
-from kvtier.manager.tier_entry import FLUSH_FAILED as _FLUSH_FAILED
-from kvtier.manager.tier_entry import FLUSHING as _FLUSHING
-from kvtier.manager.tier_entry import FREE as _FREE
-from kvtier.manager.tier_entry import ON_DISK as _ON_DISK
-from kvtier.manager.tier_entry import PROMOTED as _PROMOTED
-from kvtier.manager.tier_entry import READY as _READY
-from kvtier.manager.tier_entry import WRITING as _WRITING
-from kvtier.manager.tier_entry import BlockState, Entry, TierColumns  # noqa: F401 - tier types
-from kvtier.manager.tier_walks import TierWalks
+from kvtier.manager.index.tier_entry import CODES as _CODES
+from kvtier.manager.index.tier_entry import FLUSH_FAILED as _FLUSH_FAILED
+from kvtier.manager.index.tier_entry import FLUSHING as _FLUSHING
+from kvtier.manager.index.tier_entry import FREE as _FREE
+from kvtier.manager.index.tier_entry import ON_DISK as _ON_DISK
+from kvtier.manager.index.tier_entry import PROMOTED as _PROMOTED
+from kvtier.manager.index.tier_entry import READY as _READY
+from kvtier.manager.index.tier_entry import WRITING as _WRITING
+from kvtier.manager.index.tier_entry import BlockState, Entry, TierColumns  # noqa: F401 - tier types
+from kvtier.manager.index.tier_walks import TierWalks
 
 
 class TierIndex:
@@ -248,7 +248,7 @@ class TierIndex:
         # the slot order (a request's blocks go tail first, so that a prefix outlives its
         # extensions), and slots handed out descending make every block its own copy: a long
         # hit's load got markedly slower once the tier evicted (figures:
-        # docs/design-measurements.md, "kvtier/manager/tier_index.py").
+        # docs/design-measurements.md, "kvtier/manager/index/tier_index.py").
         head = self._free_head
         for h in sorted(handles, reverse=True):
             free_next[h] = head

@@ -1,10 +1,10 @@
 """One tier's per-block columns (:class:`TierColumns`) and a view of one block's columns as an
 object: its state, its pins and flags (:class:`Entry`).
 
-The tier (:mod:`kvtier.manager.tier_index`) stores blocks column-wise, with no per-block Python
+The tier (:mod:`kvtier.manager.index.tier_index`) stores blocks column-wise, with no per-block Python
 object; :class:`Entry` views are made on demand (stats, resyncs, the rarer manager paths, tests)
 and die with the block. The columns and their codes live here, below both the index and its
-walks (:mod:`kvtier.manager.tier_walks`), so that every reader sees the same values and none
+walks (:mod:`kvtier.manager.index.tier_walks`), so that every reader sees the same values and none
 of them imports another.
 """
 

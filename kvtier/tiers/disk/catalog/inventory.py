@@ -24,9 +24,10 @@ from typing import Sequence
 
 import lmdb
 
-from kvtier.tiers.disk import DiskLayoutMismatch, DiskStore, lmdb_check
+from kvtier.tiers.disk import DiskLayoutMismatch, DiskStore
+from kvtier.tiers.disk.catalog import lmdb_check
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
-from kvtier.tiers.disk.index import BlockIndex
+from kvtier.tiers.disk.catalog.index import BlockIndex
 from kvtier.tiers.disk.stats import index_dir
 from kvtier.tiers.layout import BlockGeometry
 
