@@ -101,6 +101,7 @@ class RemoteIOProcesses:
         self._stats = BlockIOStats()
         self._stats_lock = threading.Lock()
         self._closed = False
+        self._next = -1  # the child the last job's first share went to
         n = processes or cfg.io_processes
         self._children = [_Child(i) for i in range(n)]
         for child in self._children:  # they connect and warm up while the engine starts
@@ -187,24 +188,24 @@ class RemoteIOProcesses:
         (one GIL hand-off per reply, not per thread and system call). The children's locks
         are taken in index order, so concurrent jobs never wait on each other in a circle."""
         replies: list[dict | None] = [None] * len(children)
-        held = sorted(set(range(len(children))), key=lambda i: children[i].index)
+        held = sorted(range(len(children)), key=lambda i: children[i].index)
         for i in held:
             children[i].lock.acquire()
         try:
-            waiting: dict[int, int] = {}  # socket fd -> part
+            waiting: list[int] = []  # parts whose request went out
             for i, (child, (slots, keys)) in enumerate(zip(children, parts)):
                 if not self._ensure(child):
                     continue
                 try:
                     child.sock.settimeout(self._deadline_s(len(keys)))
                     child.sock.sendall(wire.encode_request(op, slots, keys))
-                    waiting[child.sock.fileno()] = i
+                    waiting.append(i)
                 except OSError as exc:
                     self._lose(child, f"{type(exc).__name__}: {exc}")
             end = time.monotonic() + max((self._deadline_s(len(k)) for _, k in parts),
                                          default=0.0)
             with selectors.DefaultSelector() as sel:
-                for fd, i in waiting.items():
+                for i in waiting:
                     sel.register(children[i].sock, selectors.EVENT_READ, i)
                 while sel.get_map():
                     ready = sel.select(timeout=max(0.0, end - time.monotonic()))
@@ -243,7 +244,7 @@ class RemoteIOProcesses:
         shares = self._shares(len(keys))
         # children are taken from a rotating start so concurrent jobs spread over all of them
         n = len(self._children)
-        first = self._next = (getattr(self, "_next", -1) + 1) % n
+        first = self._next = (self._next + 1) % n
         children = [self._children[(first + i) % n] for i in range(len(shares))]
         replies = self._fan_out(children, op, [([slots[j] for j in r], [keys[j] for j in r])
                                                for r in shares])
