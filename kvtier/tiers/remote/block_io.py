@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 from urllib.parse import urlsplit
@@ -34,6 +35,7 @@ from kvtier.tiers.remote.slots import SlotMap
 
 log = logging.getLogger(__name__)
 OTHER_VALUE_SLACK = 1 << 20  # a compressed record may exceed its raw size by a little
+HASH_THREADS = 2  # checksums and tags of landed values, beside the thread that receives them
 
 
 @dataclass
@@ -88,6 +90,9 @@ class RemoteBlockIO:
         self.codec = BlockCodec(cfg.compression, cfg.zstd_level)
         self.tag_bytes = MAC_BYTES if secrets.mac_key else 0
         self.stats = BlockIOStats()
+        # Hashing a value (xxh3, and keyed BLAKE3 with a MAC key) runs here while the next
+        # values are received: both release the GIL, so the tag costs CPU, not stream time.
+        self._hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvtier-remote-hash")
         self._tls = secrets.ssl_context()
         self._conns: dict[tuple[tuple[str, int], int], RespConnection] = {}  # (node, lane)
         self._slots: SlotMap | None = None
@@ -194,12 +199,15 @@ class RemoteBlockIO:
             self._lost(self._seeds[0], exc)
             groups = {}
         for node, positions in groups.items():
+            built: list[Future] = []
             try:
                 lanes = self._lanes(node, len(positions))
+                built = [self._hashing.submit(self._value_parts,
+                                              self.keys.record_key(server_keys[i]),
+                                              self.slot_buffer(slots[i])) for i in positions]
                 sizes = []
                 for k, i in enumerate(positions):  # interleaved: every lane carries bytes
-                    parts = self._value_parts(self.keys.record_key(server_keys[i]),
-                                              self.slot_buffer(slots[i]))
+                    parts = built[k].result()
                     sizes.append(sum(memoryview(p).nbytes for p in parts))
                     lanes[k % len(lanes)].send([command_with_value((b"SET", server_keys[i]),
                                                                    parts)])
@@ -218,6 +226,10 @@ class RemoteBlockIO:
                         self.stats.put_bytes += size
             except (OSError, ProtocolError) as exc:
                 self._lost(node, exc)
+            finally:  # no record is still being built from a slot once put() returns
+                for f in built:
+                    f.cancel()
+                wait(built)
         self.stats.puts += sum(ok)
         self.stats.failed_puts += len(ok) - sum(ok)
         return PutResult(ok, [i for i, good in enumerate(ok) if not good and i not in refused])
@@ -235,6 +247,7 @@ class RemoteBlockIO:
             self._lost(self._seeds[0], exc)
             groups = {}
         max_other = self.block_bytes + OTHER_VALUE_SLACK
+        hashing: dict[int, Future] = {}  # position -> its payload check, run beside the receive
         for node, positions in groups.items():
             try:
                 lanes = self._lanes(node, len(positions))
@@ -264,12 +277,23 @@ class RemoteBlockIO:
                     elif isinstance(got, bytes):
                         verdict[i] = self._verify_other(block_keys[i], record_keys[i], got, out)
                     else:
-                        verdict[i] = self._verify_landed(block_keys[i], record_keys[i], head,
-                                                         out, tag)
+                        bad, checksum = self._landed_head(block_keys[i], record_keys[i], head,
+                                                          out)
+                        verdict[i] = bad or "verifying"
+                        if not bad:
+                            hashing[i] = self._hashing.submit(self._payload_ok, record_keys[i],
+                                                              out, tag, checksum)
                     if verdict[i] != "absent":
                         self.stats.get_bytes += len(got) if isinstance(got, bytes) else got
             except (OSError, ProtocolError) as exc:
                 self._lost(node, exc)
+        for i, check in hashing.items():
+            if check.result():
+                verdict[i] = "hit"
+            elif self.tag_bytes:  # the keyed tag covers what the checksum covers, and forgery
+                verdict[i] = self._reject(block_keys[i], "no valid MAC tag", forged=True)
+            else:
+                verdict[i] = self._reject(block_keys[i], "corrupt: payload checksum mismatch")
         self.stats.gets += len(verdict)
         self.stats.hits += verdict.count("hit")
         self.stats.misses += verdict.count("absent")
@@ -286,22 +310,27 @@ class RemoteBlockIO:
         want = record_mac(self.secrets.mac_key, record_key, stored)
         return hmac.compare_digest(want, bytes(tag))
 
-    def _verify_landed(self, block_key: bytes, record_key: bytes, head: memoryview,
-                       out: memoryview, tag: memoryview) -> str:
+    def _landed_head(self, block_key: bytes, record_key: bytes, head: memoryview,
+                     out: memoryview) -> tuple[str | None, int]:
+        """The header checks of a value received in place: a rejection, or None and the
+        payload checksum the header states (the payload is checked by :meth:`_payload_ok`)."""
         try:
             h = decode_head(head, record_key)
         except CorruptRecord as exc:
-            return self._reject(block_key, f"corrupt: {exc}")
+            return self._reject(block_key, f"corrupt: {exc}"), 0
         if h.layout_version != LAYOUT_VERSION:
-            return self._reject(block_key, f"layout version {h.layout_version}")
+            return self._reject(block_key, f"layout version {h.layout_version}"), 0
         if h.codec != CODEC_NONE or h.raw_len != len(out) or h.stored_len != len(out):
-            return self._reject(block_key, "lengths or codec do not match the slot")
-        if self.tag_bytes:  # the keyed tag covers what the checksum covers, and forgery
-            if not self._tag_ok(record_key, out, tag):
-                return self._reject(block_key, "no valid MAC tag", forged=True)
-        elif data_checksum(record_key, out) != h.data_checksum:
-            return self._reject(block_key, "corrupt: payload checksum mismatch")
-        return "hit"
+            return self._reject(block_key, "lengths or codec do not match the slot"), 0
+        return None, h.data_checksum
+
+    def _payload_ok(self, record_key: bytes, out: memoryview, tag: memoryview,
+                    checksum: int) -> bool:
+        """The payload against its tag (with a MAC key) or its checksum; runs on a hashing
+        thread, so it touches no shared state."""
+        if self.tag_bytes:
+            return self._tag_ok(record_key, out, tag)
+        return data_checksum(record_key, out) == checksum
 
     def _verify_other(self, block_key: bytes, record_key: bytes, value: bytes,
                       out: memoryview) -> str:
@@ -335,3 +364,4 @@ class RemoteBlockIO:
     def close(self) -> None:
         for node in {node for node, _ in self._conns}:
             self._drop(node)
+        self._hashing.shutdown(wait=True)
