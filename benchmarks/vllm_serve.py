@@ -58,6 +58,8 @@ def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
             "--skip-tokenizer-init", "--block-size", str(a.block_size),
             "--max-model-len", str(a.max_len), "--enable-prefix-caching", "--seed", "0",
             "--max-num-seqs", str(a.max_num_seqs), "--enable-prompt-tokens-details"]
+    if a.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(a.tensor_parallel_size)]
     if a.shape == "tiny":  # vLLM's CPU backend: its share of host memory, no graphs
         args += ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.5"]
     else:
@@ -263,6 +265,9 @@ def report(a, results: dict, errors: dict) -> str:
         for n, b in bursts:
             lines.append(f"| {b['k']} x {b['length']} | {n} | {b['median_ms']:.1f} | "
                          f"{b['last_first_token_ms']:.1f} | {b['cached_tokens']} |")
+    lines += ["", "Server start-up (launch to a healthy `/health`, TP "
+              f"{a.tensor_parallel_size}): " + ", ".join(
+                  f"{n} {r['server_start_s']:.1f} s" for n, r in results.items())]
     lines += [f"\n**{n} failed:** {e}" for n, e in errors.items()]
     return "\n".join(lines) + "\n"
 
@@ -281,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-kv-bytes", type=int, default=0,
                    help="vLLM's --kv-cache-memory-bytes (default: vLLM's own sizing)")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vLLM's TP degree (server start-up is reported per configuration)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--settle-timeout", type=float, default=60.0)
     p.add_argument("--kvtier-json", default=None,
