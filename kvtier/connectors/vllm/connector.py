@@ -8,8 +8,10 @@ per role: the SCHEDULER one (engine-core process) owns kvtier's manager
 engine (:mod:`.worker.side`). They share nothing but the metadata of :mod:`metadata`.
 
 Hybrid models: kvtier is ``SupportsHMA``: with vLLM's hybrid allocator (on by default for
-such connectors) full-attention and sliding-window groups are stored and loaded per group
-(:mod:`group_keys`); Mamba/SSM state groups are refused at start-up (settings).
+such connectors) full-attention, sliding-window and Mamba/SSM state groups are stored and
+loaded per group (:mod:`group_keys`, :mod:`state_groups`: a state only where vLLM keeps one,
+so a hit ends at a boundary whose state kvtier holds); Mamba without prefix caching is
+refused at start-up (settings).
 Sleep mode: ``supports_sleep_mode()`` is True; the worker's unregister/restore hooks are in
 :mod:`compat.sleep`. Differences between vLLM releases live in :mod:`compat`.
 """

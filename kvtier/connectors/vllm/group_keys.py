@@ -7,7 +7,9 @@ block, id 0). kvtier keeps one entry per (token block, group): the group's key i
 block hash with a group suffix (group 0 keeps the bare hash), and its bytes are the group's
 engine block across the registered layers. A sliding-window group's blocks outside the
 window are never loaded (their engine block is null), so a hit moves only what the window
-still needs.
+still needs. A Mamba/SSM state group's entry of token block ``p`` is the recurrent state after
+``(p + 1) * block_size`` tokens, kept where vLLM materialised it (:mod:`state_groups`); a hit
+loads the state at its end only (:mod:`scheduler.state_hit`).
 
 ``GroupKeyMap`` has ``KeyMap``'s interface over *units*: unit ``u`` is token block
 ``u // groups`` of group ``u % groups``, so the scheduler's planning code runs unchanged on
@@ -40,11 +42,12 @@ class GroupKeyMap(KeyMap):
     """``KeyMap`` over (token block, group) units; needs block_tokens == vLLM's block size."""
 
     def __init__(self, block_tokens: int, hash_block_size: int, block_size: int,
-                 groups: int) -> None:
+                 groups: int, state_groups: Sequence[int] = ()) -> None:
         if block_tokens != block_size:
             raise ValueError("hybrid groups need kvtier block_tokens == vLLM block size")
         super().__init__(block_tokens, hash_block_size, block_size)
         self.per_block = groups
+        self.state_groups = tuple(state_groups)  # Mamba/SSM state groups' indices
 
     def num_keyed(self, request: Any) -> int:
         return super().num_keyed(request) * self.per_block
@@ -80,7 +83,20 @@ class GroupKeyMap(KeyMap):
 def hybrid_notice(kinds: Sequence[str], flag: str) -> str:
     """The start-up line for a hybrid model: what kvtier does with its groups, what it costs,
     and what it does not support."""
+    from kvtier.connectors.vllm.state_groups import STATE_KIND
+
+    if STATE_KIND in kinds:
+        cost = ("each entry holds every layer's page of its engine block; Mamba/SSM state "
+                "entries exist only at the block boundaries where vLLM keeps a state")
+        state = ("Mamba/SSM state groups: a hit ends at the last block boundary whose state "
+                 "kvtier holds (attention blocks up to there, the state there only); "
+                 "hits load asynchronously (vLLM zeroes a same-step hit's new blocks). "
+                 "Not supported: Mamba without prefix caching, with speculative decoding or "
+                 "with sub-block prefix matching (refused at start-up)")
+    else:
+        cost = f"{len(kinds)}x the bytes per block of {flag}"
+        state = ("Mamba/SSM state groups are served with prefix caching on (align mode) and "
+                 "refused otherwise")
     return (f"kvtier: hybrid model, {len(kinds)} KV cache groups ({', '.join(kinds)}): each "
-            f"group's blocks are stored under their own keys ({len(kinds)}x the bytes per "
-            f"block of {flag}); sliding-window groups load only their window. Not supported: "
-            "Mamba/SSM state groups (refused at start-up)")
+            f"group's blocks are stored under their own keys ({cost}); sliding-window groups "
+            f"load only their window. {state}")

@@ -6,10 +6,10 @@ block size in tokens, bytes per block, the disk geometry fingerprint — is comp
 ``VllmConfig`` + ``KVCacheConfig`` by one function both roles call.
 
 Refusals happen here, at start-up, with the setting to change: cache kinds without one page
-per block and layer (Mamba/SSM state, chunked-local attention), pipeline or context
-parallelism, a kvtier block that is not a whole number of vLLM blocks. Hybrid models
-(full-attention + sliding-window groups of vLLM's hybrid allocator) are served per group
-(:mod:`group_keys`).
+per block and layer (chunked-local attention), Mamba/SSM state groups vLLM keeps no prefix
+state for (:mod:`state_groups`), pipeline or context parallelism, a kvtier block that is not
+a whole number of vLLM blocks. Hybrid models (full-attention, sliding-window and Mamba/SSM
+state groups of vLLM's hybrid allocator) are served per group (:mod:`group_keys`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.config.sizes import parse_size
+from kvtier.connectors.vllm.state_groups import (STATE_KIND, is_state_spec, state_page_bytes,
+                                                 state_spec_problem)
 from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,11 @@ class GroupInfo:
     kind: str
     sliding_window: int | None = None
 
+    @property
+    def is_state(self) -> bool:
+        """A Mamba/SSM state group (:mod:`state_groups`)."""
+        return self.kind == STATE_KIND
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -72,6 +79,10 @@ class ConnectorSettings:
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
     engine_id: str = ""  # vLLM's engine id: a worker in the scheduler's process (handoff.py)
+    state_layers: tuple[str, ...] = ()  # layers of Mamba/SSM state groups (state_groups.py)
+    # vLLM zeroes the new blocks of a synchronous hit in the worker after the connector's
+    # load was enqueued (Mamba or mixed-precision caches): hits must load asynchronously
+    zeroes_new_blocks: bool = False
 
     @property
     def engine_blocks_per_block(self) -> int:
@@ -215,11 +226,6 @@ def _check_spec(spec: Any) -> int | None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     kind = type(spec).__name__
-    if "Mamba" in kind or "State" in kind:
-        raise ConnectorSetupError(
-            f"kvtier: KV cache spec {kind} (Mamba/SSM recurrent state) is not supported: kvtier "
-            "stores attention pages only. Serve hybrid SSM models (Jamba, Bamba, Nemotron-H, "
-            "...) without kvtier's --kv-transfer-config")
     if isinstance(spec, SlidingWindowSpec) and kind in ("SlidingWindowSpec",):
         return int(spec.sliding_window)
     if isinstance(spec, FullAttentionSpec) and kind in (
@@ -232,7 +238,7 @@ def _check_spec(spec: Any) -> int | None:
         return None
     raise ConnectorSetupError(
         f"kvtier: KV cache spec {kind} is not supported (supported: full attention, MLA, "
-        "sliding window)"
+        "sliding window, Mamba/SSM state with prefix caching)"
     )
 
 
@@ -245,12 +251,14 @@ def kv_events_enabled(vllm_config: Any) -> bool:
 
 def _hybrid_groups(groups: list, windows: list[int | None]) -> tuple[GroupInfo, ...]:
     """Several groups (vLLM's hybrid allocator): same block size and page size in every
-    group, as the allocator guarantees; each group's kind for events and the log."""
+    group, as the allocator guarantees (a state group's page is padded to the attention
+    page); each group's kind for events and the log."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
     specs = [g.kv_cache_spec for g in groups]
-    if len({int(s.block_size) for s in specs}) > 1 or len(
-            {int(s.real_page_size_bytes) for s in specs}) > 1:
+    pages = {state_page_bytes(s) if is_state_spec(s) else int(s.real_page_size_bytes)
+             for s in specs}
+    if len({int(s.block_size) for s in specs}) > 1 or len(pages) > 1:
         raise ConnectorSetupError(
             "kvtier: KV cache groups with different block or page sizes are not supported; "
             f"start vLLM with {HMA_FLAG}")
@@ -265,8 +273,21 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
     groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
     if not groups:
         raise ConnectorSetupError("kvtier: the model has no KV cache group to offload")
-    windows = [_check_spec(g.kv_cache_spec) for g in groups]
-    spec = groups[0].kv_cache_spec
+    attention = [g for g in groups if not is_state_spec(g.kv_cache_spec)]
+    if not attention:
+        raise ConnectorSetupError("kvtier: a model with Mamba/SSM state groups only is not "
+                                  "supported (a hit needs attention blocks); serve it without "
+                                  "kvtier's --kv-transfer-config")
+    spec = attention[0].kv_cache_spec  # the geometry, dtype and identity come from attention
+    block_size = int(spec.block_size)
+    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
+    for g in groups:
+        problem = (state_spec_problem(g.kv_cache_spec, block_size, hash_block_size)
+                   if is_state_spec(g.kv_cache_spec) else None)
+        if problem:
+            raise ConnectorSetupError(problem)
+    windows = [None if is_state_spec(g.kv_cache_spec) else _check_spec(g.kv_cache_spec)
+               for g in groups]
     window = windows[0] if len(groups) == 1 else None
     hybrid = _hybrid_groups(groups, windows)
     pc = vllm_config.parallel_config
@@ -274,8 +295,6 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
                  "prefill_context_parallel_size"):
         if int(getattr(pc, name, 1) or 1) > 1:
             raise ConnectorSetupError(f"kvtier does not support {name} > 1 yet")
-    block_size = int(spec.block_size)
-    hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or block_size)
     bt = config.block_tokens
     if bt % block_size or bt % hash_block_size:
         raise ConnectorSetupError(
@@ -323,6 +342,9 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         groups=hybrid,
         replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
         engine_id=str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or ""),
+        state_layers=tuple(n for g in groups if is_state_spec(g.kv_cache_spec)
+                           for n in g.layer_names),
+        zeroes_new_blocks=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
     )
     config.check_block_bytes(settings.block_bytes)
     return settings

@@ -8,7 +8,10 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   this step's ``sync_load_budget_bytes``, loads *synchronously*: vLLM schedules the request in
   this very step, the worker enqueues the copy before the forward and orders the forward after
   it on the GPU (no extra engine step, no host wait). Disk hits and what exceeds the budget
-  load asynchronously (the request waits in WAITING_FOR_REMOTE_KVS).
+  load asynchronously (the request waits in WAITING_FOR_REMOTE_KVS), and so does every hit
+  where vLLM zeroes new blocks (Mamba or mixed-precision caches): it zeroes them in the
+  worker after the connector's first hook, over a copy already enqueued. With Mamba/SSM
+  state groups the hit is cut at a boundary whose state kvtier holds (:mod:`state_hit`).
 * ``plan_load`` (update_state_after_alloc): ``prepare_shared_load`` pins the blocks; a block
   whose disk promotion another request has in flight is joined, not read twice and not cut
   (vLLM #44294: concurrent requests on one prefix neither queue nor recompute).
@@ -61,6 +64,7 @@ from kvtier.connectors.vllm.scheduler.requests import (KeyMap, RequestParams, Re
                                                        drop_if_done)
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.scheduler.settle import JobSettler
+from kvtier.connectors.vllm.scheduler.state_hit import state_lookup
 from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 from kvtier.connectors.vllm.stats import KVTierStats
 from kvtier.observe.timeline import timeline
@@ -87,8 +91,9 @@ class SchedulerSide:
             manager = OffloadRatioAdmission(manager, 1.0, None)
         self.manager = manager
         if len(settings.groups) > 1:  # hybrid allocator: one kvtier block per (block, group)
-            self.keymap: KeyMap = GroupKeyMap(settings.block_tokens, settings.hash_block_size,
-                                              settings.block_size, len(settings.groups))
+            self.keymap: KeyMap = GroupKeyMap(
+                settings.block_tokens, settings.hash_block_size, settings.block_size,
+                len(settings.groups), [i for i, g in enumerate(settings.groups) if g.is_state])
         else:
             self.keymap = KeyMap(settings.block_tokens, settings.hash_block_size,
                                  settings.block_size)
@@ -158,18 +163,28 @@ class SchedulerSide:
         if t.params.skip_load or num_computed_tokens % bt:
             return 0, False
         start = num_computed_tokens // bt * per
-        # the block holding the last token counts too (hit_claim: it is loaded whole)
-        stop = min(request.num_tokens // bt * per, self.keymap.num_keyed(request))
+        # the block holding the last token counts too (hit_claim: it is loaded whole), but
+        # not with state groups: a state hit ends short of the last token (state_hit.py)
+        state = bool(getattr(self.keymap, "state_groups", ()))
+        last = (request.num_tokens - 1 if state else request.num_tokens) // bt * per
+        stop = min(last, self.keymap.num_keyed(request))
         if stop <= start:
             return 0, False
-        keys = self.keymap.keys(request, start, stop)
-        # all of them loaded, the step computes the last token only (hit_claim.py)
-        ends = stop // per * bt >= request.num_tokens - 1
-        found = self.manager.lookup(keys, sighting=not t.sighted, ends_prompt=ends)
+        keys: list[BlockKey] = []
+        if state:
+            found_state = state_lookup(self.manager, self.keymap, request, start, stop,
+                                       sighting=not t.sighted)
+            pending, hits, tiers = found_state.pending, found_state.units, None
+        else:
+            keys = self.keymap.keys(request, start, stop)
+            # all of them loaded, the step computes the last token only (hit_claim.py)
+            ends = stop // per * bt >= request.num_tokens - 1
+            found = self.manager.lookup(keys, sighting=not t.sighted, ends_prompt=ends)
+            hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
+            pending, tiers = found.pending, found.tiers
         t.sighted = True
-        if found.pending:  # the shared tier is being asked: vLLM asks again next step
+        if pending:  # the shared tier is being asked: vLLM asks again next step
             return None, False
-        hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
         room = request.num_tokens - 1 - num_computed_tokens
         hits, claimed = claim(hits, per, bt, room, self.settings.block_bytes,
@@ -180,7 +195,9 @@ class SchedulerSide:
             return 0, False
         t.lookup_start = num_computed_tokens
         nbytes = hits * self.settings.block_bytes
-        t.sync_load = (all(m == Medium.CPU for m in found.tiers[:hits])
+        all_cpu = (found_state.all_cpu if tiers is None
+                   else all(m == Medium.CPU for m in tiers[:hits]))
+        t.sync_load = (all_cpu and not self.settings.zeroes_new_blocks
                        and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
         if t.sync_load:
             self._step_sync_bytes += nbytes

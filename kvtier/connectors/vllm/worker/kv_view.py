@@ -2,7 +2,8 @@
 
 Why a check: every copy addresses pages by the geometry the scheduler planned with; caches that
 miss a layer or hold pages of another size (a layout kvtier does not know) must stop start-up
-with a clear error, not move wrong bytes later.
+with a clear error, not move wrong bytes later. Mamba/SSM state layers are seen as whole
+padded pages (:mod:`state_pages`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Mapping
 import torch
 
 from kvtier.connectors.vllm.settings import ConnectorSettings, ConnectorSetupError
+from kvtier.connectors.vllm.worker.state_pages import state_pages
 from kvtier.tiers.gpu_view import GpuKvView
 
 
@@ -22,7 +24,9 @@ def engine_view(settings: ConnectorSettings, kv_caches: Mapping[str, torch.Tenso
             f"kvtier: KV caches of layers {missing[:4]} were not registered (got "
             f"{list(kv_caches)[:4]}...)"
         )
-    view = GpuKvView({n: kv_caches[n] for n in settings.layer_names}, "block_pages")
+    state = set(settings.state_layers)
+    view = GpuKvView({n: state_pages(n, kv_caches[n], settings.page_bytes) if n in state
+                      else kv_caches[n] for n in settings.layer_names}, "block_pages")
     if view.page_bytes != settings.page_bytes:
         raise ConnectorSetupError(
             f"kvtier: registered KV pages hold {view.page_bytes} B per block and layer, the "
