@@ -8,9 +8,9 @@ identity (server key + geometry fingerprint), lengths, the payload checksum and 
 that fails any check is a miss (the slot is the promotion's own until the load completes, so
 its bytes are never used), counted as rejected; nothing unverified is reported loaded.
 
-Connections are kept per node, opened on first use and dropped on any connection or protocol
-error (the block is then a transient failure: the engine recomputes it). With a Cluster the
-slot map is read once and again after a ``MOVED``.
+Connections (:mod:`.nodes`) are kept per node, opened on first use and dropped on any
+connection or protocol error (the block is then a transient failure: the engine recomputes
+it). With a Cluster the slot map is read once and again after a ``MOVED``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
-from urllib.parse import urlsplit
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.disk.codec import BlockCodec
@@ -28,10 +27,9 @@ from kvtier.tiers.disk.record import (CODEC_NONE, HEADER_BYTES, CorruptRecord, d
                                       decode_head, encode_head)
 from kvtier.tiers.layout import LAYOUT_VERSION
 from kvtier.tiers.remote.keys import RemoteKeys
-from kvtier.tiers.remote.resp import (Endpoint, ProtocolError, RespConnection, RespError,
-                                      command, command_with_value)
+from kvtier.tiers.remote.nodes import Node, NodeConnections
+from kvtier.tiers.remote.resp import ProtocolError, RespError, command, command_with_value
 from kvtier.tiers.remote.secrets import MAC_BYTES, RemoteSecrets, record_mac
-from kvtier.tiers.remote.slots import SlotMap
 
 log = logging.getLogger(__name__)
 OTHER_VALUE_SLACK = 1 << 20  # a compressed record may exceed its raw size by a little
@@ -93,86 +91,29 @@ class RemoteBlockIO:
         # Hashing a value (xxh3, and keyed BLAKE3 with a MAC key) runs here while the next
         # values are received: both release the GIL, so the tag costs CPU, not stream time.
         self._hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvtier-remote-hash")
-        self._tls = secrets.ssl_context()
-        self._conns: dict[tuple[tuple[str, int], int], RespConnection] = {}  # (node, lane)
-        self._slots: SlotMap | None = None
-        if cfg.cluster:
-            self._seeds = [(h, int(p)) for h, _, p in (n.rpartition(":") for n in cfg.nodes)]
-        else:
-            u = urlsplit(cfg.url)
-            self._seeds = [(u.hostname or "127.0.0.1", u.port or 6379)]
-            self._db = int(u.path.strip("/") or 0)
+        self.nodes = NodeConnections(cfg, secrets)
 
-    # ---- connections -----------------------------------------------------------------------
-    def _endpoint(self, node: tuple[str, int]) -> Endpoint:
-        return Endpoint(node[0], node[1], username=self.secrets.username,
-                        password=self.secrets.password, tls=self._tls,
-                        connect_timeout_s=self.cfg.connect_timeout_s,
-                        timeout_s=self.cfg.timeout_s)
-
-    def _conn(self, node: tuple[str, int], lane: int = 0) -> RespConnection:
-        conn = self._conns.get((node, lane))
-        if conn is None or conn.broken:
-            if conn is not None:
-                conn.close()
-            conn = RespConnection(self._endpoint(node))
-            if not self.cfg.cluster and self._db:
-                conn.call("SELECT", self._db)
-            self._conns[(node, lane)] = conn
-        return conn
-
-    def _lanes(self, node: tuple[str, int], n: int) -> list[RespConnection]:
-        """Up to ``cfg.connections`` connections to ``node`` for ``n`` commands: a server
-        serves each connection at a bounded rate, so a batch goes over several at once
-        (command ``k`` on lane ``k % lanes``, its reply read in the same order)."""
-        return [self._conn(node, j) for j in range(max(1, min(self.cfg.connections, n)))]
-
-    def _drop(self, node: tuple[str, int]) -> None:
-        for key in [k for k in self._conns if k[0] == node]:
-            self._conns.pop(key).close()
-
-    def _slot_map(self) -> SlotMap:
-        if self._slots is None:
-            last: Exception | None = None
-            for seed in self._seeds:
-                try:
-                    self._slots = SlotMap(self._conn(seed).call("CLUSTER", "SLOTS"))
-                    break
-                except (OSError, RespError, ProtocolError, ValueError) as exc:
-                    self._drop(seed)
-                    last = exc
-            if self._slots is None:
-                raise ConnectionError(f"no Cluster node answered CLUSTER SLOTS: {last}")
-        return self._slots
-
-    def _by_node(self, server_keys: Sequence[bytes]) -> dict[tuple[str, int], list[int]]:
-        """Positions of ``server_keys`` grouped by the node that serves them; a key of no
-        node is left out (the caller treats it as lost)."""
-        if not self.cfg.cluster:
-            return {self._seeds[0]: list(range(len(server_keys)))}
-        slots = self._slot_map()
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, k in enumerate(server_keys):
-            node = slots.node_of(k)
-            if node is not None:
-                groups.setdefault(node, []).append(i)
-        return groups
-
-    def _lost(self, node: tuple[str, int], exc: BaseException) -> None:
+    def _lost(self, node: Node, exc: BaseException) -> None:
         self.stats.errors += 1
         self.stats.last_error = f"{node[0]}:{node[1]}: {type(exc).__name__}: {exc}"[:300]
-        self._drop(node)
+        self.nodes.drop(node)
+
+    def _by_node(self, server_keys: Sequence[bytes]) -> dict[Node, list[int]]:
+        try:
+            return self.nodes.by_node(server_keys)
+        except ConnectionError as exc:  # no slot map: every key is lost
+            self._lost(self.nodes.seeds[0], exc)
+            return {}
 
     def warm_up(self) -> bool:
         """Connect (and authenticate) to every node before the first block needs it."""
         try:
-            nodes = self._slot_map().primaries if self.cfg.cluster else self._seeds
-            for node in nodes:
-                for conn in self._lanes(node, self.cfg.connections):
+            for node in self.nodes.primaries():
+                for conn in self.nodes.lanes(node, self.cfg.connections):
                     conn.call("PING")
             return True
         except (OSError, RespError, ProtocolError, ValueError) as exc:
-            self._lost(self._seeds[0], exc)
+            self._lost(self.nodes.seeds[0], exc)
             return False
 
     # ---- values ----------------------------------------------------------------------------
@@ -193,15 +134,11 @@ class RemoteBlockIO:
         server_keys = [self.keys.server_key(k) for k in block_keys]
         ok = [False] * len(server_keys)
         refused: set[int] = set()
-        try:
-            groups = self._by_node(server_keys)
-        except ConnectionError as exc:
-            self._lost(self._seeds[0], exc)
-            groups = {}
+        groups = self._by_node(server_keys)
         for node, positions in groups.items():
             built: list[Future] = []
             try:
-                lanes = self._lanes(node, len(positions))
+                lanes = self.nodes.lanes(node, len(positions))
                 built = [self._hashing.submit(self._value_parts,
                                               self.keys.record_key(server_keys[i]),
                                               self.slot_buffer(slots[i])) for i in positions]
@@ -220,7 +157,7 @@ class RemoteBlockIO:
                         self.stats.errors += 1
                         self.stats.last_error = str(exc)[:300]
                         if exc.moved:
-                            self._slots = None
+                            self.nodes.forget_slots()
                         continue
                     if ok[i]:
                         self.stats.put_bytes += size
@@ -241,16 +178,12 @@ class RemoteBlockIO:
         server_keys = [self.keys.server_key(k) for k in block_keys]
         record_keys = [self.keys.record_key(k) for k in server_keys]
         verdict: list[str] = ["lost"] * len(server_keys)
-        try:
-            groups = self._by_node(server_keys)
-        except ConnectionError as exc:
-            self._lost(self._seeds[0], exc)
-            groups = {}
+        groups = self._by_node(server_keys)
         max_other = self.block_bytes + OTHER_VALUE_SLACK
         hashing: dict[int, Future] = {}  # position -> its payload check, run beside the receive
         for node, positions in groups.items():
             try:
-                lanes = self._lanes(node, len(positions))
+                lanes = self.nodes.lanes(node, len(positions))
                 for j, lane in enumerate(lanes):
                     lane.send([command("GET", server_keys[i])
                                for i in positions[j::len(lanes)]])
@@ -266,7 +199,7 @@ class RemoteBlockIO:
                         self.stats.errors += 1
                         self.stats.last_error = str(exc)[:300]
                         if exc.moved:
-                            self._slots = None
+                            self.nodes.forget_slots()
                         continue
                     except ProtocolError as exc:  # oversized value: rejected, stream dropped
                         self._reject(block_keys[i], str(exc))
@@ -362,6 +295,5 @@ class RemoteBlockIO:
         return "hit"
 
     def close(self) -> None:
-        for node in {node for node, _ in self._conns}:
-            self._drop(node)
+        self.nodes.close()
         self._hashing.shutdown(wait=True)

@@ -175,6 +175,11 @@ class RemoteStore:
         return sum(r for r in out if isinstance(r, int))
 
     # ---- accounting -------------------------------------------------------------------------
+    def note_error(self, why: str) -> None:
+        """A command of this tier that failed elsewhere (the presence queries' own sockets)."""
+        self._stats.errors += 1
+        self._stats.last_error = why[:300]
+
     def stats(self) -> RemoteStats:
         self._sync_health()
         return RemoteStats(**asdict(self._stats))
