@@ -106,7 +106,8 @@ MEANINGS = {
                                          "wait in a backlog (up to the CPU tier's size).",
     "tiers.remote.lookup_ttl_s": "How long a presence answer from the server is trusted.",
     "tiers.remote.io_processes": "Child processes per worker that move block bytes to and "
-                                 "from the server.",
+                                 "from the server; one hit's blocks are split across them "
+                                 "(more: a single hit loads faster).",
     "tiers.remote.connections": "Connections of each I/O process to each server node; one "
                                 "hit's blocks are spread over them.",
     "tiers.remote.username": "ACL user name.",
