@@ -34,6 +34,7 @@ from kvtier.tiers.remote.secrets import MAC_BYTES, RemoteSecrets, record_mac
 log = logging.getLogger(__name__)
 OTHER_VALUE_SLACK = 1 << 20  # a compressed record may exceed its raw size by a little
 HASH_THREADS = 2  # checksums and tags of landed values, beside the thread that receives them
+HASH_BATCH_BYTES = 4 << 20  # values hashed per task: a task's overhead is paid per batch
 
 
 @dataclass
@@ -127,6 +128,12 @@ class RemoteBlockIO:
             parts.append(record_mac(self.secrets.mac_key, record_key, stored))
         return parts
 
+    def _records(self, blocks: list[tuple[bytes, memoryview]]) -> list[list]:
+        return [self._value_parts(record_key, payload) for record_key, payload in blocks]
+
+    def _per_batch(self) -> int:
+        return max(1, HASH_BATCH_BYTES // self.block_bytes)
+
     def put(self, slots: Sequence[int], block_keys: Sequence[bytes]) -> PutResult:
         """SET each slot's block under its key; which the server acknowledged."""
         if len(slots) != len(block_keys):
@@ -139,12 +146,13 @@ class RemoteBlockIO:
             built: list[Future] = []
             try:
                 lanes = self.nodes.lanes(node, len(positions))
-                built = [self._hashing.submit(self._value_parts,
-                                              self.keys.record_key(server_keys[i]),
-                                              self.slot_buffer(slots[i])) for i in positions]
+                per = self._per_batch()
+                built = [self._hashing.submit(self._records, [
+                    (self.keys.record_key(server_keys[i]), self.slot_buffer(slots[i]))
+                    for i in positions[b:b + per]]) for b in range(0, len(positions), per)]
                 sizes = []
                 for k, i in enumerate(positions):  # interleaved: every lane carries bytes
-                    parts = built[k].result()
+                    parts = built[k // per].result()[k % per]
                     sizes.append(sum(memoryview(p).nbytes for p in parts))
                     lanes[k % len(lanes)].send([command_with_value((b"SET", server_keys[i]),
                                                                    parts)])
@@ -180,7 +188,9 @@ class RemoteBlockIO:
         verdict: list[str] = ["lost"] * len(server_keys)
         groups = self._by_node(server_keys)
         max_other = self.block_bytes + OTHER_VALUE_SLACK
-        hashing: dict[int, Future] = {}  # position -> its payload check, run beside the receive
+        landed: list[tuple] = []  # values awaiting their payload check: (position, key, ...)
+        checks: list[tuple[list[int], Future]] = []  # batches being checked beside the receive
+        per = self._per_batch()
         for node, positions in groups.items():
             try:
                 lanes = self.nodes.lanes(node, len(positions))
@@ -214,19 +224,24 @@ class RemoteBlockIO:
                                                           out)
                         verdict[i] = bad or "verifying"
                         if not bad:
-                            hashing[i] = self._hashing.submit(self._payload_ok, record_keys[i],
-                                                              out, tag, checksum)
+                            landed.append((i, record_keys[i], out, tag, checksum))
+                            if len(landed) >= per:
+                                checks.append(self._check_batch(landed))
+                                landed = []
                     if verdict[i] != "absent":
                         self.stats.get_bytes += len(got) if isinstance(got, bytes) else got
             except (OSError, ProtocolError) as exc:
                 self._lost(node, exc)
-        for i, check in hashing.items():
-            if check.result():
-                verdict[i] = "hit"
-            elif self.tag_bytes:  # the keyed tag covers what the checksum covers, and forgery
-                verdict[i] = self._reject(block_keys[i], "no valid MAC tag", forged=True)
-            else:
-                verdict[i] = self._reject(block_keys[i], "corrupt: payload checksum mismatch")
+        if landed:
+            checks.append(self._check_batch(landed))
+        for positions, check in checks:
+            for i, good in zip(positions, check.result()):
+                if good:
+                    verdict[i] = "hit"
+                elif self.tag_bytes:  # the keyed tag covers what the checksum covers, and forgery
+                    verdict[i] = self._reject(block_keys[i], "no valid MAC tag", forged=True)
+                else:
+                    verdict[i] = self._reject(block_keys[i], "corrupt: payload checksum mismatch")
         self.stats.gets += len(verdict)
         self.stats.hits += verdict.count("hit")
         self.stats.misses += verdict.count("absent")
@@ -257,13 +272,15 @@ class RemoteBlockIO:
             return self._reject(block_key, "lengths or codec do not match the slot"), 0
         return None, h.data_checksum
 
-    def _payload_ok(self, record_key: bytes, out: memoryview, tag: memoryview,
-                    checksum: int) -> bool:
-        """The payload against its tag (with a MAC key) or its checksum; runs on a hashing
-        thread, so it touches no shared state."""
+    def _check_batch(self, landed: list[tuple]) -> tuple[list[int], Future]:
+        return [v[0] for v in landed], self._hashing.submit(self._payloads_ok, landed)
+
+    def _payloads_ok(self, landed: list[tuple]) -> list[bool]:
+        """Each landed payload against its tag (with a MAC key) or its checksum; runs on a
+        hashing thread, so it touches no shared state."""
         if self.tag_bytes:
-            return self._tag_ok(record_key, out, tag)
-        return data_checksum(record_key, out) == checksum
+            return [self._tag_ok(key, out, tag) for _, key, out, tag, _ in landed]
+        return [data_checksum(key, out) == checksum for _, key, out, _, checksum in landed]
 
     def _verify_other(self, block_key: bytes, record_key: bytes, value: bytes,
                       out: memoryview) -> str:
