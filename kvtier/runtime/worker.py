@@ -58,18 +58,22 @@ class WorkerRuntime:
     @classmethod
     def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry, *,
                rank: int = 0, world_size: int = 1, rank0_geometry: BlockGeometry | None = None,
-               replicated: bool = False, rank0_disk: Path | None = None) -> "WorkerRuntime":
+               replicated: bool = False, rank0_disk: Path | None = None,
+               fill: str = "now") -> "WorkerRuntime":
         """``replicated``: every rank holds the same bytes (MLA), so the shared tier keeps one
         value per block: rank 0 writes it (under ``rank0_geometry``, rank 0's), every rank
         reads it. The disk tier too, when ``rank0_disk`` (rank 0's directory) is given: a rank
-        > 0 reads rank 0's records and writes none (see replicated_disk.py)."""
+        > 0 reads rank 0's records and writes none (see replicated_disk.py). ``fill``: when
+        the CPU pool allocates its chunks after the first (``CpuBlockPool``); vLLM's worker
+        passes ``"on_start"`` and starts it once vLLM's start-up is over, since page-locking
+        holds up the process's other CUDA calls meanwhile."""
         config.check_block_bytes(geometry.block_bytes)
         d = config.disk
         reads_rank0 = replicated and rank > 0 and rank0_disk is not None  # replicated_disk.py
         own_process = d is not None and d.io_process and not reads_rank0
         # the disk's and the shared tier's I/O processes map the pool: it must be shareable
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin,
-                            shared=own_process or config.remote is not None)
+                            shared=own_process or config.remote is not None, fill=fill)
         store = replica = None
         handlers = gpu_handlers(view, pool)
         if d is not None:

@@ -1,15 +1,29 @@
 """The CPU tier's memory: a pool of fixed-size slots, pinned when CUDA is present.
 
 Pinning a large pool (hundreds of GiB) takes minutes (vLLM #42632), so the pool is made of
-chunks allocated by a background thread, lowest slots first. Start-up returns at once; a copy
-into a slot whose chunk is not ready yet waits for that chunk (on the transfer thread, never
-on the engine thread), and the log reports allocation progress. The manager hands out the
-lowest free slot ids first, so early traffic lands in the first chunks.
+chunks allocated by a background thread, lowest slots first. Start-up returns after the first
+chunk; a copy into a slot whose chunk is not ready yet waits for that chunk (on the thread that
+runs the copy), and the log reports allocation progress. The manager hands out the lowest
+free slot ids first, so early traffic lands in the first chunks.
+
+Page-locking a chunk (``cudaHostAlloc``, or ``cudaHostRegister`` for the shared pool) holds
+up the process's other CUDA calls for as long as it touches the chunk's pages: vLLM's own
+start-up work (profiling, warm-up, CUDA graph capture, which come right after the connector's
+``register_kv_caches``) would wait for nearly the whole pinning. So ``fill="on_start"``
+allocates only the first chunk at construction and leaves the rest until
+``start_filling()``, which the vLLM worker calls once vLLM's start-up is over; anything that
+needs a chunk before then (a copy, ``slot_addresses``, ``wait_ready``) starts the filling
+itself, so nothing waits for a signal that never comes. Chunks are small
+(``DEFAULT_CHUNK_BYTES``) because each one is a single page-locking call, the longest stretch
+the filling holds the driver at a time while the engine serves. ``fill="now"`` (the default:
+kvtier bench, tests) starts the filling at construction.
 
 With ``shared=True`` the pool's memory is one ``memfd`` mapped shared, so the disk I/O
 process (kvtier.runtime.disk_process) can map the very same bytes and move them to and from
 disk without a copy and without this process's GIL; pinning then registers each chunk with
-CUDA (``cudaHostRegister``) instead of allocating pinned memory.
+CUDA (``cudaHostRegister``) instead of allocating pinned memory. Each chunk is its own
+allocation or registration, so a copy never spans two chunks (``group_by_chunk``, and the
+CUDA copy paths' runs of neighbouring slots, split at chunk boundaries).
 
 This module owns bytes only. Which slot holds which block is the manager's business; the
 slot lifecycle (free -> writing -> ready -> loading) lives there too.
@@ -32,7 +46,8 @@ from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 1 << 30
+DEFAULT_CHUNK_BYTES = 256 << 20  # one page-locking call each (module docstring)
+FILL_MODES = ("now", "on_start")
 
 
 class CpuBlockPool:
@@ -45,9 +60,18 @@ class CpuBlockPool:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         background: bool = True,
         shared: bool = False,
+        fill: str = "now",
     ) -> None:
+        """``background``: chunks after the first are allocated by a thread (False: all of
+        them here). ``fill``: when that thread starts: ``"now"``, or ``"on_start"`` at
+        ``start_filling()`` or the first need of a chunk not allocated yet (module docstring)."""
         if num_slots <= 0:
             raise ValueError(f"CPU pool needs at least one slot, got {num_slots}")
+        if fill not in FILL_MODES:
+            raise ValueError(f"CPU pool fill must be one of {FILL_MODES}, got {fill!r}")
+        if fill == "on_start" and not background:
+            raise ValueError("CPU pool fill='on_start' needs background=True (background=False "
+                             "allocates every chunk in the constructor)")
         self.geometry = geometry
         self.num_slots = num_slots
         self.pin = torch.cuda.is_available() if pin is None else pin
@@ -69,12 +93,12 @@ class CpuBlockPool:
         self._ready = [threading.Event() for _ in range(n_chunks)]
         self._error: BaseException | None = None
         self.allocated_bytes = 0
+        self._thread: threading.Thread | None = None
+        self._fill_lock = threading.Lock()
         if background and n_chunks > 1:
             self._allocate_chunk(0)
-            self._thread = threading.Thread(
-                target=self._allocate_rest, name="kvtier-cpu-pool-alloc", daemon=True
-            )
-            self._thread.start()
+            if fill == "now":
+                self.start_filling()
         else:
             for i in range(n_chunks):
                 self._allocate_chunk(i)
@@ -101,6 +125,27 @@ class CpuBlockPool:
         self.allocated_bytes += t.numel()
         self._ready[index].set()
 
+    @property
+    def filling(self) -> bool:
+        """Whether the chunks after the first are allocated or being allocated."""
+        return self._thread is not None or self._ready[-1].is_set()
+
+    def start_filling(self, why: str = "") -> bool:
+        """Start allocating the chunks after the first in the background; True if this call
+        started it (later calls, and a pool already complete, do nothing). Thread-safe."""
+        with self._fill_lock:
+            if self.filling:
+                return False
+            if why:
+                log.info("kvtier CPU pool: allocating %.1f GiB%s in the background (%s)",
+                         (self.capacity_bytes - self.allocated_bytes) / 2**30,
+                         ", pinned" if self.pin else "", why)
+            self._thread = threading.Thread(
+                target=self._allocate_rest, name="kvtier-cpu-pool-alloc", daemon=True
+            )
+            self._thread.start()
+            return True
+
     def _allocate_rest(self) -> None:
         start = time.monotonic()
         total = len(self._chunks)
@@ -120,7 +165,9 @@ class CpuBlockPool:
                 ev.set()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until every chunk is allocated (tests and benchmarks)."""
+        """Block until every chunk is allocated (tests and benchmarks); starts the filling if
+        it has not started."""
+        self.start_filling("wait_ready")
         deadline = None if timeout is None else time.monotonic() + timeout
         for ev in self._ready:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -131,7 +178,10 @@ class CpuBlockPool:
         return True
 
     def _chunk(self, index: int) -> torch.Tensor:
-        self._ready[index].wait()
+        ready = self._ready[index]
+        if not ready.is_set():
+            self.start_filling("a copy needs a chunk not allocated yet")  # no signal to wait for
+            ready.wait()
         chunk = self._chunks[index]
         if chunk is None:
             raise RuntimeError("CPU pool allocation failed") from self._error

