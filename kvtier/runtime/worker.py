@@ -72,8 +72,13 @@ class WorkerRuntime:
         reads_rank0 = replicated and rank > 0 and rank0_disk is not None  # replicated_disk.py
         own_process = d is not None and d.io_process and not reads_rank0
         # the disk's and the shared tier's I/O processes map the pool: it must be shareable
+        shared = own_process or config.remote is not None
+        # A shared pool is filled (registered with CUDA) at once all the same: registering it
+        # after start-up ran while the I/O processes read into it, and a fresh instance's
+        # first REMOTE promotion (256 MiB) then took 8.7 s instead of 0.27 s (real vLLM,
+        # docs/design-measurements.md). A private pool defers as asked.
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin,
-                            shared=own_process or config.remote is not None, fill=fill)
+                            shared=shared, fill="now" if shared else fill)
         store = replica = None
         handlers = gpu_handlers(view, pool)
         if d is not None:

@@ -67,3 +67,17 @@ def test_the_first_step_starts_the_filling_and_nothing_is_lost(model_dir):
         assert pool.wait_ready(SAFETY)
     finally:
         rig.close()
+
+
+def test_a_pool_the_io_processes_map_is_filled_at_once(model_dir, tmp_path):
+    """A shared pool (here the disk tier's I/O process maps it) is not deferred: registering
+    it with CUDA while the I/O processes read into it made a fresh instance's first REMOTE
+    promotion take 8.7 s instead of 0.27 s in real vLLM."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=CPU_BLOCKS, disk_dir=tmp_path / "disk"))
+    try:
+        [pool] = pools(rig)
+        assert pool.shared_fd is not None
+        assert pool.filling  # before any handshake or step
+        assert pool.wait_ready(SAFETY)
+    finally:
+        rig.close()
