@@ -6,9 +6,8 @@ side by side on the same machine:
 * ``none``: no connector (recompute); ``kvtier``: kvtier's CPU tier; ``native``: vLLM's
   ``OffloadingConnector`` with the same CPU bytes; ``kvtier_disk``: kvtier with a small CPU
   tier and a disk tier (prompts pushed out of CPU first; ``kvtier_disk_cold``: the disk
-  files dropped from the page cache before each hit); ``kvtier_ab_whole``: each hit timed with a load its forward waits for
-  whole in one launch and layer by layer, alternating in one engine (the A/Bs of the early
-  start, the lookup prefetch and the whole tail are settled: results/vllm_e2e_*.md);
+  files dropped from the page cache before each hit; the A/Bs of the early start, the lookup
+  prefetch, the whole tail and the one-launch whole load are settled: results/vllm_e2e_*.md);
   ``check``: GPU page bytes and
   tokens/logprobs of kvtier hits against vLLM's own prefix-cache hits.
 * Random-weight models built from a config (Llama-3.1-8B shape, Llama-3.2-1B shape), bf16,
@@ -203,8 +202,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="8b,1b")
     p.add_argument("--connectors", default="none,kvtier,native,kvtier_disk,check",
                    help="comma list of: none, kvtier, native, kvtier_disk, kvtier_disk_cold "
-                        "(page cache dropped before each disk hit), kvtier_ab_whole, "
-                        "check")
+                        "(page cache dropped before each disk hit), check")
     p.add_argument("--lengths", default="1024,2048,8192,32768",
                    help="prompt lengths in tokens (16 = one vLLM block)")
     p.add_argument("--reps", type=int, default=5)
@@ -313,7 +311,7 @@ def main(argv=None) -> int:
                          "--trace-offset", str(a.trace_offset), "--trace-speedup",
                          str(a.trace_speedup),
                          "--trace-chunks", "1" if a.cpu_smoke else str(a.trace_chunks)]
-            marked = conn in ("kvtier", "kvtier_ab_whole", "kvtier_staged") \
+            marked = conn in ("kvtier", "kvtier_staged") \
                 or disk or (
                 a.vllm_marks and conn in ("none", "native"))  # vLLM's phases: compare like with like
             if marked:

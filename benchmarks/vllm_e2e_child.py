@@ -9,9 +9,6 @@ process cleanly), and prints one JSON line (``RESULT {...}``) for the parent. Co
   alternating), the ratio that host-speed drift between processes cannot bend;
 * ``kvtier_disk`` - kvtier with a small CPU tier and a disk tier: every prompt is written,
   pushed out of CPU by filler prompts, then timed (cost-aware loading may recompute instead);
-* ``kvtier_ab_whole`` - kvtier, CPU tier only, each repetition timed twice in the same engine:
-  a hit's load that its forward waits for whole (``LoadStoreSpec.whole``) in one kernel launch
-  at any size, or layer by layer (as before);
 * ``native`` - vLLM's ``OffloadingConnector`` with the same CPU bytes;
 * ``check``  - kvtier, in-process engine: GPU page bytes after a load against the bytes vLLM
   computed, and tokens/logprobs against vLLM's own prefix-cache hit.
@@ -60,9 +57,6 @@ def ttft_sweep(llm, a) -> dict:
         for length in a.lengths:
             disk_hits(llm, a, length, out)
         return out
-    from diagnostics.vllm_e2e_diag import ab_switch
-
-    switch = ab_switch(a)
     for length in a.lengths:
         for r in range(a.reps):
             p = tokens(length, 1000 * length + r, a.vocab)
@@ -74,16 +68,10 @@ def ttft_sweep(llm, a) -> dict:
             paired = a.connector == "kvtier" and r % 2 == 1  # the recompute first on odd reps
             if paired:
                 timed_rep(llm, a, p, length, r, out, f"{length}:recompute", recompute=True)
-            for early in ((False, True) if r % 2 == 0 else (True, False)) if switch else (None,):
-                if switch:
-                    switch(early)
-                timed_rep(llm, a, p, length, r, out,
-                          str(length) if early in (True, None) else f"{length}:late",
-                          profile=bool(a.profile) and r == a.reps - 1 and early in (True, None))
+            timed_rep(llm, a, p, length, r, out, str(length),
+                      profile=bool(a.profile) and r == a.reps - 1)
             if a.connector == "kvtier" and not paired:
                 timed_rep(llm, a, p, length, r, out, f"{length}:recompute", recompute=True)
-    if switch:
-        switch(True)
     return out
 
 
@@ -161,7 +149,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     p.add_argument("--connector", required=True,
-                   choices=["none", "kvtier", "kvtier_ab_whole", "kvtier_disk", "native",
+                   choices=["none", "kvtier", "kvtier_disk", "native",
                             "check"])
     p.add_argument("--lengths", default="1024,2048,8192,32768")
     p.add_argument("--reps", type=int, default=5)

@@ -1,6 +1,5 @@
 """Diagnostics of ``vllm_e2e.py`` inside a configuration's running engine.
 
-``ab_switch`` flips one kvtier mechanism between paired requests (``kvtier_ab_whole``);
 ``drop_page_cache`` makes a disk hit cold. The rest says where the host's time goes in a short
 request. A 16-token prompt is host-bound on an H100: its time is vLLM's Python and CUDA launches, so it
 measures the host as much as the configuration. Two diagnostics for that, run after the sweep
@@ -102,22 +101,3 @@ def drop_page_cache(root: str) -> None:
                 os.close(fd)
 
 
-def ab_switch(a):
-    """The paired A/B's switch (a function of True/False), or None. ``kvtier_ab_whole``: a
-    load the forward waits for whole goes in one launch at any size (True) or layer by layer
-    (the CUDA load handler's ``whole_max_bytes``: inf or 0). The A/Bs of the early start
-    (``kvtier_ab``), the lookup prefetch (``kvtier_ab_prefetch``) and the whole tail
-    (``kvtier_ab_tail``) are settled (benchmarks/results/vllm_e2e_*.md): the first two are
-    always on, the tail's bound is ``kv_connector_extra_config.whole_tail_layer_bytes``."""
-    if a.connector != "kvtier_ab_whole":
-        return None
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    worker = getattr(get_kv_transfer_group(), "_worker", None)
-    if worker is None or getattr(worker, "runtime", None) is None:
-        raise RuntimeError(f"{a.connector} needs the in-process engine "
-                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    from kvtier.manager.specs import Medium
-
-    handler = worker.runtime.engine._handlers[(Medium.CPU, Medium.GPU)]  # the CUDA one
-    return lambda on: setattr(handler, "whole_max_bytes", float("inf") if on else 0)
