@@ -25,6 +25,7 @@ moves in flight), ``writeback`` (:class:`WriteBack`: demotions, disk evictions, 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
@@ -50,6 +51,9 @@ from kvtier.manager.specs import (
 from kvtier.manager.stats import ManagerStats
 from kvtier.manager.index.tier_index import BlockState, TierIndex
 from kvtier.manager.writeback import WriteBack
+
+
+EARLY_LOADS = 64  # load samples kept until the cost model exists
 
 
 class TieredOffloadingManager(OffloadingManager):
@@ -84,6 +88,10 @@ class TieredOffloadingManager(OffloadingManager):
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self._cost_measured = False  # the cost model was made from measured recompute times
+        # loads timed before the first recompute measurement made the model: replayed into it
+        # (in real vLLM a fresh instance's first REMOTE promotion came before any large
+        # forward; forgetting it let the next REMOTE hit load at the optimistic prior)
+        self._early_loads: deque[tuple[bool, Medium, int, float]] = deque(maxlen=EARLY_LOADS)
         self.stats = ManagerStats()
         self.events = EventBus()
         self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
@@ -161,10 +169,14 @@ class TieredOffloadingManager(OffloadingManager):
         hop of a promotion; CPU: CPU -> GPU). Feeds the cost model; a no-op without one."""
         if self.cost is not None:
             self.cost.record_load(medium, nbytes, seconds)
+        else:
+            self._early_loads.append((False, medium, nbytes, seconds))
 
     def record_promotion(self, medium: Medium, nbytes: int, seconds: float) -> None:
         if self.cost is not None:
             self.cost.record_promotion(medium, nbytes, seconds)
+        else:
+            self._early_loads.append((True, medium, nbytes, seconds))
 
     def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
         """The engine's measured prefill time per token. Without a configured ``cost:``
@@ -174,6 +186,12 @@ class TieredOffloadingManager(OffloadingManager):
             self.cost = LoadCostModel(block_bytes=block_bytes, block_tokens=block_tokens,
                                       recompute_s_per_token=s_per_token)
             self._cost_measured = True
+            while self._early_loads:
+                promotion, medium, nbytes, seconds = self._early_loads.popleft()
+                if promotion:
+                    self.cost.record_promotion(medium, nbytes, seconds)
+                else:
+                    self.cost.record_load(medium, nbytes, seconds)
         elif self._cost_measured:
             self.cost.set_recompute(s_per_token, block_tokens)
 

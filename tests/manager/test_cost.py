@@ -220,3 +220,18 @@ def test_forward_timer_reports_large_cpu_forwards_only():
     out = t.take()
     assert [tokens for tokens, _ in out] == [4096] and out[0][1] > 0
     assert t.take() == ()
+
+
+def test_loads_timed_before_the_first_recompute_measurement_are_not_forgotten():
+    """A fresh instance's first hits come before any large forward is timed: the loads they
+    timed teach the model once it exists. In real vLLM the first REMOTE promotion was slow,
+    was forgotten, and the next REMOTE hit loaded at the optimistic prior."""
+    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8, initial_disk_keys=[b"d1", b"d2"])
+    m.record_load(DISK, 1 << 30, (1 << 30) / (1.5 * GB))  # before the model: kept
+    m.record_promotion(DISK, 1 << 30, 2.0)
+    assert m.cost is None and m.lookup([b"d1", b"d2"]).num_hits == 2
+    m.measured_recompute(RECOMPUTE_S_PER_TOKEN, BLOCK_TOKENS, BLOCK_BYTES)
+    m.cost.probe_every = 0
+    assert m.cost.bandwidth[DISK].bytes_per_s == pytest.approx(1.5 * GB)
+    assert m.cost.bandwidth[DISK].fixed_samples == 1
+    assert m.lookup([b"d1", b"d2"]).num_hits == 0  # slower than recompute, as measured
