@@ -83,6 +83,23 @@ def assert_recomputed_from_zero(rig, records, a, b) -> None:
     assert sum(counted) == 1  # in vLLM's KV-transfer stats
 
 
+def hit_with_a_failed_copy(rig, seed: int, rank: int = 0):
+    """A 70-token prompt stored, vLLM's prefix cache reset, then sent again while rank
+    ``rank``'s next CPU -> GPU copy fails: (first request, second request, the engine's
+    step records, the copies that failed)."""
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=seed)
+    a = make(prompt, max_tokens=3)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    settle(rig)
+    assert rig.sched.reset_prefix_cache()
+    failed = fail_next_copy(rig.workers[rank])
+    b = make(prompt, max_tokens=3)
+    rig.loop.add(b)
+    return a, b, rig.loop.run_until_idle(), failed
+
+
 def test_hybrid_hits_load_asynchronously(model_dir):
     """A CPU hit within the synchronous budget still waits for its load: only then can vLLM
     restart the request if the load fails."""
@@ -132,17 +149,7 @@ def test_a_corrupt_record_of_a_sliding_window_model_is_a_recompute(model_dir, tm
 def test_a_failed_copy_of_a_mamba_model_is_a_recompute(model_dir):
     rig = make_mamba_rig(model_dir, kvtier_config(cpu_blocks=32))
     try:
-        make = vh.RequestMaker(BS)
-        prompt = vh.random_tokens(70, seed=64)
-        a = make(prompt, max_tokens=3)
-        rig.loop.add(a)
-        rig.loop.run_until_idle()
-        settle(rig)
-        assert rig.sched.reset_prefix_cache()
-        failed = fail_next_copy(rig.workers[0])
-        b = make(prompt, max_tokens=3)
-        rig.loop.add(b)
-        records = rig.loop.run_until_idle()
+        a, b, records, failed = hit_with_a_failed_copy(rig, seed=64)
         assert len(failed) == 1
         assert_recomputed_from_zero(rig, records, a, b)
         assert rig.loop.forwards[0].bad == []  # the model started from the right states
@@ -155,17 +162,7 @@ def test_a_load_failed_on_one_rank_restarts_the_request_on_every_rank(model_dir)
     failed; vLLM's aggregator passes it on once both ranks finished the load."""
     rig = make_hybrid_rig(model_dir, kvtier_config(cpu_blocks=32), world_size=2)
     try:
-        make = vh.RequestMaker(BS)
-        prompt = vh.random_tokens(70, seed=65)
-        a = make(prompt, max_tokens=3)
-        rig.loop.add(a)
-        rig.loop.run_until_idle()
-        settle(rig)
-        assert rig.sched.reset_prefix_cache()
-        failed = fail_next_copy(rig.workers[1])
-        b = make(prompt, max_tokens=3)
-        rig.loop.add(b)
-        records = rig.loop.run_until_idle()
+        a, b, records, failed = hit_with_a_failed_copy(rig, seed=65, rank=1)
         assert len(failed) == 1
         assert {rank for rid, rank, _ in rig.checks if rid == b.request_id} == {0, 1}
         assert_recomputed_from_zero(rig, records, a, b)
@@ -179,17 +176,7 @@ def test_one_group_still_reports_the_failed_blocks(model_dir):
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     try:
         assert not rig.side.settings.fails_per_request
-        make = vh.RequestMaker(BS)
-        prompt = vh.random_tokens(70, seed=66)
-        a = make(prompt, max_tokens=3)
-        rig.loop.add(a)
-        rig.loop.run_until_idle()
-        settle(rig)
-        assert rig.sched.reset_prefix_cache()
-        failed = fail_next_copy(rig.workers[0])
-        b = make(prompt, max_tokens=3)
-        rig.loop.add(b)
-        records = rig.loop.run_until_idle()
+        a, b, records, failed = hit_with_a_failed_copy(rig, seed=66)
         assert len(failed) == 1
         (load,) = loads_of(records, b.request_id)
         assert load.sync
