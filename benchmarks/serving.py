@@ -320,6 +320,10 @@ def configure(p: Parser, argv) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.cpu_smoke:
+        # vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE when that is set,
+        # over --kv-cache-memory-bytes: the cap that makes the working set leave vLLM's cache
+        # must win, or every turn is a prefix-cache hit and no tier is exercised
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         a.shape, a.block_size, a.max_num_seqs = "tiny", 32, 16
         if a.connectors == p.get_default("connectors"):
             a.connectors = "none,kvtier_cpu,kvtier_disk"
