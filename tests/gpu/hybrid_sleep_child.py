@@ -49,22 +49,28 @@ def drain(llm, connector, steps=10_000):
         llm.llm_engine.step()
 
 
+def kvtier_transfer(workdir: str, block: int):
+    """kvtier with a 256 MiB CPU tier and a 1 GiB disk tier under ``workdir``."""
+    from vllm.config import KVTransferConfig
+
+    tiers = {"cpu": {"capacity": 256 << 20},
+             "disk": {"path": os.path.join(workdir, "disk"), "capacity": 1 << 30,
+                      "fsync": False}}
+    return KVTransferConfig(
+        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"kvtier": {"block_tokens": block, "tiers": tiers}})
+
+
 def main(workdir: str) -> None:
     import hybrid_model as hm
     import torch
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     model = hm.write_gemma3(os.path.join(workdir, "model"), seed=0, layers=4)
-    tiers = {"cpu": {"capacity": 256 << 20},
-             "disk": {"path": os.path.join(workdir, "disk"), "capacity": 1 << 30,
-                      "fsync": False}}
-    kvt = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvtier": {"block_tokens": BLOCK, "tiers": tiers}})
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK,
-              max_model_len=1024, kv_transfer_config=kvt, enable_sleep_mode=True,
+              max_model_len=1024, kv_transfer_config=kvtier_transfer(workdir, BLOCK),
+              enable_sleep_mode=True,
               gpu_memory_utilization=0.3, seed=0, max_num_seqs=8)
     core = llm.llm_engine.engine_core.engine_core
     connector = core.scheduler.connector

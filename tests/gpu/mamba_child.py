@@ -27,35 +27,20 @@ BLOCK = 64
 def main(workdir: str) -> None:
     import mamba_model as mm
     import torch
-    from hybrid_sleep_child import compare, drain, generate
+    from engine_util import record_loads
+    from hybrid_sleep_child import compare, drain, generate, kvtier_transfer
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     from kvtier.connectors.vllm.group_keys import split_group_key
 
     model = mm.write_granite_hybrid(os.path.join(workdir, "model"), seed=0)
-    tiers = {"cpu": {"capacity": 256 << 20},
-             "disk": {"path": os.path.join(workdir, "disk"), "capacity": 1 << 30,
-                      "fsync": False}}
-    kvt = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvtier": {"block_tokens": BLOCK, "tiers": tiers}})
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", block_size=BLOCK,
-              max_model_len=1024, kv_transfer_config=kvt, enable_prefix_caching=True,
+              max_model_len=1024, kv_transfer_config=kvtier_transfer(workdir, BLOCK),
+              enable_prefix_caching=True,
               gpu_memory_utilization=0.3, seed=0, max_num_seqs=8)
     core = llm.llm_engine.engine_core.engine_core
     connector = core.scheduler.connector
-    side = connector._sched
-    loads: list = []
-    plan_load = side.plan_load
-
-    def record(request, blocks, n):
-        before = len(side._step_loads)
-        plan_load(request, blocks, n)
-        loads.extend(side._step_loads[before:])
-
-    side.plan_load = record
+    loads = record_loads(connector)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (300, 520, 1000)]
     first = generate(llm, prompts)
