@@ -4,7 +4,6 @@ forward that writes each group's layer into that group's own block table."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -48,9 +47,7 @@ class HybridForward:
 
     def write(self, scheduler: Any, so: Any, tokens: Any = None) -> None:
         """``tokens`` (the loop's known tokens of a request): only the sync loop drives this."""
-        starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        starts = vh.scheduled_starts(so)
         for req_id, n in so.num_scheduled_tokens.items():
             req = scheduler.requests[req_id]
             tables = scheduler.kv_cache_manager.get_block_ids(req_id)
@@ -88,17 +85,7 @@ def make_hybrid_rig(model_dir: str, extra: dict, *, num_blocks: int = 64,
                              world_size=world_size)
     kcc = make_hybrid_kv_cache_config(vc, num_blocks)
     sched = vh.make_scheduler(vc, kcc)
-    caches, workers, forwards = [], [], []
-    for rank in range(world_size):
-        wvc = vc
-        if world_size > 1:  # each worker its own rank
-            wvc = copy.copy(vc)
-            wvc.parallel_config = copy.copy(vc.parallel_config)
-            wvc.parallel_config.rank = rank
-        c = vh.make_kv_caches(kcc)
-        caches.append(c)
-        workers.append(vh.make_worker_connector(wvc, kcc, c))
-        forwards.append(HybridForward(c))
+    caches, workers, forwards = vh.rank_workers(vc, kcc, world_size, HybridForward)
     rig = Rig(vc, kcc, sched, caches, workers, forwards)
 
     def check(i, w, so):

@@ -69,9 +69,7 @@ class MambaForward:
         self.bad: list[tuple[str, int, str]] = []  # (request, position, what was wrong)
 
     def write(self, scheduler: Any, so: Any, tokens: Any = None) -> None:
-        starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        starts = vh.scheduled_starts(so)
         for req_id, n in so.num_scheduled_tokens.items():
             req = scheduler.requests[req_id]
             ids = req.all_token_ids

@@ -6,7 +6,6 @@ of 16 tokens is 8 KiB per layer and one kvtier block (= one vLLM block) is 16 Ki
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,17 +69,8 @@ def make_rig(model_dir: str, extra: dict, *, num_blocks: int = 64, world_size: i
                              max_num_batched_tokens=max_num_batched_tokens, kv_events=kv_events)
     kcc = vh.make_kv_cache_config(vc, num_blocks=num_blocks)
     sched = vh.make_scheduler(vc, kcc, async_scheduling)
-    caches, workers, forwards = [], [], []
-    for rank in range(world_size):
-        wvc = vc
-        if world_size > 1:  # each worker its own rank (its own disk directory)
-            wvc = copy.copy(vc)
-            wvc.parallel_config = copy.copy(vc.parallel_config)
-            wvc.parallel_config.rank = rank
-        c = vh.make_kv_caches(kcc)
-        caches.append(c)
-        workers.append(vh.make_worker_connector(wvc, kcc, c))
-        forwards.append(vh.FakeForward(c, vh.ModelShape(), BS))
+    caches, workers, forwards = vh.rank_workers(
+        vc, kcc, world_size, lambda c: vh.FakeForward(c, vh.ModelShape(), BS))
     rig = Rig(vc, kcc, sched, caches, workers, forwards)
 
     def check(i, w, so):

@@ -21,6 +21,7 @@ module sets them; tests/connectors/vllm/conftest.py imports it first).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -210,6 +211,32 @@ def make_worker_connector(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     return conn
 
 
+def rank_workers(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, world_size: int,
+                 forward: Callable[[dict[str, torch.Tensor]], Any]) -> tuple[list, list, list]:
+    """(caches, worker connectors, forwards) of ``world_size`` ranks: each its own KV caches
+    and its own rank in a copy of the parallel config (its own disk directory)."""
+    caches, workers, forwards = [], [], []
+    for rank in range(world_size):
+        wvc = vllm_config
+        if world_size > 1:
+            wvc = copy.copy(vllm_config)
+            wvc.parallel_config = copy.copy(vllm_config.parallel_config)
+            wvc.parallel_config.rank = rank
+        c = make_kv_caches(kv_cache_config)
+        caches.append(c)
+        workers.append(make_worker_connector(wvc, kv_cache_config, c))
+        forwards.append(forward(c))
+    return caches, workers, forwards
+
+
+def scheduled_starts(so: SchedulerOutput) -> dict[str, int]:
+    """Each scheduled request's computed tokens before this step (where its forward starts)."""
+    starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return starts
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -266,9 +293,7 @@ class FakeForward:
               tokens: Callable[[Request], Sequence[int]] | None = None) -> None:
         """``tokens``: a request's known tokens (default ``all_token_ids``; an async loop adds
         the ones sampled but not delivered yet, as the GPU runner has them on the device)."""
-        starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        starts = scheduled_starts(so)
         for req_id, n in so.num_scheduled_tokens.items():
             req = scheduler.requests[req_id]
             ids = tokens(req) if tokens is not None else req.all_token_ids
