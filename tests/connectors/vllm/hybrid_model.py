@@ -46,6 +46,12 @@ def write_gemma3(path: str, seed: int = 0, layers: int = 2) -> str:
             if "q_proj" in name or "k_proj" in name:
                 w *= 3.0  # sharp attention: the context matters
             weights[name] = w
+    return save_model(path, cfg, weights)
+
+
+def save_model(path: str, cfg, weights: dict[str, torch.Tensor]) -> str:
+    """A model folder vLLM loads: ``weights`` as safetensors, the transformers config ``cfg``
+    and a generation config; returns ``path``."""
     save_file({k: v.contiguous() for k, v in weights.items()},
               os.path.join(path, "model.safetensors"))
     cfg.save_pretrained(path)

@@ -6,11 +6,10 @@ CPU engine test (vLLM 0.32's CPU backend) and the GPU one (tests/gpu)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
-from safetensors.torch import save_file
+from hybrid_model import save_model
 
 
 def write_granite_hybrid(path: str, seed: int = 0) -> str:
@@ -54,9 +53,4 @@ def write_granite_hybrid(path: str, seed: int = 0) -> str:
             elif name == "lm_head.weight":
                 w *= 4.0
             weights[name] = w
-    save_file({k: v.contiguous() for k, v in weights.items()},
-              os.path.join(path, "model.safetensors"))
-    cfg.save_pretrained(path)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 1, "eos_token_id": 2}, f)
-    return path
+    return save_model(path, cfg, weights)
