@@ -306,13 +306,17 @@ def cost_line(cost: dict, manager: dict) -> str:
     """Cost-aware loading's view: what recompute costs, each tier's measured load speed, and
     the hits it left to recompute because loading them would have been slower."""
     skipped = manager.get("skipped_slower_than_recompute") or {}
+    latency = cost.get("latency_ms") or {}
     tiers = ", ".join(
-        f"{tier} {gbps:.2f} GB/s ({cost.get('measured', {}).get(tier, 0)} samples"
+        f"{tier} {gbps:.2f} GB/s"
+        + (f" + {latency[tier]:.1f} ms per load" if latency.get(tier) else "")
+        + f" ({cost.get('measured', {}).get(tier, 0)} samples"
         + (f", {skipped[tier]} blocks recomputed instead" if skipped.get(tier) else "") + ")"
         for tier, gbps in cost["load_gbps"].items())
     return (f"cost-aware loading: recompute {cost.get('recompute_ms_per_block', '-')} ms/block "
             f"(loads pay above {cost.get('break_even_gbps', '-')} GB/s); measured loads: {tiers}; "
-            f"lookups cut {cost.get('cuts', 0)}, probes {cost.get('probes', 0)}")
+            f"lookups cut {cost.get('cuts', 0)}, probes {cost.get('probes', 0)}, "
+            f"explorations of larger loads {cost.get('explorations', 0)}")
 
 
 def refuse_unused_options(ctx: click.Context) -> None:

@@ -23,6 +23,16 @@ exceeds recomputing its tokens) is then recomputed, while a long one still pays.
 once every ``probe_every`` cut lookups, so a disk that was slow under contention gets measured
 again instead of being shunned forever.
 
+A hop's time is not bytes over a bandwidth alone: a promotion from the shared tier pays a
+per-job latency (requests handed to the I/O processes, the slowest share's round trips) before
+its bytes stream. Read as a bandwidth, one small first hit makes every larger hit look as slow
+per byte (in real vLLM a 256 MiB REMOTE promotion moved at 4.6 GB/s and the model declined the
+8k and 32k hits that later moved at 16 GB/s; figures: docs/design-measurements.md). So each
+tier fits its hops as ``latency + bytes / bandwidth`` once it has seen loads of different
+sizes, and a declined hit at least twice the largest load it measured is loaded once anyway
+(an *exploration*) when the pessimistic estimate loses no more than ``EXPLORE_MAX_LOSS`` of the
+recompute time: that is how it learns the slope at all, at a bounded price, once per doubling.
+
 All of it is O(hits) per lookup with no allocation proportional to the cache.
 """
 
@@ -37,12 +47,20 @@ HISTORY_KEEP = 0.8  # weight left to the past per new sample (~5 samples of memo
 PROBE_EVERY = 100  # every Nth lookup cut for cost loads in full, to re-measure the slow tier
 DEFAULT_PRIOR_BYTES_PER_S = 100e9
 MIN_SAMPLE_BYTES = 16 << 20  # smaller loads measure per-job costs, not bandwidth
+FIT_MIN_SPREAD = 0.25  # sizes whose spread (std / mean) is below this give no slope
+EXPLORE_MAX_LOSS = 1.5  # explore a larger hit only if its estimate is <= 1.5x recompute
 
 
 class LoadBandwidth:
-    """Achieved load bandwidth of one tier: decayed sums of bytes and seconds, so a large
-    transfer weighs more than a small one and the estimate follows changes within a few
-    samples. Unmeasured, it reports ``prior``."""
+    """Achieved load speed of one tier, from decayed sums over its hops (a large transfer
+    weighs more than a small one; the estimate follows changes within a few samples).
+
+    With hops of one size only, the speed is bytes over seconds. Once hops of different sizes
+    were seen, a least-squares line through (bytes, seconds) splits each hop into a per-job
+    latency (``latency_s``) and a bandwidth (the slope): what a larger hit will cost is then
+    extrapolated from the slope, not from a small hit's latency-bound rate. A line that makes
+    no sense (negative latency, no slope) falls back to bytes over seconds. Unmeasured, it
+    reports ``prior``."""
 
     def __init__(self, prior_bytes_per_s: float, keep: float = HISTORY_KEEP,
                  min_bytes: int = MIN_SAMPLE_BYTES) -> None:
@@ -54,11 +72,14 @@ class LoadBandwidth:
         self.keep = keep
         self.min_bytes = min_bytes
         self.samples = 0
-        self._bytes = 0.0
-        self._seconds = 0.0
-        self.fixed_s = 0.0  # per-load cost beyond the bytes, from loads under min_bytes
+        # decayed sums: weight, bytes, seconds, bytes^2, bytes*seconds (in GB, for range)
+        self._w = self._b = self._s = self._bb = self._bs = 0.0
+        self.largest = 0  # bytes of the largest hop measured
+        self.explored = 0  # bytes of the largest hop an exploration asked for
+        self.fixed_s = 0.0  # per-load cost beyond the hops, from small loads or promotions
         self.fixed_samples = 0
         self.waits = 0  # promotions timed end to end: then they alone teach fixed_s
+        self._line = (0.0, self.prior)  # (latency_s, bytes_per_s), refreshed per sample
 
     def record(self, nbytes: float, seconds: float) -> bool:
         """Add one finished load; nonsense (no bytes, no time, NaN) is ignored, not trusted.
@@ -67,12 +88,31 @@ class LoadBandwidth:
             return False
         if nbytes < self.min_bytes:
             if not self.waits:  # a promotion's wall time says more (record_wait)
-                self._learn_fixed(seconds - nbytes / self.bytes_per_s)
+                self._learn_fixed(seconds - self.hop_s(nbytes))
             return False
-        self._bytes = self.keep * self._bytes + nbytes
-        self._seconds = self.keep * self._seconds + seconds
+        k, g = self.keep, nbytes / 1e9
+        self._w = k * self._w + 1.0
+        self._b = k * self._b + g
+        self._s = k * self._s + seconds
+        self._bb = k * self._bb + g * g
+        self._bs = k * self._bs + g * seconds
         self.samples += 1
+        self.largest = max(self.largest, int(nbytes))
+        self._line = self._fit()
         return True
+
+    def _fit(self) -> tuple[float, float]:
+        """(latency_s, bytes_per_s) of the line through the samples, or (0, bytes/seconds)."""
+        origin = (0.0, self._b * 1e9 / self._s)
+        mean = self._b / self._w
+        var = self._bb / self._w - mean * mean
+        if var <= (FIT_MIN_SPREAD * mean) ** 2:  # one size: no slope to see
+            return origin
+        slope = (self._bs / self._w - mean * self._s / self._w) / var  # seconds per GB
+        latency = self._s / self._w - slope * mean
+        if not (slope > 0 and latency >= 0):
+            return origin
+        return latency, 1e9 / slope
 
     def _learn_fixed(self, over: float) -> None:
         w = 1.0 if not self.fixed_samples else 1.0 - self.keep
@@ -80,14 +120,23 @@ class LoadBandwidth:
         self.fixed_samples += 1
 
     def record_wait(self, over: float) -> None:
-        """A promotion's wall time beyond its bytes (``LoadCostModel.record_promotion``)."""
+        """A promotion's wall time beyond its hops (``LoadCostModel.record_promotion``)."""
         if math.isfinite(over):
             self.waits += 1
             self._learn_fixed(over)
 
     @property
     def bytes_per_s(self) -> float:
-        return self._bytes / self._seconds if self.samples else self.prior
+        return self._line[1] if self.samples else self.prior
+
+    @property
+    def latency_s(self) -> float:
+        """A hop's per-job latency beyond its bytes (0 until sizes differed)."""
+        return self._line[0] if self.samples else 0.0
+
+    def hop_s(self, nbytes: float) -> float:
+        """Estimated seconds of one hop of ``nbytes``."""
+        return self.latency_s + nbytes / self.bytes_per_s
 
 
 class LoadCostModel:
@@ -116,6 +165,7 @@ class LoadCostModel:
         self.probe_every = probe_every
         self.cuts = 0  # lookups cut short because loading lost to recompute
         self.probes = 0  # of those, loaded in full anyway to re-measure
+        self.explorations = 0  # of those, loaded in full to measure a larger hop (doubling)
 
     def set_recompute(self, s_per_token: float, block_tokens: int) -> None:
         """A new estimate of the engine's recompute time (nonsense is ignored)."""
@@ -139,11 +189,11 @@ class LoadCostModel:
         bw = self.bandwidth.get(medium)
         if bw is None or medium is Medium.CPU or not (nbytes > 0 and seconds > 0):
             return
-        bw.record_wait(seconds - nbytes / bw.bytes_per_s
-                       - nbytes / self.bandwidth[Medium.CPU].bytes_per_s)
+        bw.record_wait(seconds - bw.hop_s(nbytes) - self.bandwidth[Medium.CPU].hop_s(nbytes))
 
     def load_block_s(self, medium: Medium) -> float:
-        """Estimated seconds to bring one block from ``medium`` into the engine."""
+        """Estimated seconds to bring one block from ``medium`` into the engine, beyond the
+        per-load costs (``fixed_s``, ``latency_s``: charged once per tier a load uses)."""
         t = self.block_bytes / self.bandwidth[Medium.CPU].bytes_per_s
         if medium is Medium.DISK or medium is Medium.REMOTE:  # promoted through CPU
             t += self.block_bytes / self.bandwidth[medium].bytes_per_s
@@ -168,7 +218,7 @@ class LoadCostModel:
             return 0
         used = set(tiers)
         save = {m: self.recompute_block_s - self.load_block_s(m) for m in used}
-        fixed = {m: self.bandwidth[m].fixed_s for m in used}
+        fixed = {m: self.bandwidth[m].fixed_s + self.bandwidth[m].latency_s for m in used}
         waived = fixed.get(Medium.CPU, 0.0) if ends_prompt else 0.0
         if all(v > 0 for v in save.values()) and (  # then loading all of them is the best cut
                 sum(save[m] * tiers.count(m) - fixed[m] for m in used) + waived > 0):
@@ -185,10 +235,34 @@ class LoadCostModel:
                 best, best_n = acc, n
         if best_n < len(tiers):
             self.cuts += 1
+            if self._explore(tiers, best_n, save, fixed):
+                self.explorations += 1
+                return len(tiers)
             if self.probe_every and self.cuts % self.probe_every == 0:
                 self.probes += 1
                 return len(tiers)
         return best_n
+
+    def _explore(self, tiers: Sequence[Medium], best_n: int, save: dict, fixed: dict) -> bool:
+        """Whether to load a cut lookup in full to measure a promoted tier on a hop at least
+        twice as large as any it measured (or explored): its estimate extrapolates a line it
+        may have seen at one size only, where a small hop's latency reads as low bandwidth.
+        Only when even that estimate loses at most ``EXPLORE_MAX_LOSS`` x recompute."""
+        larger = []
+        for medium in set(tiers[best_n:]) & {Medium.DISK, Medium.REMOTE}:
+            bw = self.bandwidth[medium]
+            nbytes = tiers.count(medium) * self.block_bytes
+            if bw.samples and nbytes >= 2 * max(bw.largest, bw.explored):
+                larger.append((bw, nbytes))
+        if not larger:
+            return False
+        recompute = len(tiers) * self.recompute_block_s
+        load = recompute - sum(save[m] * tiers.count(m) - fixed[m] for m in set(tiers))
+        if load > EXPLORE_MAX_LOSS * recompute:
+            return False
+        for bw, nbytes in larger:
+            bw.explored = nbytes
+        return True
 
     def snapshot(self) -> dict:
         """Estimates in GB/s and the break-even bandwidth, for stats."""
@@ -197,8 +271,10 @@ class LoadCostModel:
             "measured": {m.value: b.samples for m, b in self.bandwidth.items()},
             "fixed_ms": {m.value: round(b.fixed_s * 1e3, 3) for m, b in self.bandwidth.items()},
             "fixed_measured": {m.value: b.fixed_samples for m, b in self.bandwidth.items()},
+            "latency_ms": {m.value: round(b.latency_s * 1e3, 3) for m, b in self.bandwidth.items()},
             "recompute_ms_per_block": round(self.recompute_block_s * 1e3, 4),
             "break_even_gbps": round(self.block_bytes / self.recompute_block_s / 1e9, 3),
             "cuts": self.cuts,
             "probes": self.probes,
+            "explorations": self.explorations,
         }

@@ -131,3 +131,12 @@ def test_stats_shows_cost_aware_loadings_view_of_each_tier(tmp_path):
     assert "recompute 0.6 ms/block" in line and "above 3.4 GB/s" in line
     assert "REMOTE 1.90 GB/s (2 samples, 2560 blocks recomputed instead)" in line
     assert "CPU 48.20 GB/s (12 samples)" in line and "lookups cut 5" in line
+    # a tier whose loads of different sizes split into a per-load latency and a bandwidth
+    cost.update(load_gbps={"CPU": 48.2, "REMOTE": 16.1}, latency_ms={"CPU": 0.0, "REMOTE": 41.7},
+                explorations=2)
+    path = _snapshot(tmp_path, manager=manager, cost=cost)
+    res = CliRunner().invoke(cli, ["stats", "--snapshot", str(path)], env={"COLUMNS": "200"})
+    line = " ".join(res.output[res.output.index("cost-aware loading"):].split())  # unwrapped
+    assert "REMOTE 16.10 GB/s + 41.7 ms per load (2 samples" in line
+    assert "CPU 48.20 GB/s (12 samples)" in line
+    assert "explorations of larger loads 2" in line

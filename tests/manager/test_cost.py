@@ -235,3 +235,81 @@ def test_loads_timed_before_the_first_recompute_measurement_are_not_forgotten():
     assert m.cost.bandwidth[DISK].bytes_per_s == pytest.approx(1.5 * GB)
     assert m.cost.bandwidth[DISK].fixed_samples == 1
     assert m.lookup([b"d1", b"d2"]).num_hits == 0  # slower than recompute, as measured
+
+
+REMOTE = Medium.REMOTE
+MIB = 1 << 20
+
+
+def vllm_8b(**kw) -> LoadCostModel:
+    """The Llama-3.1-8B shape as a fresh vLLM instance saw it on an H100 host: recompute
+    ~220 ms per 8k tokens (0.43 ms per 2 MiB block), CPU -> GPU ~50 GB/s."""
+    m = LoadCostModel(block_bytes=BLOCK_BYTES, block_tokens=BLOCK_TOKENS,
+                      recompute_s_per_token=0.43e-3 / BLOCK_TOKENS, probe_every=0, **kw)
+    assert m.record_load(CPU, 1 << 30, (1 << 30) / (50 * GB))
+    return m
+
+
+def test_hops_of_two_sizes_split_into_latency_and_bandwidth():
+    bw = LoadBandwidth(prior_bytes_per_s=100 * GB)
+    for nbytes in (256 * MIB, 1 << 30, 256 * MIB, 4 << 30):
+        assert bw.record(nbytes, 0.040 + nbytes / (16 * GB))
+    assert bw.latency_s == pytest.approx(0.040, rel=1e-6)
+    assert bw.bytes_per_s == pytest.approx(16 * GB, rel=1e-6)
+    assert bw.hop_s(2 << 30) == pytest.approx(0.040 + (2 << 30) / (16 * GB))
+    assert bw.largest == 4 << 30
+
+
+def test_one_size_or_a_nonsense_line_reads_as_bytes_over_seconds():
+    same = LoadBandwidth(prior_bytes_per_s=100 * GB)
+    for _ in range(3):
+        same.record(256 * MIB, 0.0588)
+    assert same.latency_s == 0.0
+    assert same.bytes_per_s == pytest.approx(256 * MIB / 0.0588)
+    # a larger hop much slower per byte would need a negative latency: no line, the ratio
+    odd = LoadBandwidth(prior_bytes_per_s=100 * GB, keep=0.5)
+    odd.record(256 * MIB, 0.010)
+    odd.record(1 << 30, 0.200)
+    assert odd.latency_s == 0.0
+    assert odd.bytes_per_s == pytest.approx((0.5 * 256 * MIB + (1 << 30)) / (0.5 * 0.010 + 0.200))
+
+
+def test_a_small_first_remote_hit_does_not_condemn_larger_ones():
+    """Real vLLM 0.33, H100 host, 8B shape: the first REMOTE promotion (2k tokens, 256 MiB)
+    took 58.8 ms (4.6 GB/s, mostly per-job latency). Read as a bandwidth, every later 8k and
+    32k REMOTE hit was declined; a 32k promotion later moved at 16 GB/s. The larger hit is
+    explored once, and its measurement splits latency from bandwidth."""
+    m = vllm_8b()
+    assert m.record_load(REMOTE, 256 * MIB, 0.0588)
+    assert m.bandwidth[REMOTE].bytes_per_s == pytest.approx(4.57 * GB, rel=0.01)
+    assert m.worth_loading([REMOTE] * 128) == 0  # 2k: slower than recompute, not larger
+    assert m.worth_loading([REMOTE] * 512) == 512  # 8k: 4x the largest hop: explored
+    assert m.explorations == 1
+    assert m.worth_loading([REMOTE] * 512) == 0  # not again before (or after) it is measured
+    assert m.worth_loading([REMOTE] * 1024) == 1024  # a further doubling is explored again
+    assert m.explorations == 2
+    assert m.record_load(REMOTE, 1 << 30, 0.040 + (1 << 30) / (16 * GB))
+    snap = m.snapshot()
+    assert snap["load_gbps"]["REMOTE"] > 13 and snap["latency_ms"]["REMOTE"] > 30
+    assert m.worth_loading([REMOTE] * 512) == 512  # 8k now pays as measured
+    assert m.worth_loading([REMOTE] * 2048) == 2048
+    assert m.worth_loading([REMOTE] * 128) == 0  # 2k still does not: the latency is charged
+    assert m.explorations == 2 and snap["explorations"] == 2
+
+
+def test_a_tier_far_slower_than_recompute_is_never_explored():
+    m = vllm_8b()
+    assert m.record_load(DISK, 64 * MIB, (64 * MIB) / (1.0 * GB))
+    assert m.worth_loading([DISK] * 2048) == 0
+    assert m.explorations == 0 and m.cuts == 1
+
+
+def test_a_promotions_wait_is_charged_beyond_its_hops_latency():
+    m = vllm_8b()
+    for nbytes in (256 * MIB, 1 << 30):
+        m.record_load(REMOTE, nbytes, 0.040 + nbytes / (16 * GB))
+    bw = m.bandwidth[REMOTE]
+    # the request waited the hops plus 6 ms of engine steps
+    m.record_promotion(REMOTE, 1 << 30, bw.hop_s(1 << 30) + m.bandwidth[CPU].hop_s(1 << 30)
+                       + 0.006)
+    assert bw.fixed_s == pytest.approx(0.006, abs=1e-6)
