@@ -68,6 +68,10 @@ MEANINGS = {
                      "available.",
     "tiers.cpu.admission": "Which new blocks are written: every one, from the 2nd sighting, or "
                            "by the measured reuse gate ([placement](placement.md)).",
+    "tiers.cpu.pin_wait_s": "How long vLLM's start-up (after its CUDA graph capture) waits for "
+                            "the pool to finish pinning; what is left pins while the server "
+                            "serves, which holds up the engine's CUDA calls (its first requests "
+                            "wait). 0: pin entirely in the background.",
     "tiers.disk.path": "Directory of the store (required). Created 0700 with its parents; "
                        "relative paths are relative to the YAML file.",
     "tiers.disk.capacity": "Logical (uncompressed) bytes the tier holds, per rank.",

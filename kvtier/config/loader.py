@@ -53,6 +53,7 @@ from kvtier.config.schema import (
     MAX_GIL_SWITCH_INTERVAL_MS,
     DEFAULT_METRICS_HOST,
     DEFAULT_METRICS_PORT,
+    DEFAULT_PIN_WAIT_S,
     DEFAULT_PRIOR_LOAD_GBPS,
     DEFAULT_SEGMENT_BYTES,
     EVICTION_POLICIES,
@@ -113,6 +114,9 @@ class _Builder(_Reader):
             pin=self.get_bool("tiers.cpu.pin", None, nullable=True),
             admission=self.get_choice("tiers.cpu.admission", "all", ADMISSION_POLICIES,
                                       _ADMISSION),
+            pin_wait_s=self.get_float("tiers.cpu.pin_wait_s", DEFAULT_PIN_WAIT_S,
+                                      "a number of seconds >= 0",
+                                      lambda s: s >= 0),
         )
         disk = self.build_disk() if "tiers.disk" in self.items else None
         remote = (build_remote(self, ADMISSION_POLICIES, COMPRESSIONS)

@@ -57,12 +57,19 @@ Origin = tuple[str, "int | None", str]
 """Where a value came from: (file or "<env>", 1-based line or None, key or variable name)."""
 
 
+DEFAULT_PIN_WAIT_S = 120.0
+"""How long vLLM's start-up (after its CUDA graph capture) waits for the CPU pool to finish
+page-locking: pinning while the engine serves holds up its CUDA calls (a fresh server's first
+request waited seconds), so by default a pool of tens of GiB pins before the server is up."""
+
+
 @dataclass(frozen=True)
 class CpuTierConfig:
     capacity: int
     eviction: str = "lru"
     pin: bool | None = None  # None: pin when CUDA is available
     admission: str = "all"  # which new blocks are written: all | threshold (2nd sighting) | reuse_gate
+    pin_wait_s: float = DEFAULT_PIN_WAIT_S  # start-up waits this long for the pool's pinning
 
 
 @dataclass(frozen=True)

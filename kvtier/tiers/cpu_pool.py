@@ -13,7 +13,10 @@ start-up work (profiling, warm-up, CUDA graph capture, which come right after th
 allocates only the first chunk at construction and leaves the rest until
 ``start_filling()``, which the vLLM worker calls once vLLM's start-up is over; anything that
 needs a chunk before then (a copy, ``slot_addresses``, ``wait_ready``) starts the filling
-itself, so nothing waits for a signal that never comes. Chunks are small
+itself, so nothing waits for a signal that never comes. The worker then waits for the filling
+(up to ``tiers.cpu.pin_wait_s``) before vLLM serves: pinning while it serves holds up the
+engine's CUDA calls just the same, and a fresh server's first request waited seconds for it.
+Chunks are small
 (``DEFAULT_CHUNK_BYTES``) because each one is a single page-locking call, the longest stretch
 the filling holds the driver at a time while the engine serves. ``fill="now"`` (the default:
 kvtier bench, tests) starts the filling at construction.

@@ -197,6 +197,8 @@ BAD = [
     ("tiers:\n  cpu: 5\n", 2, "tiers.cpu", "must be a mapping"),
     ("tiers:\n  cpu: {eviction: lfu}\n", 2, "tiers.cpu.eviction", "unknown eviction policy, got 'lfu'"),
     ("tiers:\n  cpu: {pin: maybe}\n", 2, "tiers.cpu.pin", "must be true or false"),
+    ("tiers:\n  cpu: {pin_wait_s: -1}\n", 2, "tiers.cpu.pin_wait_s", "out of range"),
+    ("tiers:\n  cpu: {pin_wait_s: .inf}\n", 2, "tiers.cpu.pin_wait_s", "out of range"),
     (DISK + "    compression: lz4\n", 4, "tiers.disk.compression", "unknown compression"),
     (DISK + "    zstd_level: 0\n", 4, "tiers.disk.zstd_level", "out of range"),
     (DISK + "    zstd_level: 23\n", 4, "tiers.disk.zstd_level", "out of range"),
@@ -234,7 +236,7 @@ def test_bad_values_cite_file_line_and_key(tmp_path, text, line, key, fragment):
 
 def test_unknown_key_lists_allowed_keys(tmp_path):
     err = error_of(tmp_path, "tiers:\n  cpu:\n    capacty: 1GiB\n")
-    assert err.allowed == "capacity, eviction, pin, admission"
+    assert err.allowed == "capacity, eviction, pin, admission, pin_wait_s"
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Mapping
 
 import torch
@@ -86,6 +87,7 @@ class WorkerSide:
         self._ahead: set[int] = set()  # sync loads submitted before start_load
         self.hook_thread: int | None = None  # the thread vLLM runs this worker's hooks on
         self.sleep_addresses: tuple[int, ...] = ()  # KV pages at unregister (compat/sleep.py)
+        self._pin_wait_s = 0.0  # tiers.cpu.pin_wait_s, once registered (start_up_over)
 
     @property
     def asleep(self) -> bool:
@@ -112,6 +114,7 @@ class WorkerSide:
             replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0],
             fill="on_start")
         self.jobs.bind_runtime(self.runtime)
+        self._pin_wait_s = config.cpu.pin_wait_s
         if isinstance(self.runtime.store, DiskStore):  # a child's store: LMDB opens it here too
             register_open_store(config.disk.path, self.runtime.store)
         if self.settings.world_size == 1:
@@ -136,12 +139,36 @@ class WorkerSide:
 
     def start_up_over(self, why: str) -> None:
         """vLLM's start-up (profiling, warm-up, CUDA graph capture) is over: the CPU pool's
-        background pinning starts, which would have held up that CUDA work (cpu_pool.py).
-        Called when vLLM asks for the handshake metadata, its last call into the worker
-        before it serves, and at every step (the first one starts it if nothing did)."""
+        pinning starts, which would have held up that CUDA work (cpu_pool.py). Called when
+        vLLM asks for the handshake metadata, its last call into the worker before it serves,
+        and at every step (the first one starts it if nothing did).
+
+        The first of those calls waits up to ``tiers.cpu.pin_wait_s`` for the pinning to
+        finish: page-locking while the engine serves holds up the engine's own CUDA calls,
+        so the first requests of a fresh server would wait for most of it (seconds for tens
+        of GiB) instead of the start-up, which is where vLLM pins its own CPU buffers."""
         rt = self.runtime
-        if rt is not None and not rt.pool.filling:
-            rt.pool.start_filling(why)
+        if rt is None or rt.pool.filling:
+            return
+        pool = rt.pool
+        pool.start_filling(why)
+        if self._pin_wait_s <= 0 or pool.allocated_bytes >= pool.capacity_bytes:
+            return
+        t0 = time.monotonic()
+        try:
+            done = pool.wait_ready(self._pin_wait_s)
+        except RuntimeError as exc:  # the pool logged it; its copies fail (recomputed)
+            log.error("kvtier: CPU pool allocation failed before serving: %s", exc)
+            return
+        took = time.monotonic() - t0
+        if done:
+            log.info("kvtier: CPU pool ready before serving: %.1f GiB %s in %.1f s",
+                     pool.capacity_bytes / 2**30, "pinned" if pool.pin else "allocated", took)
+        else:
+            log.warning("kvtier: CPU pool: %.1f of %.1f GiB pinned after %.1f s "
+                        "(tiers.cpu.pin_wait_s); the rest pins while serving, which holds up "
+                        "the engine's CUDA calls until it is done",
+                        pool.allocated_bytes / 2**30, pool.capacity_bytes / 2**30, took)
 
     def _rt(self) -> WorkerRuntime:
         if self.runtime is None:
