@@ -38,6 +38,7 @@ from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, KVTierWorke
 from kvtier.connectors.vllm.scheduler.side import SchedulerSide
 from kvtier.connectors.vllm.group_keys import hybrid_notice
 from kvtier.connectors.vllm.handoff import handoff_for
+from kvtier.connectors.vllm.logs import share_vllm_logging
 from kvtier.connectors.vllm.settings import HMA_FLAG, derive_settings, describe
 from kvtier.connectors.vllm.stats import KVTierStats
 from kvtier.observe.timeline import timeline
@@ -82,6 +83,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        share_vllm_logging()  # kvtier's lines in vLLM's output, at vLLM's level
         check_version()
         self.settings = derive_settings(vllm_config, kv_cache_config)
         self._sched: SchedulerSide | None = None
