@@ -6,7 +6,8 @@ checked before it is used, so a damaged frame is a clear ``WireError``, never a 
 
 Request: ``op`` (u8), item count (u32), payload length (u64), payload. Reply: status (u8: OK
 or ERROR), payload length (u64), payload; an ERROR payload is JSON ``{"type", "errno",
-"message"}``.
+"message"}``. A request may get PART frames before its reply (the shared tier's fetches report
+blocks already verified, so their copies to the GPU can start); the OK or ERROR frame ends it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Sequence
 
 PUT, FETCH, DELETE, KEYS, STATS = 1, 2, 3, 4, 5
 OPS = (PUT, FETCH, DELETE, KEYS, STATS)
-OK, ERROR = 0, 1
+OK, ERROR, PART = 0, 1, 2
 
 _REQUEST = struct.Struct("<BIQ")
 _REPLY = struct.Struct("<BQ")
@@ -116,10 +117,12 @@ def error_payload(exc: BaseException) -> bytes:
                        "message": str(exc)}).encode()
 
 
-def read_reply(sock: socket.socket, deadline: float | None = None) -> tuple[int, memoryview]:
-    """The next reply; TimeoutError if it is not complete by ``deadline`` (monotonic)."""
+def read_reply(sock: socket.socket, deadline: float | None = None, *,
+               partial: bool = False) -> tuple[int, memoryview]:
+    """The next reply; TimeoutError if it is not complete by ``deadline`` (monotonic).
+    ``partial``: a PART frame may come (only the shared tier's fetches send them)."""
     status, length = _REPLY.unpack(recv_exact(sock, _REPLY.size, deadline))
-    if status not in (OK, ERROR) or length > MAX_PAYLOAD:
+    if status not in ((OK, ERROR, PART) if partial else (OK, ERROR)) or length > MAX_PAYLOAD:
         raise WireError(f"bad reply frame (status {status}, {length} bytes)")
     return status, memoryview(recv_exact(sock, length, deadline))
 

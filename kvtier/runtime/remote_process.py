@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 from dataclasses import asdict
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.runtime import disk_wire as wire
@@ -45,6 +45,17 @@ START_TIMEOUT_S = 30.0
 RESPAWN_AFTER_S = 5.0
 MIN_BLOCKS_PER_CHILD = 8  # a smaller share costs a round trip for too few bytes; larger
 # shares keep each child's pipeline deep and leave the other children to concurrent jobs
+
+
+def _part_positions(payload: memoryview, n: int) -> list[int]:
+    """The positions of a PART frame for a part of ``n`` blocks; WireError for junk."""
+    try:
+        positions = json.loads(bytes(payload))["ready"]
+        if all(type(p) is int and 0 <= p < n for p in positions):
+            return positions
+    except (ValueError, KeyError, TypeError):
+        pass
+    raise wire.WireError("a partial reply that does not fit its request")
 
 
 class _Child:
@@ -183,10 +194,14 @@ class RemoteIOProcesses:
         return reply
 
     def _fan_out(self, children: list[_Child], op: int,
-                 parts: list[tuple[list[int], list[bytes]]]) -> list[dict | None]:
+                 parts: list[tuple[list[int], list[bytes]]],
+                 on_part: Callable[[int, list[int]], None] | None = None
+                 ) -> list[dict | None]:
         """Send each child its part, then read the replies as they come, all on this thread
         (one GIL hand-off per reply, not per thread and system call). The children's locks
-        are taken in index order, so concurrent jobs never wait on each other in a circle."""
+        are taken in index order, so concurrent jobs never wait on each other in a circle.
+        ``on_part(i, positions)``: a fetch's PART frame from child ``i`` (positions within its
+        part that are verified already); junk in one loses the child like a bad reply."""
         replies: list[dict | None] = [None] * len(children)
         held = sorted(range(len(children)), key=lambda i: children[i].index)
         for i in held:
@@ -215,13 +230,20 @@ class RemoteIOProcesses:
                             self._lose(children[key.data], "missed its request deadline")
                         break
                     for key, _ in ready:
-                        sel.unregister(key.fileobj)
                         child = children[key.data]
                         try:
-                            status, payload = wire.read_reply(child.sock)
+                            status, payload = wire.read_reply(child.sock, partial=True)
+                            if status == wire.PART:
+                                positions = _part_positions(payload, len(parts[key.data][0]))
                         except OSError as exc:  # died, or sent half a frame and hung
+                            sel.unregister(key.fileobj)
                             self._lose(child, f"{type(exc).__name__}: {exc}")
                             continue
+                        if status == wire.PART:  # the request goes on
+                            if on_part is not None:
+                                on_part(key.data, positions)
+                            continue
+                        sel.unregister(key.fileobj)
                         replies[key.data] = self._reply(status, payload)
         finally:
             for i in held:
@@ -238,7 +260,8 @@ class RemoteIOProcesses:
             start = stop
         return [r for r in out if len(r)]
 
-    def _run(self, op: int, slots: Sequence[int], keys: Sequence[bytes]) -> list:
+    def _run(self, op: int, slots: Sequence[int], keys: Sequence[bytes],
+             ready: Callable[[list[int]], None] | None = None) -> list:
         if self.health.degraded and not self.health.probe_due():
             raise RemoteUnavailable(f"degraded: {self.health.last_error}")
         shares = self._shares(len(keys))
@@ -246,8 +269,12 @@ class RemoteIOProcesses:
         n = len(self._children)
         first = self._next = (self._next + 1) % n
         children = [self._children[(first + i) % n] for i in range(len(shares))]
-        replies = self._fan_out(children, op, [([slots[j] for j in r], [keys[j] for j in r])
-                                               for r in shares])
+        parts = [([slots[j] for j in r], [keys[j] for j in r]) for r in shares]
+
+        def on_part(i: int, positions: list[int]) -> None:
+            ready([parts[i][0][p] for p in positions])
+
+        replies = self._fan_out(children, op, parts, on_part if ready is not None else None)
         return list(zip(shares, replies))
 
     def _settle_health(self, lost: int, total: int) -> None:
@@ -277,13 +304,17 @@ class RemoteIOProcesses:
         self._settle_health(lost, len(keys))
         return ok
 
-    def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> FetchResult:
-        """Load each key's block into its slot, verified; the positions that missed."""
+    def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int],
+                    ready: Callable[[list[int]], None] | None = None) -> FetchResult:
+        """Load each key's block into its slot, verified; the positions that missed.
+        ``ready``: called on this thread, while the fetch goes on, with CPU slots whose
+        blocks are verified already (``RemoteBlockIO.fetch``); a slot reported there may
+        still be in the result's misses if its I/O process is lost before it answers."""
         if len(slots) != len(keys):
             raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
         failed: list[int] = []
         transient: list[int] = []
-        for share, reply in self._run(wire.FETCH, slots, keys):
+        for share, reply in self._run(wire.FETCH, slots, keys, ready):
             if reply is None:
                 failed += share
                 transient += share

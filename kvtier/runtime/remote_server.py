@@ -27,12 +27,16 @@ from kvtier.tiers.remote.secrets import RemoteSecrets
 log = logging.getLogger("kvtier.remote_process")
 
 
-def _handle(io: RemoteBlockIO, op: int, slots: list[int], keys: list[bytes]) -> dict:
+def _handle(io: RemoteBlockIO, op: int, slots: list[int], keys: list[bytes],
+            sock: socket.socket) -> dict:
     if op == wire.PUT:
         r = io.put(slots, keys)
         out: dict = {"ok": r.ok, "lost": r.lost}
     elif op == wire.FETCH:
-        r = io.fetch(keys, slots)
+        def ready(positions: list[int]) -> None:  # verified already: the worker may copy them on
+            wire.send_reply(sock, json.dumps({"ready": positions}).encode(), wire.PART)
+
+        r = io.fetch(keys, slots, ready)
         out = {"failed": r.failed, "transient": r.transient}
     else:  # STATS: a warm-up probe
         out = {"warm": io.warm_up()}
@@ -80,7 +84,7 @@ def main(argv: list[str]) -> int:
                 break
             op, slots, keys = request
             try:
-                payload, status = json.dumps(_handle(io, op, slots, keys)).encode(), wire.OK
+                payload, status = json.dumps(_handle(io, op, slots, keys, sock)).encode(), wire.OK
             except Exception as exc:  # noqa: BLE001 - reported to the worker
                 payload, status = wire.error_payload(exc), wire.ERROR
             try:

@@ -8,6 +8,8 @@ order and up to ``handler.concurrency`` of them run at once.
 
 A chained job (DISK->CPU then CPU->GPU) is forwarded from route to route: after a hop finishes
 it joins the next hop's queue, so every hop obeys its own route's order and concurrency. A hop
+whose handler reports final blocks while it runs (the shared tier's read) lets the next hop's
+copies of those blocks start before it ends (:mod:`kvtier.transfer.early`). A hop
 that raises ends the job; a hop that only reports ``failed_keys`` does not (the keys are reported
 and the caller treats them as errors), matching how the manager settles partial loads.
 
@@ -133,9 +135,14 @@ class TransferEngine:
             lane.active += 1
             if lane.active == 1:
                 lane.busy_since = time.perf_counter()
+        # a hop that reports final blocks lets the next (immediate) hop start on them early
+        ready = self._immediate.open_early(job) if lane.handler.reports_ready else None
         t0 = time.perf_counter()
         try:
-            outcome = await lane.handler.run(src, dst)
+            if ready is None:
+                outcome = await lane.handler.run(src, dst)
+            else:
+                outcome = await lane.handler.run_reporting(src, dst, ready)
             if not isinstance(outcome, TransferOutcome):
                 raise TypeError(f"handler returned {type(outcome).__name__}, not TransferOutcome")
         except asyncio.CancelledError:
@@ -153,8 +160,11 @@ class TransferEngine:
         if error is None and job.next_hop + 1 < len(job.hops):
             job.next_hop += 1
             self._dispatch(job)
-        else:
+        elif ready is None or not self._immediate.end_early(job):
             self._finish(job)
+        else:  # the next hop's early pieces run on: the job ends when they are done
+            with self._cond:
+                self._cond.notify_all()
 
     def _hop_done(self, lane: Lane, job: JobProgress, outcome: TransferOutcome, error: str | None,
                   seconds: float, ended_at: float | None = None) -> None:
@@ -310,6 +320,12 @@ class TransferEngine:
                         finally:
                             self._cond.acquire()
                         continue
+                    if self._immediate.has_early():  # a read goes on: copy what it finished
+                        self._cond.release()
+                        try:
+                            self._immediate.advance()
+                        finally:
+                            self._cond.acquire()
                     self._cond.wait(left if left is not None and left < 0.002 else 0.002)
                 out = [self._finished.pop(i) for i in ids]
                 self._live.difference_update(ids)

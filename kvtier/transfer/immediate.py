@@ -2,7 +2,8 @@
 
 Such hops (the CUDA GPU<->CPU copies) are enqueued on the submitting thread and polled from the
 caller's ``get_finished`` / ``wait``; ``fence`` and ``fence_layer`` order the caller's later
-device work after them. :class:`~kvtier.transfer.engine.TransferEngine` owns one
+device work after them. A hop that follows one which reports final blocks while it runs (the
+shared tier's read) starts in pieces before that hop ends (:mod:`kvtier.transfer.early`). :class:`~kvtier.transfer.engine.TransferEngine` owns one
 :class:`ImmediateHops` and talks to it only through the methods below; what the hops need
 back from the engine (the lane of a hop, accounting a finished hop, ending a job, queueing a
 later hop on the loop) is handed in at construction as callables.
@@ -13,9 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
+from kvtier.transfer.early import EarlyCopies, Pieces
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
 from kvtier.transfer.jobs import Route, TransferOutcome, route_of
 from kvtier.transfer.lanes import JobProgress, Lane
@@ -53,9 +55,12 @@ class ImmediateHops:
         self._finish = finish
         self._to_loop = to_loop
         self.running: dict[int, JobProgress] = {}  # job id -> its hop on a device queue
+        # (a job whose ``error`` is set only waits for the pieces its failed hop let start)
         self._parked: list[JobProgress] = []  # jobs whose next hop waits for a caller
         self._parked_lock = threading.Lock()
         self._lock = threading.RLock()  # the callers' side: starting, polling, fencing
+        self._early: dict[int, EarlyCopies] = {}  # job id -> its next hop, taken apart
+        self._early_lock = threading.Lock()  # _early and its entries (any thread)
 
     def takes(self, job: JobProgress) -> bool:
         """Whether the job's next hop runs here (its route has an immediate handler)."""
@@ -67,34 +72,108 @@ class ImmediateHops:
     def has_parked(self) -> bool:
         return bool(self._parked)
 
+    def has_early(self) -> bool:
+        """Whether a running hop may report blocks whose copies could start early."""
+        return bool(self._early)
+
     def park(self, job: JobProgress) -> None:
         """Keep the job until a caller's next call starts its hop (loop thread)."""
         with self._parked_lock:
             self._parked.append(job)
+
+    # ---- early copies (kvtier.transfer.early) ----------------------------------------------
+
+    def open_early(self, job: JobProgress) -> Callable[[Sequence[int]], None] | None:
+        """Loop thread, as the job's hop starts: if its next hop runs here and reads what this
+        one writes, take it apart; returns the callback the running hop reports final
+        blocks to (None: the next hop starts whole, afterwards)."""
+        if job.next_hop + 1 >= len(job.hops):
+            return None
+        _, written = job.hops[job.next_hop]
+        following = job.hops[job.next_hop + 1]
+        handler = self._handlers.get(route_of(following))
+        if handler is None or following[0].medium != written.medium \
+                or not EarlyCopies.fits(following):
+            return None
+        early = EarlyCopies(following, written.ids, handler)
+        with self._early_lock:
+            self._early[job.job_id] = early
+        return lambda ids, jid=job.job_id: self._ready(jid, ids)
+
+    def _ready(self, job_id: int, ids: Sequence[int]) -> None:
+        with self._early_lock:
+            early = self._early.get(job_id)
+            if early is not None:
+                early.add_ready(ids)
+
+    def end_early(self, job: JobProgress) -> bool:
+        """Loop thread: the job's hop failed. False: nothing of the next hop started, end the
+        job now. True: pieces are on the device; the job ends once they are done."""
+        with self._early_lock:
+            early = self._early.pop(job.job_id, None)
+            if early is None:
+                return False
+            early.open = False
+            if not early.pieces:
+                return False
+        job.pending = Pieces(early.handler, early.pieces)
+        self.park(job)
+        return True
+
+    def _start_pieces(self) -> None:
+        """Enqueue the pieces whose blocks became final (callers' lock held)."""
+        with self._early_lock:
+            for jid, early in self._early.items():
+                piece = early.take()
+                if piece is None:
+                    continue
+                indices, (src, dst) = piece
+                try:
+                    early.started(indices, early.handler.start(src, dst))
+                except Exception as exc:  # noqa: BLE001 - the rest copies them after the read
+                    early.open = False
+                    log.warning("%s: job %d: an early copy of %d blocks failed (%s); they are "
+                                "copied after the read", self.name, jid, len(src.ids), exc)
 
     def start(self, job: JobProgress) -> None:
         with self._lock:
             self._start(job)
 
     def _start(self, job: JobProgress) -> None:
-        """Enqueue the job's next hop on its device queue now; a refusal fails the job."""
+        """Enqueue the job's next hop on its device queue now (what its early pieces did not
+        copy); a refusal fails the job, which still waits for those pieces."""
+        if job.error is not None:  # a failed hop's pieces (end_early): wait for them only
+            self.running[job.job_id] = job
+            return
         lane = self._lane_of(job)
-        src, dst = job.hops[job.next_hop]
+        hop: tuple | None = job.hops[job.next_hop]
+        handles: list = []
+        with self._early_lock:
+            early = self._early.pop(job.job_id, None)
+            if early is not None:
+                hop = early.rest()
+                handles = early.pieces
         job.started = time.perf_counter()
         try:
-            job.pending = lane.handler.start(src, dst)
+            if hop is not None:
+                handles.append(lane.handler.start(*hop))
         except Exception as exc:  # noqa: BLE001 - a refused hop is a failed job, like on the loop
             error = f"{lane.name}: {type(exc).__name__}: {exc}"
             log.warning("%s: job %d failed: %s", self.name, job.job_id, error)
             self._account(lane, job, TransferOutcome(), error, 0.0)
-            self._finish(job)
-            return
+            if not handles:
+                self._finish(job)
+                return
+        job.pending = Pieces(lane.handler, handles)
         self.running[job.job_id] = job
 
     def _complete(self, job: JobProgress, outcome: TransferOutcome) -> None:
-        lane = self._lane_of(job)
         del self.running[job.job_id]
         job.pending = None
+        if job.error is not None:  # only its pieces ran on: the failure was accounted
+            self._finish(job)
+            return
+        lane = self._lane_of(job)
         seconds = outcome.seconds
         if seconds is None:
             seconds = time.perf_counter() - job.started
@@ -116,12 +195,14 @@ class ImmediateHops:
                 parked, self._parked = self._parked, []
             for job in parked:
                 self._start(job)
+            if self._early:
+                self._start_pieces()
             for jid in block_on:
                 job = self.running.get(jid)
                 if job is not None:
-                    self._complete(job, self._lane_of(job).handler.finish(job.pending))
+                    self._complete(job, job.pending.finish())
             for job in list(self.running.values()):
-                outcome = self._lane_of(job).handler.poll(job.pending)
+                outcome = job.pending.poll()
                 if outcome is not None:
                     self._complete(job, outcome)
 
@@ -131,7 +212,7 @@ class ImmediateHops:
             for i in job_ids:
                 job = self.running.get(i)
                 if job is not None:
-                    self._lane_of(job).handler.fence(job.pending)
+                    job.pending.fence()
 
     def fence_layer(self, job_ids: Iterable[int], layer: int) -> list[int]:
         """The caller's stream waits for one layer of those jobs running here; returns the
@@ -143,7 +224,7 @@ class ImmediateHops:
                 if job is None:
                     rest.append(i)
                 else:
-                    self._lane_of(job).handler.fence_layer(job.pending, layer)
+                    job.pending.fence_layer(layer)
         return rest
 
     def prefetch(self, src: LoadStoreSpec, to: Medium, whole: bool = False) -> bool:

@@ -11,7 +11,7 @@ slot ids and keys.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
@@ -31,7 +31,8 @@ class SlotRemote(Protocol):
 
     def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]: ...
 
-    def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int]) -> FetchResult: ...
+    def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int],
+                    ready: Callable[[list[int]], None] | None = None) -> FetchResult: ...
 
 
 class CpuToRemoteHandler(TransferHandler):
@@ -62,9 +63,11 @@ class CpuToRemoteHandler(TransferHandler):
 
 
 class RemoteToCpuHandler(TransferHandler):
-    """Promotion: server values (src keys) -> CPU slots (dst), every value verified."""
+    """Promotion: server values (src keys) -> CPU slots (dst), every value verified. Reports
+    verified slots while it runs, so a load's copies to the GPU overlap the read."""
 
     direction = (Medium.REMOTE, Medium.CPU)
+    reports_ready = True
 
     def __init__(self, pool: CpuBlockPool, remote: SlotRemote, *,
                  concurrency: int = READ_JOBS) -> None:
@@ -73,12 +76,20 @@ class RemoteToCpuHandler(TransferHandler):
         self.concurrency = concurrency
 
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
+        return await self._fetch(src, dst, None)
+
+    async def run_reporting(self, src: LoadStoreSpec, dst: LoadStoreSpec,
+                            ready: Callable[[Sequence[int]], None]) -> TransferOutcome:
+        return await self._fetch(src, dst, ready)
+
+    async def _fetch(self, src: LoadStoreSpec, dst: LoadStoreSpec,
+                     ready: Callable[[Sequence[int]], None] | None) -> TransferOutcome:
         self.check_media(src, dst)
         keys, slots = src.keys, dst.ids
         _check_promotion(self.name, self.pool, slots, keys)
         if not keys:
             return TransferOutcome()
-        r = await self.run_blocking(self.remote.fetch_slots, list(keys), list(slots))
+        r = await self.run_blocking(self.remote.fetch_slots, list(keys), list(slots), ready)
         return TransferOutcome(bytes=(len(keys) - len(r.failed)) * self.pool.geometry.block_bytes,
                                failed_keys=tuple(keys[i] for i in r.failed),
                                transient_keys=tuple(keys[i] for i in r.transient))

@@ -288,3 +288,19 @@ def test_without_respawn_a_lost_child_stays_lost(pool, tmp_path):
         assert dp.respawns == 0
     finally:
         dp.close()
+
+
+def test_a_partial_reply_frame_is_refused_where_none_is_expected():
+    """PART frames belong to the shared tier's fetches only: on the disk path one is a damaged
+    stream, never an answer."""
+    from kvtier.runtime import disk_wire as wire
+
+    for partial in (False, True):
+        a, b = socket.socketpair()
+        with a, b:
+            wire.send_reply(a, b'{"ready": [0]}', wire.PART)
+            if partial:
+                assert wire.read_reply(b, partial=True) == (wire.PART, b'{"ready": [0]}')
+            else:
+                with pytest.raises(wire.WireError):
+                    wire.read_reply(b)

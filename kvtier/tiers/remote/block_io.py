@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 OTHER_VALUE_SLACK = 1 << 20  # a compressed record may exceed its raw size by a little
 HASH_THREADS = 2  # checksums and tags of landed values, beside the thread that receives them
 HASH_BATCH_BYTES = 4 << 20  # values hashed per task: a task's overhead is paid per batch
+READY_REPORTS = 8  # a fetch reports its verified blocks in about this many parts (``ready``)
+READY_MIN_BLOCKS = 4  # ... of at least this many blocks: a report costs a frame and a wake-up
 
 
 @dataclass
@@ -76,6 +78,33 @@ class PutResult:
 class FetchResult:
     failed: list[int]  # positions that are misses (absent, rejected, or lost to an error)
     transient: list[int]  # of failed: lost to a connection or server error (not absent)
+
+
+class _ReadyReporter:
+    """Reports a fetch's checked batches that passed (``RemoteBlockIO.fetch``'s ``ready``), in
+    order, once at least a ``READY_REPORTS``-th of the fetch (and ``READY_MIN_BLOCKS``) is
+    waiting to be reported. Only looks at checks already finished: never waits for one."""
+
+    def __init__(self, ready: Callable[[list[int]], None] | None, n: int,
+                 checks: list[tuple[list[int], Future]]) -> None:
+        self.ready = ready
+        self.every = max(READY_MIN_BLOCKS, -(-n // READY_REPORTS))
+        self.enabled = ready is not None and n >= 2 * self.every
+        self.checks = checks
+        self.seen = 0  # checks looked at so far
+        self.waiting: list[int] = []
+
+    def poll(self) -> None:
+        if not self.enabled:
+            return
+        while self.seen < len(self.checks) and self.checks[self.seen][1].done():
+            positions, check = self.checks[self.seen]
+            self.seen += 1
+            if check.exception() is None:
+                self.waiting += [i for i, good in zip(positions, check.result()) if good]
+        if len(self.waiting) >= self.every:
+            out, self.waiting = self.waiting, []
+            self.ready(out)
 
 
 class RemoteBlockIO:
@@ -179,8 +208,14 @@ class RemoteBlockIO:
         self.stats.failed_puts += len(ok) - sum(ok)
         return PutResult(ok, [i for i, good in enumerate(ok) if not good and i not in refused])
 
-    def fetch(self, block_keys: Sequence[bytes], slots: Sequence[int]) -> FetchResult:
-        """GET each block into its slot, verified; the positions that are misses."""
+    def fetch(self, block_keys: Sequence[bytes], slots: Sequence[int],
+              ready: Callable[[list[int]], None] | None = None) -> FetchResult:
+        """GET each block into its slot, verified; the positions that are misses.
+
+        ``ready``: called, while the fetch goes on, with positions whose blocks landed and
+        passed verification, about ``READY_REPORTS`` times (what is verified last is only in
+        the result). Their slots are final, so the caller may copy them on (a load's CPU ->
+        GPU copies overlap its shared-tier read); a reported position is never a miss."""
         if len(slots) != len(block_keys):
             raise ValueError(f"{len(block_keys)} keys for {len(slots)} CPU slots")
         server_keys = [self.keys.server_key(k) for k in block_keys]
@@ -190,6 +225,7 @@ class RemoteBlockIO:
         max_other = self.block_bytes + OTHER_VALUE_SLACK
         landed: list[tuple] = []  # values awaiting their payload check: (position, key, ...)
         checks: list[tuple[list[int], Future]] = []  # batches being checked beside the receive
+        reporter = _ReadyReporter(ready, len(block_keys), checks)
         per = self._per_batch()
         for node, positions in groups.items():
             try:
@@ -228,6 +264,7 @@ class RemoteBlockIO:
                             if len(landed) >= per:
                                 checks.append(self._check_batch(landed))
                                 landed = []
+                                reporter.poll()
                     if verdict[i] != "absent":
                         self.stats.get_bytes += len(got) if isinstance(got, bytes) else got
             except (OSError, ProtocolError) as exc:

@@ -24,6 +24,8 @@ READ_CHUNK = 16 << 10  # what a line read asks the kernel for: the start of a va
 # with it is copied twice, so this stays small; the rest of a value lands in place
 MAX_LINE = 64 << 10  # a status, error or length line longer than this is a damaged stream
 MAX_SMALL_BULK = 16 << 20  # a bulk reply read into memory (not into a slot) is capped
+JOIN_BELOW = 4 << 10  # command pieces smaller than this are joined before sending (a pipeline
+# of thousands of small commands in one buffer); larger ones (values) go out from where they are
 Buffers = Sequence[bytes | bytearray | memoryview]
 
 
@@ -81,6 +83,24 @@ def command_with_value(head: Sequence[bytes], value: Buffers) -> list:
     return out
 
 
+def _joined_small(parts: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
+    """``parts`` as byte views for ``sendmsg``, runs of pieces under ``JOIN_BELOW`` joined."""
+    out: list[memoryview] = []
+    run: list = []
+    for p in parts:
+        v = memoryview(p)
+        if v.nbytes < JOIN_BELOW:
+            run.append(v)
+            continue
+        if run:
+            out.append(memoryview(b"".join(run)))
+            run = []
+        out.append(v.cast("B"))
+    if run:
+        out.append(memoryview(b"".join(run)))
+    return out
+
+
 class RespConnection:
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
@@ -106,22 +126,24 @@ class RespConnection:
 
     # ---- sending ------------------------------------------------------------------------
     def send(self, commands: Sequence[Sequence[bytes | bytearray | memoryview]]) -> None:
-        """Send a pipeline of commands, payload buffers included, without joining them."""
+        """Send a pipeline of commands; values (large pieces) are sent from their own buffers,
+        never joined or copied."""
         parts = [p for c in commands for p in c]
         try:
             if isinstance(self.sock, ssl.SSLSocket):  # no sendmsg: small pieces joined
                 self._send_tls(parts)
                 return
-            views = [memoryview(p).cast("B") for p in parts]
-            while views:
-                sent = self.sock.sendmsg(views[:512])
-                while sent and views:
-                    n = views[0].nbytes
+            views = _joined_small(parts)
+            i = 0
+            while i < len(views):
+                sent = self.sock.sendmsg(views[i:i + 512])
+                while sent and i < len(views):
+                    n = views[i].nbytes
                     if sent >= n:
                         sent -= n
-                        views.pop(0)
+                        i += 1
                     else:
-                        views[0] = views[0][sent:]
+                        views[i] = views[i][sent:]
                         sent = 0
         except BaseException:
             self.broken = True
@@ -228,6 +250,35 @@ class RespConnection:
                 return None
             return [self._reply() for _ in range(n)]
         raise ProtocolError(f"unknown reply type {kind!r}")
+
+    def read_integers(self, n: int) -> list[int | RespError]:
+        """The next ``n`` replies, each an integer or an error reply (returned, not raised:
+        the stream stays in step). A pipeline of thousands of EXISTS is answered with one
+        parse per buffer read, not a call chain per reply; any other reply type is a
+        ``ProtocolError``."""
+        out: list[int | RespError] = []
+        try:
+            while len(out) < n:
+                last = self._buf.rfind(b"\r\n", self._start, self._end)
+                if last < 0:
+                    if self._end - self._start > MAX_LINE:
+                        raise ProtocolError("a reply line longer than the protocol allows")
+                    self._fill()
+                    continue
+                lines = bytes(self._buf[self._start:last]).split(b"\r\n")
+                lines = lines[:n - len(out)]
+                for line in lines:
+                    if line[:1] == b":":
+                        out.append(int(line[1:]))
+                    elif line[:1] == b"-":
+                        out.append(RespError(line[1:].decode("utf-8", "replace")))
+                    else:
+                        raise ProtocolError(f"an integer reply expected, got {line[:1]!r}")
+                self._start += sum(len(line) + 2 for line in lines)
+            return out
+        except BaseException:
+            self.broken = True
+            raise
 
     def read_value_into(self, parts: Sequence[memoryview], max_other: int) -> int | bytes | None:
         """Read one GET reply. A value of exactly the summed size of ``parts`` is scattered

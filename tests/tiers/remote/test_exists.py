@@ -83,3 +83,62 @@ def test_a_hung_server_costs_a_bounded_wait(valkey):
     finally:
         server.resume()
         q.close()
+
+
+def test_one_key_per_group_is_answered_per_key(valkey):
+    """The common case (no tensor-parallel shards): each answer is its own key's."""
+    server = valkey()
+    client = server.client()
+    keys = [f"solo{i}".encode() for i in range(2500)]
+    for k in keys[::7]:
+        client.set(k, b"x")
+    q, errors = _queries(remote_cfg(url=server.url))
+    try:
+        got = q.count_present([[k] for k in keys])
+    finally:
+        q.close()
+    assert got == [int(i % 7 == 0) for i in range(len(keys))] and errors == []
+
+
+def test_integer_replies_in_bulk_keep_errors_in_step_and_refuse_other_types(valkey):
+    """``read_integers`` parses a pipeline's replies a buffer at a time: an error reply is
+    that command's answer (the next ones stay in step); a reply of another type means the
+    stream is not what was asked for: the connection is given up."""
+    from kvtier.tiers.remote.exists import exists_pipeline
+    from kvtier.tiers.remote.resp import Endpoint, ProtocolError, RespConnection, RespError, command
+
+    server = valkey()
+    server.client().set(b"here", b"x")
+    conn = RespConnection(Endpoint("127.0.0.1", server.port))
+    try:
+        many = [b"here" if i % 2 else b"gone%d" % i for i in range(6000)]  # > one read buffer
+        conn.send([[exists_pipeline(many[:3000])], command("NOSUCHCOMMAND"),
+                   [exists_pipeline(many[3000:])]])
+        got = conn.read_integers(6001)
+        assert isinstance(got[3000], RespError)
+        assert got[:3000] + got[3001:] == [i % 2 for i in range(6000)]
+        conn.send([command("GET", "here")])
+        with pytest.raises(ProtocolError):
+            conn.read_integers(1)
+        assert conn.broken
+    finally:
+        conn.close()
+
+
+def test_a_pipeline_of_thousands_of_small_commands_goes_out_whole(valkey):
+    """Small pieces are joined before sending (thousands of commands, far over one
+    ``sendmsg``'s 512 buffers), values sent from their own buffers; every command lands."""
+    from kvtier.tiers.remote.resp import Endpoint, RespConnection, command, command_with_value
+
+    server = valkey()
+    conn = RespConnection(Endpoint("127.0.0.1", server.port))
+    value = memoryview(bytearray(range(256)) * 1024)  # 256 KiB, sent in place
+    try:
+        cmds = [command("SET", f"s{i}", "v") for i in range(4000)]
+        cmds.append(command_with_value([b"SET", b"big"], [b"head", value, b"tail"]))
+        conn.send(cmds)
+        assert [conn.read_reply() for _ in cmds] == ["OK"] * len(cmds)
+        assert conn.call("DBSIZE") == 4001
+        assert conn.call("GET", "big") == b"head" + bytes(value) + b"tail"
+    finally:
+        conn.close()

@@ -359,3 +359,47 @@ def test_each_io_process_spreads_a_batch_over_its_connections(tmp_path, valkey):
         assert all(torch.equal(pool.slot(10 + i), want[9 - i]) for i in range(10))
     finally:
         io.close()
+
+
+def test_a_fetch_reports_slots_verified_while_it_runs(tmp_path, valkey):
+    """A load's copies to the GPU start on the slots a fetch reports before it ends
+    (kvtier.transfer.early): each reported slot must hold its block's exact bytes already,
+    and be neither a miss nor reported twice."""
+    n = 120  # one I/O process, several hash batches (16 blocks of 256 KiB each)
+    cfg = remote_cfg(tmp_path, url=valkey().url, io_processes=1)
+    geo = geometry()
+    pool = CpuBlockPool(geo, 2 * n + 1, pin=False, shared=True)
+    io = RemoteIOProcesses(pool, cfg, remote_keys(cfg, geo), RemoteSecrets.load(cfg))
+    try:
+        want = fill(pool, range(n), seed=3)
+        assert io.put_slots(list(range(n)), keys_of(n, "r")) == [True] * n
+        dst = list(range(n, 2 * n + 1))
+        for s in dst:
+            pool.slot(s).zero_()
+        reports: list[list[int]] = []
+        exact_when_reported: list[bool] = []
+
+        def ready(slots):
+            reports.append(list(slots))
+            exact_when_reported.extend(torch.equal(pool.slot(s), want[s - n]) for s in slots)
+
+        r = io.fetch_slots(keys_of(n, "r") + [b"never-stored"], dst, ready)
+    finally:
+        io.close()
+    assert r.failed == [n] and r.transient == []
+    reported = [s for batch in reports for s in batch]
+    assert reports and len(reported) < n  # some early, the last ones only in the reply
+    assert len(set(reported)) == len(reported) and set(reported) <= set(dst[:n])
+    assert all(exact_when_reported)
+    assert all(torch.equal(pool.slot(n + i), want[i]) for i in range(n))
+
+
+def test_a_partial_reply_that_does_not_fit_its_request_is_junk():
+    from kvtier.runtime import disk_wire as wire
+    from kvtier.runtime.remote_process import _part_positions
+
+    assert _part_positions(memoryview(b'{"ready": [0, 3]}'), 4) == [0, 3]
+    for junk in (b'{"ready": [4]}', b'{"ready": [-1]}', b'{"ready": "01"}', b'{"ready": [1.0]}',
+                 b'{"other": []}', b"[]", b"\xff"):
+        with pytest.raises(wire.WireError):
+            _part_positions(memoryview(junk), 4)
