@@ -185,6 +185,7 @@ def phase_roundrobin(args, remote: dict | None, connector: str, gpus: list[str],
     cv = threading.Condition(lock)
     latencies: list[float] = []
     cached: list[int] = []
+    per_turn: dict[int, list[tuple[float, int]]] = {}  # turn -> (ms, cached tokens)
     convs = {c: tokens(args.first_tokens, 90000 + c) for c in range(args.conversations)}
     left = [args.conversations * args.turns]
 
@@ -207,6 +208,7 @@ def phase_roundrobin(args, remote: dict | None, connector: str, gpus: list[str],
             with cv:
                 latencies.append(got["ms"])
                 cached.append(got["cached"])
+                per_turn.setdefault(turn, []).append((got["ms"], got["cached"]))
                 left[0] -= 1
                 convs[c] = convs[c] + got["tokens"] + tokens(args.new_tokens, 31 * c + turn)
                 cv.notify_all()
@@ -223,6 +225,8 @@ def phase_roundrobin(args, remote: dict | None, connector: str, gpus: list[str],
         for t in threads:
             t.join()
         wall = time.monotonic() - t0
+        stats = [summary(inst.call(op="stats")) for inst in insts] \
+            if connector.startswith("kvtier") else []
     finally:
         for inst in insts:
             inst.close()
@@ -230,7 +234,20 @@ def phase_roundrobin(args, remote: dict | None, connector: str, gpus: list[str],
     return {"connector": connector, "requests": n, "wall_s": round(wall, 2),
             "requests_per_s": round(n / wall, 3), "ttft_p50_ms": pct(latencies, 0.5),
             "ttft_p99_ms": pct(latencies, 0.99), "cached_tokens": sum(cached),
-            "start_s": [inst.ready["start_s"] for inst in insts]}
+            "think_ms": args.think_ms, "conversations": args.conversations,
+            "turns": {t: {"ttft_p50_ms": med([m for m, _ in v]),
+                          "cached_tokens": sum(c for _, c in v)}
+                      for t, v in sorted(per_turn.items())},
+            "kvtier": stats, "start_s": [inst.ready["start_s"] for inst in insts]}
+
+
+def summary(stats: dict) -> dict:
+    """What explains a configuration's figures: hits per tier, hits declined as slower than
+    recompute, presence answers still pending when asked, the cost model's estimates."""
+    m = stats.get("manager", {})
+    keep = ("hit_blocks", "stored_blocks", "skipped_slower_than_recompute",
+            "remote_pending_lookups", "remote_writes_skipped", "failed_loads", "lookups")
+    return {**{k: m.get(k) for k in keep}, "cost": stats.get("cost")}
 
 
 def gpu_list() -> list[str]:
