@@ -78,6 +78,10 @@ class RemoteTier:
             tiers.append(Medium.REMOTE)
         return False
 
+    def promotable(self, key: BlockKey) -> bool:
+        """Whether ``promote`` would take the key (room permitting): the server holds it."""
+        return self.directory is not None and self.directory.known_present(key)
+
     def promote(self, key: BlockKey) -> Entry | None:
         """``prepare_load`` of a key held nowhere locally: a CPU slot reserved for its
         REMOTE -> CPU hop (WRITING, promoted), or None (not held there, or no free slot)."""
