@@ -24,10 +24,15 @@ HIT = 3 * eu.BLOCK
 def _run_child(tmp, name, model, server, prompts_path):
     out = tmp / f"{name}.json"
     child = os.path.join(os.path.dirname(__file__), "remote_child.py")
+    timeline = tmp / f"{name}-timeline.jsonl"  # kvtier's marks: where a lookup's time went
     proc = subprocess.run([sys.executable, child, model, server, str(prompts_path), str(out)],
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=400,
+                          env=dict(os.environ, KVTIER_TIMELINE=str(timeline)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    got = json.loads(out.read_text())
+    got["marks"] = ([json.loads(line) for line in timeline.read_text().splitlines()]
+                    if timeline.exists() else [])
+    return got
 
 
 def _start(where, tmp):
@@ -60,6 +65,11 @@ def test_second_engine_serves_the_first_ones_prefixes_from_the_shared_tier(tmp_p
     assert second["hit_blocks"]["REMOTE"] == N_PROMPTS * 3
     assert all(all(r) and len(r) == 3 for r in second["remote_loads"])
     assert second["pending_lookups"] > 0  # it said "not yet" instead of blocking the step
+    # the timeline shows when each wait for the server's answer began and when it ended
+    waits = [m for m in second["marks"] if m["ev"] == "lookup_pending"]
+    answers = {m["req"]: m["t"] for m in second["marks"] if m["ev"] == "lookup"}
+    assert 0 < len(waits) <= N_PROMPTS and len({m["req"] for m in waits}) == len(waits)
+    assert all(m["req"] in answers and answers[m["req"]] >= m["t"] for m in waits)
     assert second["stored_blocks"]["REMOTE"] == 0  # held already: nothing rewritten
     assert eu.mismatch(first["results"], second["results"]) is None
     assert first["pins"] == 0 and second["pins"] == 0

@@ -186,9 +186,12 @@ class SchedulerSide:
             found = self.manager.lookup(keys, sighting=not t.sighted, ends_prompt=ends)
             hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
             pending, tiers = found.pending, found.tiers
-        t.sighted = True
         if pending:  # the shared tier is being asked: vLLM asks again next step
+            if self._tl.enabled and not t.sighted:  # when the wait began (the answer: "lookup")
+                self._tl.mark("sched", "lookup_pending", req=t.req_id, blocks=stop - start)
+            t.sighted = True
             return None, False
+        t.sighted = True
         self._stats.add("lookup_tokens", (stop - start) // per * bt)
         room = request.num_tokens - 1 - num_computed_tokens
         hits, claimed = claim(hits, per, bt, room, self.settings.block_bytes,
