@@ -12,7 +12,13 @@ key is answered while the calling thread plays the engine loop (1 ms of Python b
 alone and beside a second thread spinning in Python, at kvtier's GIL switch interval. Reported:
 median and max ms, and the median number of "not yet" answers (engine steps).
 
+``--during-write-mib N`` then times 512-key lookups while the tier's own write path
+(``RemoteIOProcesses.put_slots``: ``--io-processes`` children, 2 MiB blocks) stores N MiB:
+the server runs one event loop for every client, so a lookup waits behind whatever SETs are
+queued there.
+
     PYTHONPATH=.:tests python benchmarks/diagnostics/presence_lookup.py [--sizes 128,512,2048]
+        [--during-write-mib 512 --io-processes 8]
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ from pathlib import Path
 
 from kvtier.config import load_config
 from kvtier.config.schema import DEFAULT_GIL_SWITCH_INTERVAL_MS
+from kvtier.runtime.remote_process import RemoteIOProcesses
+from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.layout import BlockGeometry
+from kvtier.tiers.remote.connect import remote_keys
+from kvtier.tiers.remote.secrets import RemoteSecrets
 from kvtier.tiers.remote.presence import open_remote_directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
@@ -56,16 +66,51 @@ def time_lookups(directory, n: int, rounds: int, tag: str) -> dict:
             "not_yet_p50": statistics.median(asks)}
 
 
+def during_write(cfg, mib: int) -> None:
+    """512-key lookups, quiet and while the tier's write path stores ``mib`` MiB."""
+    geo = BlockGeometry(num_layers=1, kv_parts=2, engine_blocks_per_block=1,
+                        page_bytes=1 << 20, model="presence-diag-write")
+    blocks = max(1, mib // 2)
+    pool = CpuBlockPool(geo, blocks, pin=False, shared=True)
+    io = RemoteIOProcesses(pool, cfg, remote_keys(cfg, geo), RemoteSecrets.load(cfg))
+    directory = open_remote_directory(cfg, geo, world_size=1, replicated=False)
+    try:
+        io.warm_up()
+        quiet = time_lookups(directory, 512, 8, "quiet")
+        took: dict = {}
+
+        def write() -> None:
+            t0 = time.perf_counter()
+            io.put_slots(list(range(blocks)), [b"w%d" % i for i in range(blocks)])
+            took["ms"] = (time.perf_counter() - t0) * 1e3
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.02)
+        during = [time_lookups(directory, 512, 1, f"during{r}")["max_ms"] for r in range(4)]
+        writer.join()
+        print({"lookup_512_quiet_p50_ms": quiet["p50_ms"], "write_mib": mib,
+               "write_ms": round(took["ms"], 1), "lookups_during_write_ms": during}, flush=True)
+    finally:
+        directory.close()
+        io.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="128,512,2048")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--during-write-mib", type=int, default=0)
+    ap.add_argument("--io-processes", type=int, default=8)
     a = ap.parse_args()
     sys.setswitchinterval(DEFAULT_GIL_SWITCH_INTERVAL_MS / 1000)
     server = Server(Path(tempfile.mkdtemp(prefix="kvtier-presence-")))
     try:
-        cfg = load_config(data={"tiers": {"remote": {"url": server.url}}}, env={}).remote
+        remote = {"url": server.url, "io_processes": a.io_processes, "timeout_s": 10.0}
+        cfg = load_config(data={"tiers": {"remote": remote}}, env={}).remote
         run(cfg, a)
+        if a.during_write_mib:
+            during_write(cfg, a.during_write_mib)
     finally:
         server.stop()
     return 0

@@ -164,3 +164,37 @@ def test_a_standalone_config_on_a_cluster_node_misses_only_other_nodes_keys(clus
     assert r.failed == [i for i in range(12) if i not in here]
     assert all(got[i] == data[i] for i in here)
     assert io.stats.rejected == 0 and io.stats.hits == len(here)
+
+
+def test_a_put_keeps_a_bounded_window_of_sets_unanswered(valkey, monkeypatch):
+    """The server runs one event loop for all its clients: a put that queued its whole share
+    of SETs at once made the scheduler's presence lookups wait behind them. At most
+    ``WRITE_WINDOW_BYTES`` (and at least one block) go out unanswered; every block lands."""
+    from kvtier.tiers.remote import block_io as block_io_mod
+    from kvtier.tiers.remote.resp import RespConnection
+
+    monkeypatch.setattr(block_io_mod, "WRITE_WINDOW_BYTES", 3 * BLOCK)
+    in_flight, peak = [0], [0]
+    send, read_reply = RespConnection.send, RespConnection.read_reply
+
+    def counted_send(self, commands):
+        in_flight[0] += sum(1 for c in commands if bytes(memoryview(c[2]))[:3] == b"SET")
+        peak[0] = max(peak[0], in_flight[0])
+        return send(self, commands)
+
+    def counted_reply(self):
+        in_flight[0] -= 1
+        return read_reply(self)
+
+    io = open_io(remote_cfg(url=valkey().url, connections=2), slots=40)
+    data = payloads(40)
+    try:
+        monkeypatch.setattr(RespConnection, "send", counted_send)
+        monkeypatch.setattr(RespConnection, "read_reply", counted_reply)
+        assert write(io, [b"w%d" % i for i in range(40)], data).ok == [True] * 40
+        monkeypatch.undo()
+        got, r = read(io, [b"w%d" % i for i in range(40)])
+    finally:
+        io.close()
+    assert peak[0] == 3 and in_flight[0] == 0
+    assert r.failed == [] and got == data
