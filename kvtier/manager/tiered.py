@@ -289,8 +289,8 @@ class TieredOffloadingManager(OffloadingManager):
         from the shared tier), up to the first key it could not serve that way (absent, or in
         the CPU tier but not READY). Makes room for them in one eviction: block by block, each
         eviction walked the cold end again, past every slot pinned there (a remote write pins
-        its slot): a 2,048-block REMOTE hit took 28-45 ms of the scheduler's step on a GPU
-        host, ~2.4 s on a loaded 2-core machine, and emitted one event per block."""
+        its slot): quadratic in a long REMOTE hit, tens of milliseconds of the scheduler's step
+        (docs/design-measurements.md), and one event per block."""
         cpu, disk, remote, n = self.cpu, self.disk, self.remote_tier, 0
         for key in keys[start:]:
             if cpu.is_ready(key):

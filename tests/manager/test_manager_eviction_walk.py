@@ -218,8 +218,8 @@ class HeldRemotely:
 
 def test_a_remote_hit_makes_room_for_its_promotions_in_one_walk():
     """A 2,048-block REMOTE hit into a full CPU tier whose cold end is pinned by writes to the
-    shared tier: the eviction walks past those pins once, not once per promoted block (which
-    took 28-45 ms of the scheduler's step on a GPU host)."""
+    shared tier: the eviction walks past those pins once, not once per promoted block (a
+    walk quadratic in the hit's length, inside the scheduler's step)."""
     cpu, hit = 4096, 2048
     m = TieredOffloadingManager(cpu_blocks=cpu, remote=HeldRemotely(100_000),
                                 remote_max_writes=256)

@@ -8,8 +8,8 @@ way, longer than recomputing the prompt. Here the directory's asker thread sends
 EXISTS to its node in one write and reads the integer replies back in order: a few system
 calls and a parse per buffer read, and the thread blocks in the kernel (GIL released)
 meanwhile. The pipeline is built as one buffer and its replies parsed in bulk: built and read
-command by command, a 2,048-key lookup cost ~110 ms of Python on a 2-core machine, and every
-one of those milliseconds had to be won back from the engine loop at the GIL switch interval.
+command by command, a 2,048-key lookup cost about ten times the Python, every slice of which
+had to be won back from the engine loop at the GIL switch interval (docs/design-measurements.md).
 
 Failures are contained as in the store: a key whose node failed reads ``None`` (absent); if
 every node failed, the tier is marked degraded (``RemoteHealth``) and later lookups answer
