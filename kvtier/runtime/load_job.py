@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Collection, Iterable, Sequence
 
+from kvtier.manager.cost import MIN_SAMPLE_BYTES
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.transfer.jobs import Hop, JobResult
 
@@ -92,10 +93,18 @@ def gpu_untrusted(result: JobResult) -> bool:
 
 def measured_hops(result: JobResult) -> list[tuple[Medium, int, float]]:
     """(source medium, bytes, seconds) of each hop of a load that worked: what feeds the
-    manager's cost model (``OffloadingManager.record_load``)."""
+    manager's cost model (``OffloadingManager.record_load``). A shared-tier read also tells
+    how long its first bytes took (``JobResult.progress``): each such point of at least
+    ``MIN_SAMPLE_BYTES`` is a sample too, so the first REMOTE hit already splits the tier's
+    per-job latency from its bandwidth. Read as bytes over seconds, a first hit of 256 MiB
+    made an 8k hit look slower than recomputing it. Smaller points are left out: the cost
+    model reads small loads as a fixed cost, which a point within a hop does not measure."""
     if result.error is not None:
         return []
-    return [(src, nbytes, seconds) for (src, _), nbytes, seconds in result.hops if nbytes > 0]
+    out = [(src, nbytes, seconds) for (src, _), nbytes, seconds in result.hops if nbytes > 0]
+    out += [(src, nbytes, seconds) for (src, _), nbytes, seconds in result.progress
+            if nbytes >= MIN_SAMPLE_BYTES and seconds > 0]
+    return out
 
 
 def excluded_keys(keys: Sequence[BlockKey], joined: Sequence[bool],

@@ -186,6 +186,7 @@ class TransferEngine:
         job.bytes += outcome.bytes
         job.seconds += seconds
         job.hop_stats.append((lane.route, outcome.bytes, seconds))
+        job.progress.extend((lane.route, b, s) for b, s in outcome.progress)
         job.failed_keys.extend(outcome.failed_keys)
         job.transient_keys.extend(outcome.transient_keys)
         job.last_route = lane.route
@@ -203,6 +204,7 @@ class TransferEngine:
             direction=job.last_route or route_of(job.hops[0]),
             hops=tuple(job.hop_stats),
             transient_keys=tuple(dict.fromkeys(job.transient_keys)),
+            progress=tuple(job.progress),
         )
         with self._cond:
             self._finished[job.job_id] = result

@@ -41,6 +41,9 @@ class TransferOutcome:
     transient_keys: tuple[BlockKey, ...] = ()
     """Those of ``failed_keys`` whose read failed for a reason that says nothing about the
     record (EIO, EMFILE, ENOMEM ...): kept by the store, not counted as corruption."""
+    progress: tuple[tuple[int, float], ...] = ()
+    """(bytes final so far, seconds since the hop started), reported while it ran (the shared
+    tier's read): one hop then shows its per-job latency apart from its bandwidth."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class JobResult:
     bandwidth estimates (a promotion's DISK->CPU hop and its CPU->GPU hop differ ~30x)."""
     transient_keys: tuple[BlockKey, ...] = ()
     """Those of ``failed_keys`` a hop reported as transient failures (``TransferOutcome``)."""
+    progress: tuple[tuple[Route, int, float], ...] = ()
+    """(route, bytes, seconds) of the hops' ``TransferOutcome.progress`` points, in order."""
 
 
 @dataclass

@@ -25,6 +25,7 @@ class JobProgress:
     error: str | None = None
     last_route: Route | None = None
     hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run
+    progress: list = field(default_factory=list)  # (route, bytes, seconds) within hops
     pending: object = None  # an immediate hop's handle (while :class:`ImmediateHops` runs it)
     started: float = 0.0
 

@@ -11,6 +11,7 @@ slot ids and keys.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Protocol, Sequence
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
@@ -89,7 +90,18 @@ class RemoteToCpuHandler(TransferHandler):
         _check_promotion(self.name, self.pool, slots, keys)
         if not keys:
             return TransferOutcome()
-        r = await self.run_blocking(self.remote.fetch_slots, list(keys), list(slots), ready)
-        return TransferOutcome(bytes=(len(keys) - len(r.failed)) * self.pool.geometry.block_bytes,
+        block_bytes = self.pool.geometry.block_bytes
+        progress: list[tuple[int, float]] = []
+        t0 = time.perf_counter()
+
+        def reported(ids: Sequence[int]) -> None:  # the I/O processes' fan-out thread
+            done = (progress[-1][0] if progress else 0) + len(ids) * block_bytes
+            progress.append((done, time.perf_counter() - t0))
+            if ready is not None:
+                ready(ids)
+
+        r = await self.run_blocking(self.remote.fetch_slots, list(keys), list(slots), reported)
+        return TransferOutcome(bytes=(len(keys) - len(r.failed)) * block_bytes,
                                failed_keys=tuple(keys[i] for i in r.failed),
-                               transient_keys=tuple(keys[i] for i in r.transient))
+                               transient_keys=tuple(keys[i] for i in r.transient),
+                               progress=tuple(progress))

@@ -313,3 +313,24 @@ def test_a_promotions_wait_is_charged_beyond_its_hops_latency():
     m.record_promotion(REMOTE, 1 << 30, bw.hop_s(1 << 30) + m.bandwidth[CPU].hop_s(1 << 30)
                        + 0.006)
     assert bw.fixed_s == pytest.approx(0.006, abs=1e-6)
+
+
+def test_the_first_remote_hits_progress_splits_latency_from_bandwidth():
+    """Real vLLM 0.33 on two H200s: B's first REMOTE promotion (256 MiB) took 72.5 ms; read as
+    bytes over seconds (3.7 GB/s) it made every 8k REMOTE hit look slower than recompute, and
+    they were declined. The read's own progress (its first bytes after ~40 ms, the rest at
+    ~10 GB/s) shows the per-job latency apart from the bandwidth at once."""
+    line = [(n * 32 * MIB, 0.040 + n * 32 * MIB / (10 * GB)) for n in range(2, 9)]
+    alone, with_progress = vllm_8b(), vllm_8b()
+    for m in (alone, with_progress):
+        assert m.record_load(REMOTE, 256 * MIB, line[-1][1])
+    for nbytes, seconds in line[:-1]:  # what measured_hops adds from the read's progress
+        assert with_progress.record_load(REMOTE, nbytes, seconds)
+    assert alone.bandwidth[REMOTE].latency_s == 0.0
+    bw = with_progress.bandwidth[REMOTE]
+    assert bw.latency_s == pytest.approx(0.040, rel=0.01)
+    assert bw.bytes_per_s == pytest.approx(10 * GB, rel=0.01)
+    assert alone.worth_loading([REMOTE] * 128) == 0  # 2k: slower than recompute either way
+    assert with_progress.worth_loading([REMOTE] * 128) == 0
+    assert with_progress.worth_loading([REMOTE] * 512) == 512  # 8k pays, as measured
+    assert with_progress.explorations == 0  # no exploration needed to see it

@@ -154,3 +154,24 @@ def test_bench_disk_hit_whose_gpu_copy_fails_keeps_its_disk_block(flaky_bench):
     rep.run_request(request(a))  # the promotion's CPU copies were published: CPU hits
     assert rep.result.blocks["CPU"] - before["CPU"] == 4
     assert rep.result.wrong_blocks == 0
+
+
+def test_a_remote_reads_progress_points_are_samples_of_its_line():
+    """The points a shared-tier read reported on its way (bytes verified, seconds since it
+    started) feed the cost model beside the hop itself; points too small to measure a
+    bandwidth are left out, and a failed load teaches nothing."""
+    from kvtier.manager.cost import MIN_SAMPLE_BYTES
+
+    remote = (Medium.REMOTE, Medium.CPU)
+    mib = 1 << 20
+    hops = [(remote, 256 * mib, 0.0725), (CPU_TO_GPU, 256 * mib, 0.0067)]
+    progress = [(remote, 8 * mib, 0.041), (remote, 64 * mib, 0.048), (remote, 192 * mib, 0.063)]
+    assert 8 * mib < MIN_SAMPLE_BYTES <= 64 * mib
+    ok = JobResult(1, True, None, (), 0, 0.0, CPU_TO_GPU, tuple(hops), progress=tuple(progress))
+    assert measured_hops(ok) == [(Medium.REMOTE, 256 * mib, 0.0725),
+                                 (Medium.CPU, 256 * mib, 0.0067),
+                                 (Medium.REMOTE, 64 * mib, 0.048),
+                                 (Medium.REMOTE, 192 * mib, 0.063)]
+    failed = JobResult(1, False, "gone", (), 0, 0.0, remote, tuple(hops[:1]),
+                       progress=tuple(progress))
+    assert measured_hops(failed) == []

@@ -403,3 +403,32 @@ def test_a_partial_reply_that_does_not_fit_its_request_is_junk():
                  b'{"other": []}', b"[]", b"\xff"):
         with pytest.raises(wire.WireError):
             _part_positions(memoryview(junk), 4)
+
+
+def test_a_promotion_reports_its_progress_for_the_cost_model(tmp_path, valkey):
+    """The REMOTE -> CPU handler's outcome carries (bytes verified, seconds) points taken as the
+    read went on: cumulative, rising, below the whole hop (measured_hops feeds them to the
+    cost model, which splits the tier's per-job latency from its bandwidth)."""
+    import asyncio
+
+    from kvtier.manager.specs import LoadStoreSpec
+    from kvtier.transfer.remote_io import RemoteToCpuHandler
+
+    n = 120
+    cfg = remote_cfg(tmp_path, url=valkey().url, io_processes=1)
+    geo = geometry()
+    pool = CpuBlockPool(geo, 2 * n, pin=False, shared=True)
+    io = RemoteIOProcesses(pool, cfg, remote_keys(cfg, geo), RemoteSecrets.load(cfg))
+    try:
+        fill(pool, range(n), seed=4)
+        assert io.put_slots(list(range(n)), keys_of(n, "p")) == [True] * n
+        out = asyncio.run(RemoteToCpuHandler(pool, io).run(
+            LoadStoreSpec.remote(keys_of(n, "p")), LoadStoreSpec.cpu(range(n, 2 * n))))
+    finally:
+        io.close()
+    assert out.bytes == n * BLOCK and out.failed_keys == ()
+    points = list(out.progress)
+    assert points, "a read of several hash batches reports progress"
+    sizes, times = [b for b, _ in points], [s for _, s in points]
+    assert sizes == sorted(sizes) and times == sorted(times) and 0 < sizes[-1] < n * BLOCK
+    assert all(b % BLOCK == 0 for b in sizes)
