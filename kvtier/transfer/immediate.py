@@ -3,7 +3,8 @@
 Such hops (the CUDA GPU<->CPU copies) are enqueued on the submitting thread and polled from the
 caller's ``get_finished`` / ``wait``; ``fence`` and ``fence_layer`` order the caller's later
 device work after them. A hop that follows one which reports final blocks while it runs (the
-shared tier's read) starts in pieces before that hop ends (:mod:`kvtier.transfer.early`). :class:`~kvtier.transfer.engine.TransferEngine` owns one
+shared tier's read) starts in pieces before that hop ends (:mod:`kvtier.transfer.early`).
+:class:`~kvtier.transfer.engine.TransferEngine` owns one
 :class:`ImmediateHops` and talks to it only through the methods below; what the hops need
 back from the engine (the lane of a hop, accounting a finished hop, ending a job, queueing a
 later hop on the loop) is handed in at construction as callables.
