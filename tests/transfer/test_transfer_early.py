@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from contextlib import contextmanager
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.early import MIN_PIECE_BLOCKS, EarlyCopies
@@ -109,6 +110,17 @@ def load(read_slots, cpu_slots):
             (LoadStoreSpec.cpu(cpu_slots), LoadStoreSpec.gpu(gpu, whole=True))]
 
 
+@contextmanager
+def running_load(n: int, refuse: int = 0):
+    """A scripted read of ``n`` blocks chained with their copies to the device, submitted:
+    (read, device, engine, job id); the engine closes on the way out."""
+    read = ScriptedRead()
+    dev = Device(read)
+    dev.refuse_next = refuse
+    with TransferEngine([dev, read]) as engine:
+        yield read, dev, engine, engine.submit_chain(load(list(range(n)), list(range(n))))
+
+
 def poll_until(engine, cond, timeout=10.0):
     import time
 
@@ -159,11 +171,7 @@ def test_copies_start_on_final_blocks_before_the_read_ends_and_each_block_is_cop
 
 
 def test_a_failed_read_ends_the_job_only_after_the_copies_it_let_start():
-    read = ScriptedRead()
-    dev = Device(read)
-    promoted = list(range(40))
-    with TransferEngine([dev, read]) as engine:
-        job = engine.submit_chain(load(promoted, promoted))
+    with running_load(40) as (read, dev, engine, job):
         read.make_final(range(MIN_PIECE_BLOCKS))
         poll_until(engine, lambda: len(dev.copies) == 1)
         read.fail = True
@@ -178,10 +186,7 @@ def test_a_failed_read_ends_the_job_only_after_the_copies_it_let_start():
 
 
 def test_a_failed_read_without_early_copies_ends_at_once():
-    read = ScriptedRead()
-    dev = Device(read)
-    with TransferEngine([dev, read]) as engine:
-        job = engine.submit_chain(load(list(range(4)), list(range(4))))
+    with running_load(4) as (read, dev, engine, job):
         read.fail = True
         read.end.set()
         (r,) = engine.wait([job], timeout=10)
@@ -189,12 +194,7 @@ def test_a_failed_read_without_early_copies_ends_at_once():
 
 
 def test_a_piece_the_device_refuses_is_copied_with_the_rest():
-    read = ScriptedRead()
-    dev = Device(read)
-    dev.refuse_next = 1
-    promoted = list(range(32))
-    with TransferEngine([dev, read]) as engine:
-        job = engine.submit_chain(load(promoted, promoted))
+    with running_load(32, refuse=1) as (read, dev, engine, job):
         read.make_final(range(MIN_PIECE_BLOCKS))
         for _ in range(20):
             engine.get_finished()
@@ -205,20 +205,16 @@ def test_a_piece_the_device_refuses_is_copied_with_the_rest():
         poll_until(engine, lambda: len(dev.copies) == 1)
         dev.finish_all()
         (r,) = engine.wait([job], timeout=10)
-    assert r.ok and copied_once(dev, promoted)
+    assert r.ok and copied_once(dev, list(range(32)))
 
 
 def test_a_hop_that_reports_nothing_is_copied_whole_after_it():
-    read = ScriptedRead()
-    dev = Device(read)
-    promoted = list(range(64))
-    with TransferEngine([dev, read]) as engine:
-        job = engine.submit_chain(load(promoted, promoted))
+    with running_load(64) as (read, dev, engine, job):
         read.end.set()
         poll_until(engine, lambda: len(dev.copies) == 1)
         dev.finish_all()
         (r,) = engine.wait([job], timeout=10)
-    assert r.ok and len(dev.copies) == 1 and copied_once(dev, promoted)
+    assert r.ok and len(dev.copies) == 1 and copied_once(dev, list(range(64)))
 
 
 def test_early_copies_take_pieces_of_at_least_an_eighth_and_leave_the_rest():
@@ -246,11 +242,7 @@ def test_only_hops_with_whole_slots_are_taken_apart():
 
 
 def test_a_caller_waiting_for_the_load_starts_its_copies_while_the_read_goes_on():
-    read = ScriptedRead()
-    dev = Device(read)
-    promoted = list(range(32))
-    with TransferEngine([dev, read]) as engine:
-        job = engine.submit_chain(load(promoted, promoted))
+    with running_load(32) as (read, dev, engine, job):
         got = []
         waiter = threading.Thread(target=lambda: got.extend(engine.wait([job], timeout=10)))
         waiter.start()
@@ -268,4 +260,4 @@ def test_a_caller_waiting_for_the_load_starts_its_copies_while_the_read_goes_on(
             threading.Event().wait(0.002)
         dev.done.add(1)
         waiter.join(10)
-    assert got and got[0].ok and copied_once(dev, promoted)
+    assert got and got[0].ok and copied_once(dev, list(range(32)))
