@@ -432,3 +432,36 @@ def test_a_promotion_reports_its_progress_for_the_cost_model(tmp_path, valkey):
     sizes, times = [b for b, _ in points], [s for _, s in points]
     assert sizes == sorted(sizes) and times == sorted(times) and 0 < sizes[-1] < n * BLOCK
     assert all(b % BLOCK == 0 for b in sizes)
+
+
+def test_an_io_process_lost_after_reporting_blocks_fails_them_all(tmp_path, valkey):
+    """A block reported verified may already be on its way to the GPU; if its I/O process is
+    then lost before it answers, the whole share (the reported blocks included) is a
+    transient miss, so the load distrusts what it copied and vLLM recomputes it."""
+    n = 360  # the first report comes at an eighth: the rest is far from answered by then
+    cfg = remote_cfg(tmp_path, url=valkey().url, io_processes=1)
+    geo = geometry()
+    pool = CpuBlockPool(geo, 2 * n, pin=False, shared=True)
+    io = RemoteIOProcesses(pool, cfg, remote_keys(cfg, geo), RemoteSecrets.load(cfg),
+                           respawn_after_s=0.2)
+    try:
+        fill(pool, range(n), seed=5)
+        assert io.put_slots(list(range(n)), keys_of(n, "x")) == [True] * n
+        dst = list(range(n, 2 * n))
+        reported: list[int] = []
+
+        def kill_on_first_report(slots):
+            if not reported:
+                os.kill(io._children[0].proc.pid, signal.SIGKILL)
+            reported.extend(slots)
+
+        r = io.fetch_slots(keys_of(n, "x"), dst, kill_on_first_report)
+        assert reported, "the read reported blocks before its process was lost"
+        lost = {dst[i] for i in r.failed}
+        assert set(reported) <= lost and set(r.failed) == set(r.transient)
+        assert len(r.failed) == n  # one process: its whole share
+        time.sleep(0.3)
+        assert io.fetch_slots(keys_of(n, "x"), dst).failed == []  # a new process serves
+        assert io.respawns >= 1
+    finally:
+        io.close()
