@@ -23,13 +23,8 @@ from typing import Callable, Sequence
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.nodes import NodeConnections
-from kvtier.tiers.remote.resp import ProtocolError, RespError
+from kvtier.tiers.remote.resp import ProtocolError, RespError, key_commands
 from kvtier.tiers.remote.secrets import RemoteSecrets
-
-
-def exists_pipeline(keys: Sequence[bytes]) -> bytes:
-    """One EXISTS per key, as the RESP bytes of the whole pipeline."""
-    return b"".join(b"*2\r\n$6\r\nEXISTS\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys)
 
 
 class PresenceQueries:
@@ -54,7 +49,7 @@ class PresenceQueries:
         for node, positions in by_node.items():
             try:
                 conn = self.nodes.conn(node)
-                conn.send([[exists_pipeline([flat[i] for i in positions])]])
+                conn.send([[key_commands(b"EXISTS", [flat[i] for i in positions])]])
                 for i, reply in zip(positions, conn.read_integers(len(positions))):
                     if isinstance(reply, RespError):  # this key only (MOVED: map read again)
                         if reply.moved:

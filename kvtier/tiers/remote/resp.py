@@ -26,6 +26,7 @@ MAX_LINE = 64 << 10  # a status, error or length line longer than this is a dama
 MAX_SMALL_BULK = 16 << 20  # a bulk reply read into memory (not into a slot) is capped
 JOIN_BELOW = 4 << 10  # command pieces smaller than this are joined before sending (a pipeline
 # of thousands of small commands in one buffer); larger ones (values) go out from where they are
+TLS_JOIN_BELOW = 64 << 10  # over TLS (no sendmsg) pieces up to this are joined into one write
 Buffers = Sequence[bytes | bytearray | memoryview]
 
 
@@ -83,13 +84,21 @@ def command_with_value(head: Sequence[bytes], value: Buffers) -> list:
     return out
 
 
-def _joined_small(parts: Sequence[bytes | bytearray | memoryview]) -> list[memoryview]:
-    """``parts`` as byte views for ``sendmsg``, runs of pieces under ``JOIN_BELOW`` joined."""
+def key_commands(name: bytes, keys: Sequence[bytes]) -> bytes:
+    """One ``name key`` command per key, as the RESP bytes of the whole pipeline: thousands
+    of small commands built as one buffer, not a list of buffers each."""
+    head = b"*2\r\n$%d\r\n%s\r\n" % (len(name), name)
+    return b"".join(head + b"$%d\r\n%s\r\n" % (len(k), k) for k in keys)
+
+
+def _joined_small(parts: Sequence[bytes | bytearray | memoryview],
+                  below: int = JOIN_BELOW) -> list[memoryview]:
+    """``parts`` as byte views to send, runs of pieces under ``below`` bytes joined."""
     out: list[memoryview] = []
     run: list = []
     for p in parts:
         v = memoryview(p)
-        if v.nbytes < JOIN_BELOW:
+        if v.nbytes < below:
             run.append(v)
             continue
         if run:
@@ -150,17 +159,8 @@ class RespConnection:
             raise
 
     def _send_tls(self, parts: list) -> None:
-        small: list = []
-        for p in parts:
-            if memoryview(p).nbytes < 64 << 10:
-                small.append(bytes(p))
-                continue
-            if small:
-                self.sock.sendall(b"".join(small))
-                small = []
-            self.sock.sendall(p)
-        if small:
-            self.sock.sendall(b"".join(small))
+        for view in _joined_small(parts, TLS_JOIN_BELOW):
+            self.sock.sendall(view)
 
     # ---- receiving ----------------------------------------------------------------------
     def _fill(self) -> None:

@@ -104,16 +104,16 @@ def test_integer_replies_in_bulk_keep_errors_in_step_and_refuse_other_types(valk
     """``read_integers`` parses a pipeline's replies a buffer at a time: an error reply is
     that command's answer (the next ones stay in step); a reply of another type means the
     stream is not what was asked for: the connection is given up."""
-    from kvtier.tiers.remote.exists import exists_pipeline
-    from kvtier.tiers.remote.resp import Endpoint, ProtocolError, RespConnection, RespError, command
+    from kvtier.tiers.remote.resp import (Endpoint, ProtocolError, RespConnection, RespError,
+                                          command, key_commands)
 
     server = valkey()
     server.client().set(b"here", b"x")
     conn = RespConnection(Endpoint("127.0.0.1", server.port))
     try:
         many = [b"here" if i % 2 else b"gone%d" % i for i in range(6000)]  # > one read buffer
-        conn.send([[exists_pipeline(many[:3000])], command("NOSUCHCOMMAND"),
-                   [exists_pipeline(many[3000:])]])
+        conn.send([[key_commands(b"EXISTS", many[:3000])], command("NOSUCHCOMMAND"),
+                   [key_commands(b"EXISTS", many[3000:])]])
         got = conn.read_integers(6001)
         assert isinstance(got[3000], RespError)
         assert got[:3000] + got[3001:] == [i % 2 for i in range(6000)]
