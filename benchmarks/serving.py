@@ -88,15 +88,19 @@ def disk_path(a) -> str:
     return os.path.join(a.disk_dir, f"serving-{a.shape}")  # this benchmark's own folder
 
 
+def kvtier_snapshot(a) -> dict:
+    """kvtier's latest stats snapshot (empty without one yet)."""
+    try:
+        with open(snapshot_path(a, "kvtier")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def kvtier_hits(a) -> dict[str, float]:
     """kvtier's prompt tokens planned from each tier so far (its stats snapshot: blocks times
     tokens per block); empty without a snapshot yet."""
-    try:
-        with open(snapshot_path(a, "kvtier")) as f:
-            snap = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    blocks = (snap.get("manager") or {}).get("hit_blocks") or {}
+    blocks = (kvtier_snapshot(a).get("manager") or {}).get("hit_blocks") or {}
     return {tier: float(n) * a.block_size for tier, n in blocks.items()}
 
 
@@ -115,6 +119,10 @@ def run_config(a, model_dir: str, config: str, save) -> dict:
     env = {"HF_HUB_OFFLINE": "1"}
     if a.shape == "tiny":
         env["VLLM_TARGET_DEVICE"] = "cpu"
+    if a.timeline and config.startswith("kvtier"):  # kvtier's per-step marks (where time goes)
+        os.makedirs(a.timeline, exist_ok=True)
+        env["KVTIER_TIMELINE"] = os.path.join(a.timeline, f"{a.shape}-{config}-timeline.jsonl")
+        env["KVTIER_TIMELINE_FLUSH_S"] = "1"  # the server is killed, not shut down
     server = Server(config, model_dir, serve_args(a, model_dir, config, port), port, log, env)
     result: dict = {"config": config, "argv": a.argv, "setup": setup(a, config), "rates": {}}
     save(result)  # replaces what an earlier run of this label left for this configuration
@@ -150,6 +158,9 @@ def one_rate(server: Server, a, config: str, pool: Pool, rate: float, i: int) ->
     s.update(rate=rate, unsent=win.unsent, hits=delta(vllm0, vllm1), kvtier_hits=delta(kvt0, kvt1),
              working_set_tokens_mean=sum(ws) / len(ws), working_set_tokens_max=max(ws),
              wall_s=time.perf_counter() - t0)
+    if config.startswith("kvtier"):  # what explains the figures: skipped stores, cuts, usage
+        snap = kvtier_snapshot(a)
+        s["kvtier_stats"] = {k: snap.get(k) for k in ("manager", "usage", "cost")}
     slo = f"{a.slos[0]:g}"
     progress(f"{config} {rate:g} req/s: {s['rps']:.2f} req/s, {s['out_tps']:.0f} out tok/s, "
              f"TTFT p50 {s['ttft_p50_ms']:.0f} p99 {s['ttft_p99_ms']:.0f} ms, ITL p50 "
@@ -301,6 +312,8 @@ def parser() -> Parser:
                    help="print the sizes and the plan, start nothing")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"),
                    help="serving_DEVICE.json and .md, and the servers' logs" + D)
+    p.add_argument("--timeline", default=None,
+                   help="a folder for each kvtier server's timeline (KVTIER_TIMELINE)")
     p.add_argument("--workdir", default="/tmp/kvtier-serving",
                    help="the model's config and kvtier's stats snapshot" + D)
     return p

@@ -235,6 +235,7 @@ def phase_roundrobin(args, remote: dict | None, connector: str, gpus: list[str],
             "requests_per_s": round(n / wall, 3), "ttft_p50_ms": pct(latencies, 0.5),
             "ttft_p99_ms": pct(latencies, 0.99), "cached_tokens": sum(cached),
             "think_ms": args.think_ms, "conversations": args.conversations,
+            "first_tokens": args.first_tokens, "new_tokens": args.new_tokens,
             "turns": {t: {"ttft_p50_ms": med([m for m, _ in v]),
                           "cached_tokens": sum(c for _, c in v)}
                       for t, v in sorted(per_turn.items())},
@@ -288,8 +289,11 @@ def main() -> int:
     ap.add_argument("--configs", default="kvtier,kvtier_remote,native")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     ap.add_argument("--timeline", default=None, help="a folder for each instance's timeline")
+    ap.add_argument("--gpus", default=None,
+                    help="comma list of GPU indexes the instances use (default: every GPU); "
+                         "with one, both instances share it")
     args = ap.parse_args()
-    gpus = gpu_list()
+    gpus = args.gpus.split(",") if args.gpus else gpu_list()
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-remote-"))
     extra = ("--io-threads", str(args.io_threads), "--maxmemory", "100gb",
              "--maxmemory-policy", "allkeys-lru")

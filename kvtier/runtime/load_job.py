@@ -36,6 +36,8 @@ from kvtier.manager.cost import MIN_SAMPLE_BYTES
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.transfer.jobs import Hop, JobResult
 
+PROGRESS_SAMPLES = 2  # points of one read kept as cost samples (see measured_hops)
+
 
 def load_hops(keys: Sequence[BlockKey], cpu_slots: Sequence[int], from_disk: Sequence[bool],
               gpu_ids: Sequence[int], per_block: int, excluded: Collection[BlockKey] = (),
@@ -94,16 +96,25 @@ def gpu_untrusted(result: JobResult) -> bool:
 def measured_hops(result: JobResult) -> list[tuple[Medium, int, float]]:
     """(source medium, bytes, seconds) of each hop of a load that worked: what feeds the
     manager's cost model (``OffloadingManager.record_load``). A shared-tier read also tells
-    how long its first bytes took (``JobResult.progress``): each such point of at least
-    ``MIN_SAMPLE_BYTES`` is a sample too, so the first REMOTE hit already splits the tier's
+    how long its first bytes took (``JobResult.progress``): points of at least
+    ``MIN_SAMPLE_BYTES`` are samples too, so the first REMOTE hit already splits the tier's
     per-job latency from its bandwidth. Read as bytes over seconds, a first hit of 256 MiB
     made an 8k hit look slower than recomputing it. Smaller points are left out: the cost
-    model reads small loads as a fixed cost, which a point within a hop does not measure."""
+    model reads small loads as a fixed cost, which a point within a hop does not measure.
+    At most ``PROGRESS_SAMPLES`` points per hop are kept (a third and two thirds of the way):
+    the model forgets per sample, and a read reports dozens of points, so all of them would
+    make one job (a cold first one, say) outweigh the next several."""
     if result.error is not None:
         return []
     out = [(src, nbytes, seconds) for (src, _), nbytes, seconds in result.hops if nbytes > 0]
-    out += [(src, nbytes, seconds) for (src, _), nbytes, seconds in result.progress
-            if nbytes >= MIN_SAMPLE_BYTES and seconds > 0]
+    by_route: dict = {}
+    for route, nbytes, seconds in result.progress:
+        if nbytes >= MIN_SAMPLE_BYTES and seconds > 0:
+            by_route.setdefault(route, []).append((nbytes, seconds))
+    for (src, _), points in by_route.items():
+        picks = sorted({len(points) * k // (PROGRESS_SAMPLES + 1)
+                        for k in range(1, PROGRESS_SAMPLES + 1)})
+        out += [(src, *points[i]) for i in picks]
     return out
 
 

@@ -175,3 +175,20 @@ def test_a_remote_reads_progress_points_are_samples_of_its_line():
     failed = JobResult(1, False, "gone", (), 0, 0.0, remote, tuple(hops[:1]),
                        progress=tuple(progress))
     assert measured_hops(failed) == []
+
+
+def test_a_long_reads_progress_gives_two_samples_not_dozens():
+    """A read reports dozens of points; the cost model forgets per sample, so keeping them all
+    would let one job (a cold first one) outweigh the next several. Two are kept, a third and
+    two thirds of the way, beside the hop itself."""
+    from kvtier.runtime.load_job import PROGRESS_SAMPLES
+
+    remote = (Medium.REMOTE, Medium.CPU)
+    mib = 1 << 20
+    progress = [(remote, 16 * mib * (i + 1), 0.01 * (i + 1)) for i in range(24)]
+    hops = [(remote, 384 * mib, 0.25), (CPU_TO_GPU, 384 * mib, 0.02)]
+    r = JobResult(1, True, None, (), 0, 0.0, CPU_TO_GPU, tuple(hops), progress=tuple(progress))
+    got = measured_hops(r)
+    assert PROGRESS_SAMPLES == 2
+    assert got == [(Medium.REMOTE, 384 * mib, 0.25), (Medium.CPU, 384 * mib, 0.02),
+                   (Medium.REMOTE, 16 * mib * 9, 0.09), (Medium.REMOTE, 16 * mib * 17, 0.17)]
