@@ -90,6 +90,9 @@ class CpuBlockPool:
             # same address would then fail with cudaErrorHostMemoryAlreadyRegistered
             self._registered: list[int] = []
             weakref.finalize(self, _unregister_pinned, self._registered)
+            # the memfd holds the memory for as long as it is open, mapped or not: a process
+            # that builds pools one after another would otherwise keep every one of them
+            weakref.finalize(self, _close_fd, self.shared_fd)
         n_chunks = -(-num_slots // self.slots_per_chunk)
         self._chunks: list[torch.Tensor | None] = [None] * n_chunks
         self._bases = np.zeros(n_chunks, dtype=np.int64)  # chunk addresses (slot_addresses)
@@ -240,6 +243,13 @@ def _register_pinned(t: torch.Tensor) -> None:
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {t.numel()} bytes of the shared CPU pool "
                            f"failed (CUDA error {code})")
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _unregister_pinned(pointers: list[int]) -> None:
