@@ -1,0 +1,115 @@
+"""Whether a fresh runtime's first shared-tier load is slower than its next ones, outside vLLM.
+
+In real vLLM a fresh instance's first REMOTE -> CPU job (128 blocks of 2 MiB) moved at under
+4 GB/s while its later, larger jobs moved at over 13 GB/s, and the cost model learned the slow
+figure. This separates a cold start (connections, socket buffers, the I/O processes' first
+calls, the server's buffers) from what vLLM's process adds: one runtime stores ``--blocks``
+blocks into a real ``valkey-server`` on 127.0.0.1, then each of ``--reps`` fresh runtimes
+(new I/O processes, the production ``WorkerRuntime.create`` path, started ``--settle-s``
+before the first job as vLLM's start-up would) loads them ``--jobs`` times into other CPU
+slots. Printed: ms per job of each runtime, and the medians.
+
+    PYTHONPATH=.:tests python benchmarks/diagnostics/first_remote_job.py [--io-processes 8]
+        [--blocks 128] [--jobs 4] [--reps 3] [--pin]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent.parent / "tests")]
+
+from kvtier.config import load_config  # noqa: E402
+from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
+from kvtier.runtime.worker import WorkerRuntime  # noqa: E402
+from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
+from kvtier.tiers.layout import BlockGeometry  # noqa: E402
+from support.valkey_servers import Server  # noqa: E402
+
+BLOCK = 2 << 20
+
+
+def runtime(cfg) -> WorkerRuntime:
+    page = BLOCK // 2
+    geo = BlockGeometry(num_layers=1, kv_parts=2, engine_blocks_per_block=1, page_bytes=page,
+                        model="first-remote-job")
+    gpu = {"layer.0": torch.zeros((2, 1, page), dtype=torch.uint8)}
+    return WorkerRuntime.create(cfg, GpuKvView(gpu, layout="kv_first"), geo)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--io-processes", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=128, help="blocks of 2 MiB per job")
+    ap.add_argument("--jobs", type=int, default=4, help="jobs per fresh runtime")
+    ap.add_argument("--reps", type=int, default=3, help="fresh runtimes")
+    ap.add_argument("--settle-s", type=float, default=3.0)
+    ap.add_argument("--pin", action="store_true", help="a pinned CPU pool (needs CUDA)")
+    ap.add_argument("--io-threads", type=int, default=8, help="the server's io-threads")
+    a = ap.parse_args()
+    n = a.blocks
+    server = Server(Path(tempfile.mkdtemp(prefix="kvtier-first-job-")),
+                    "--io-threads", str(a.io_threads))
+    rows = []
+    try:
+        cfg = load_config(data={"tiers": {
+            "cpu": {"capacity": f"{(a.jobs + 1) * n * 2}MiB", "pin": a.pin},
+            "remote": {"url": server.url, "io_processes": a.io_processes, "timeout_s": 5.0}}},
+            env={})
+        keys = [f"first-job-{i}".encode() for i in range(n)]
+        writer = runtime(cfg)
+        try:
+            writer.pool.wait_ready()
+            g = torch.Generator().manual_seed(0)
+            for s in range(n):
+                writer.pool.slot(s).copy_(torch.randint(0, 256, (BLOCK,), dtype=torch.uint8,
+                                                        generator=g))
+            [res] = writer.engine.wait([writer.engine.submit(LoadStoreSpec.cpu(list(range(n))),
+                                                             LoadStoreSpec.remote(keys))])
+            if not res.ok:
+                raise RuntimeError(f"the blocks were not stored: {res}")
+        finally:
+            writer.close()
+        del writer
+        gc.collect()
+        for rep in range(a.reps):
+            rt = runtime(cfg)
+            try:
+                rt.pool.wait_ready()
+                time.sleep(a.settle_s)
+                ms = []
+                for j in range(a.jobs):
+                    slots = list(range((j + 1) * n, (j + 2) * n))
+                    t0 = time.perf_counter()
+                    [res] = rt.engine.wait([rt.engine.submit(LoadStoreSpec.remote(keys),
+                                                             LoadStoreSpec.cpu(slots))])
+                    ms.append(round((time.perf_counter() - t0) * 1e3, 1))
+                    if res.failed_keys or not res.ok:
+                        raise RuntimeError(f"job {j} failed: {res}")
+            finally:
+                rt.close()
+            del rt
+            gc.collect()
+            rows.append(ms)
+            print(f"runtime {rep}: " + " ".join(f"{t:7.1f}" for t in ms) + " ms", flush=True)
+    finally:
+        server.stop()
+    med = [statistics.median(c) for c in zip(*rows)]
+    gbps = [round(n * BLOCK / (t / 1e3) / 1e9, 2) for t in med]
+    print(json.dumps({"io_processes": a.io_processes, "blocks": n, "pin": a.pin,
+                      "jobs_ms": rows, "median_ms": med, "median_gbps": gbps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
