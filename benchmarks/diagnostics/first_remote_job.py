@@ -55,7 +55,16 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="fresh runtimes")
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--pin", action="store_true", help="a pinned CPU pool (needs CUDA)")
+    ap.add_argument("--same-slots", action="store_true",
+                    help="every job into the same CPU slots (default: each job into slots no "
+                         "job touched yet)")
     ap.add_argument("--io-threads", type=int, default=8, help="the server's io-threads")
+    ap.add_argument("--write-first", action="store_true",
+                    help="each fresh runtime first stores the blocks itself under new keys, "
+                         "and its jobs read those (as remote_tier.py's rounds do)")
+    ap.add_argument("--write-other", action="store_true",
+                    help="each fresh runtime first stores the blocks under throwaway keys, "
+                         "then its jobs read the first runtime's keys")
     a = ap.parse_args()
     n = a.blocks
     server = Server(Path(tempfile.mkdtemp(prefix="kvtier-first-job-")),
@@ -87,9 +96,18 @@ def main() -> int:
             try:
                 rt.pool.wait_ready()
                 time.sleep(a.settle_s)
+                if a.write_first or a.write_other:
+                    mine = [f"first-job-{rep}-{i}".encode() for i in range(n)]
+                    [res] = rt.engine.wait([rt.engine.submit(LoadStoreSpec.cpu(list(range(n))),
+                                                             LoadStoreSpec.remote(mine))])
+                    if a.write_first:
+                        keys = mine
+                    if not res.ok:
+                        raise RuntimeError(f"the blocks were not stored: {res}")
                 ms = []
                 for j in range(a.jobs):
-                    slots = list(range((j + 1) * n, (j + 2) * n))
+                    first = n if a.same_slots else (j + 1) * n
+                    slots = list(range(first, first + n))
                     t0 = time.perf_counter()
                     [res] = rt.engine.wait([rt.engine.submit(LoadStoreSpec.remote(keys),
                                                              LoadStoreSpec.cpu(slots))])
@@ -107,6 +125,8 @@ def main() -> int:
     med = [statistics.median(c) for c in zip(*rows)]
     gbps = [round(n * BLOCK / (t / 1e3) / 1e9, 2) for t in med]
     print(json.dumps({"io_processes": a.io_processes, "blocks": n, "pin": a.pin,
+                      "same_slots": a.same_slots, "write_first": a.write_first,
+                      "write_other": a.write_other,
                       "jobs_ms": rows, "median_ms": med, "median_gbps": gbps}))
     return 0
 

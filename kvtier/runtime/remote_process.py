@@ -45,6 +45,7 @@ START_TIMEOUT_S = 30.0
 RESPAWN_AFTER_S = 5.0
 MIN_BLOCKS_PER_CHILD = 8  # a smaller share costs a round trip for too few bytes; larger
 # shares keep each child's pipeline deep and leave the other children to concurrent jobs
+PUT_ROUND_BLOCKS = 16  # blocks per child per round of a store; reads go between rounds
 
 
 def _part_positions(payload: memoryview, n: int) -> list[int]:
@@ -113,6 +114,9 @@ class RemoteIOProcesses:
         self._stats_lock = threading.Lock()
         self._closed = False
         self._next = -1  # the child the last job's first share went to
+        # fetches waiting for (or holding) the children: a store's next round waits for them
+        self._reads = threading.Condition()
+        self._reads_waiting = 0
         n = processes or cfg.io_processes
         self._children = [_Child(i) for i in range(n)]
         for child in self._children:  # they connect and warm up while the engine starts
@@ -289,20 +293,39 @@ class RemoteIOProcesses:
 
     # ---- the data path ---------------------------------------------------------------------
     def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]:
-        """Store each slot's block under its key; which the server acknowledged."""
+        """Store each slot's block under its key; which the server acknowledged.
+
+        In rounds of ``PUT_ROUND_BLOCKS`` blocks per child, and a round starts only when no
+        fetch is waiting: a child serves one request at a time, so a load behind a whole
+        store (a 1 GiB store is 128 MiB per child) waited for all of it, and a hit the
+        request is blocked on costs more than a write that nobody waits for."""
         if len(slots) != len(keys):
             raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
         ok = [False] * len(keys)
         lost = 0
-        for share, reply in self._run(wire.PUT, slots, keys):
-            if reply is None:
-                lost += len(share)
-                continue
-            for j, good in zip(share, reply.get("ok", [])):
-                ok[j] = bool(good)
-            lost += len(reply.get("lost", ()))
+        step = PUT_ROUND_BLOCKS * len(self._children)
+        for start in range(0, len(keys), step):
+            self._after_reads()
+            end = min(len(keys), start + step)
+            round_lost = 0
+            for share, reply in self._run(wire.PUT, slots[start:end], keys[start:end]):
+                if reply is None:
+                    round_lost += len(share)
+                    continue
+                for j, good in zip(share, reply.get("ok", [])):
+                    ok[start + j] = bool(good)
+                round_lost += len(reply.get("lost", ()))
+            lost += round_lost
+            if round_lost == end - start:  # nothing got through: the rest would only wait
+                lost += len(keys) - end
+                break
         self._settle_health(lost, len(keys))
         return ok
+
+    def _after_reads(self) -> None:
+        with self._reads:
+            while self._reads_waiting and not self._closed:
+                self._reads.wait(0.5)
 
     def fetch_slots(self, keys: Sequence[bytes], slots: Sequence[int],
                     ready: Callable[[list[int]], None] | None = None) -> FetchResult:
@@ -314,7 +337,15 @@ class RemoteIOProcesses:
             raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
         failed: list[int] = []
         transient: list[int] = []
-        for share, reply in self._run(wire.FETCH, slots, keys, ready):
+        with self._reads:
+            self._reads_waiting += 1
+        try:
+            shares = self._run(wire.FETCH, slots, keys, ready)
+        finally:
+            with self._reads:
+                self._reads_waiting -= 1
+                self._reads.notify_all()
+        for share, reply in shares:
             if reply is None:
                 failed += share
                 transient += share
