@@ -59,6 +59,8 @@ def main() -> int:
                     help="every job into the same CPU slots (default: each job into slots no "
                          "job touched yet)")
     ap.add_argument("--io-threads", type=int, default=8, help="the server's io-threads")
+    ap.add_argument("--server-args", default="",
+                    help="more valkey-server arguments, e.g. '--events-per-io-thread 0'")
     ap.add_argument("--write-first", action="store_true",
                     help="each fresh runtime first stores the blocks itself under new keys, "
                          "and its jobs read those (as remote_tier.py's rounds do)")
@@ -68,7 +70,7 @@ def main() -> int:
     a = ap.parse_args()
     n = a.blocks
     server = Server(Path(tempfile.mkdtemp(prefix="kvtier-first-job-")),
-                    "--io-threads", str(a.io_threads))
+                    "--io-threads", str(a.io_threads), *a.server_args.split())
     rows = []
     try:
         cfg = load_config(data={"tiers": {
@@ -126,7 +128,7 @@ def main() -> int:
     gbps = [round(n * BLOCK / (t / 1e3) / 1e9, 2) for t in med]
     print(json.dumps({"io_processes": a.io_processes, "blocks": n, "pin": a.pin,
                       "same_slots": a.same_slots, "write_first": a.write_first,
-                      "write_other": a.write_other,
+                      "write_other": a.write_other, "server_args": a.server_args,
                       "jobs_ms": rows, "median_ms": med, "median_gbps": gbps}))
     return 0
 

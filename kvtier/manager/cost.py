@@ -42,12 +42,14 @@ All of it is O(hits) per lookup with no allocation proportional to the cache.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 from kvtier.manager.specs import Medium
 
 HISTORY_KEEP = 0.8  # weight left to the past per new sample (~5 samples of memory)
 PROBE_EVERY = 100  # every Nth lookup cut for cost loads in full, to re-measure the slow tier
+PROBE_AFTER_S = 60.0  # ... and a promoted tier unmeasured this long is probed at its next cut
 DEFAULT_PRIOR_BYTES_PER_S = 100e9
 MIN_SAMPLE_BYTES = 16 << 20  # smaller loads measure per-job costs, not bandwidth
 FIT_MIN_SPREAD = 0.25  # sizes whose spread (std / mean) is below this give no slope
@@ -79,6 +81,7 @@ class LoadBandwidth:
         self._w = self._b = self._s = self._bb = self._bs = 0.0
         self.largest = 0  # bytes of the largest hop measured
         self.explored = 0  # bytes of the largest hop an exploration asked for
+        self.measured_at = 0.0  # clock time of the last bandwidth sample or probe asked for
         self.fixed_s = 0.0  # per-load cost beyond the hops, from small loads or promotions
         self.fixed_samples = 0
         self.waits = 0  # promotions timed end to end: then they alone teach fixed_s
@@ -153,6 +156,8 @@ class LoadCostModel:
         recompute_s_per_token: float,
         prior_bytes_per_s: float = DEFAULT_PRIOR_BYTES_PER_S,
         probe_every: int = PROBE_EVERY,
+        probe_after_s: float = PROBE_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_bytes <= 0 or block_tokens <= 0:
             raise ValueError(f"block_bytes and block_tokens must be > 0, got {block_bytes}, "
@@ -161,11 +166,15 @@ class LoadCostModel:
             raise ValueError(f"recompute time per token must be > 0, got {recompute_s_per_token}")
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0 (0: never probe), got {probe_every}")
+        if not probe_after_s > 0:
+            raise ValueError(f"probe_after_s must be > 0, got {probe_after_s}")
         self.block_bytes = block_bytes
         self.recompute_block_s = block_tokens * recompute_s_per_token
         self.bandwidth = {m: LoadBandwidth(prior_bytes_per_s)
                           for m in (Medium.CPU, Medium.DISK, Medium.REMOTE)}
         self.probe_every = probe_every
+        self.probe_after_s = probe_after_s
+        self._clock = clock
         self.cuts = 0  # lookups cut short because loading lost to recompute
         self.probes = 0  # of those, loaded in full anyway to re-measure
         self.explorations = 0  # of those, loaded in full to measure a larger hop (doubling)
@@ -179,7 +188,10 @@ class LoadCostModel:
         """One finished load hop *out of* ``medium`` (DISK: the DISK -> CPU hop of a promotion;
         CPU: CPU -> GPU). Returns whether the sample was used."""
         bw = self.bandwidth.get(Medium(medium))
-        return bw.record(nbytes, seconds) if bw is not None else False
+        if bw is None or not bw.record(nbytes, seconds):
+            return False
+        bw.measured_at = self._clock()
+        return True
 
     def record_promotion(self, medium: Medium, nbytes: float, seconds: float) -> None:
         """A promotion out of ``medium`` that the request waited ``seconds`` for, planning to
@@ -241,10 +253,23 @@ class LoadCostModel:
             if self._explore(tiers, best_n, save, fixed):
                 self.explorations += 1
                 return len(tiers)
-            if self.probe_every and self.cuts % self.probe_every == 0:
+            if self._stale(tiers[best_n:]) or (
+                    self.probe_every and self.cuts % self.probe_every == 0):
                 self.probes += 1
                 return len(tiers)
         return best_n
+
+    def _stale(self, cut: Sequence[Medium]) -> bool:
+        """Whether a promoted tier among the ``cut`` hits was last measured (or probed)
+        ``probe_after_s`` ago; such tiers count as probed now, so the next probe is another
+        ``probe_after_s`` away even before this one's result comes back."""
+        now = self._clock()
+        stale = [bw for m in set(cut) & {Medium.DISK, Medium.REMOTE}
+                 if (bw := self.bandwidth[m]).samples
+                 and now - bw.measured_at >= self.probe_after_s]
+        for bw in stale:
+            bw.measured_at = now
+        return bool(stale)
 
     def _explore(self, tiers: Sequence[Medium], best_n: int, save: dict, fixed: dict) -> bool:
         """Whether to load a cut lookup in full to measure a promoted tier on a hop at least

@@ -334,3 +334,29 @@ def test_the_first_remote_hits_progress_splits_latency_from_bandwidth():
     assert with_progress.worth_loading([REMOTE] * 128) == 0
     assert with_progress.worth_loading([REMOTE] * 512) == 512  # 8k pays, as measured
     assert with_progress.explorations == 0  # no exploration needed to see it
+
+
+def test_a_tier_measured_slow_long_ago_is_probed_at_its_next_cut():
+    """In real vLLM two shared-tier reads that waited behind the instance's own stores read
+    0.16 GB/s; a tier that slow is never explored, and a count-based probe needs 100 cut
+    lookups. A promoted tier whose last sample is ``probe_after_s`` old is loaded at its next
+    cut lookup, once per ``probe_after_s``, and the probe's sample then decides."""
+    now = [1000.0]
+    m = vllm_8b(probe_after_s=60.0, clock=lambda: now[0])
+    assert m.record_load(REMOTE, 24 * MIB, 0.150)  # 0.16 GB/s
+    assert m.worth_loading([REMOTE] * 512) == 0
+    now[0] += 59.0
+    assert m.worth_loading([REMOTE] * 512) == 0
+    now[0] += 2.0
+    assert m.worth_loading([REMOTE] * 512) == 512  # probed
+    assert m.probes == 1 and m.explorations == 0
+    assert m.worth_loading([REMOTE] * 512) == 0  # once per probe_after_s, result or not
+    m.record_load(REMOTE, 1 << 30, 0.090)  # the probe's read: 12 GB/s
+    m.record_load(REMOTE, 1 << 30, 0.088)
+    assert m.worth_loading([REMOTE] * 512) == 512
+    assert m.probes == 1
+
+
+def test_probe_after_s_must_be_positive():
+    with pytest.raises(ValueError, match="probe_after_s"):
+        vllm_8b(probe_after_s=0)
