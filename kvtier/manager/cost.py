@@ -49,7 +49,7 @@ from kvtier.manager.specs import Medium
 
 HISTORY_KEEP = 0.8  # weight left to the past per new sample (~5 samples of memory)
 PROBE_EVERY = 100  # every Nth lookup cut for cost loads in full, to re-measure the slow tier
-PROBE_AFTER_S = 60.0  # ... and a promoted tier unmeasured this long is probed at its next cut
+PROBE_AFTER_S = 60.0  # ... and the shared tier unmeasured this long is probed at its next cut
 DEFAULT_PRIOR_BYTES_PER_S = 100e9
 MIN_SAMPLE_BYTES = 16 << 20  # smaller loads measure per-job costs, not bandwidth
 FIT_MIN_SPREAD = 0.25  # sizes whose spread (std / mean) is below this give no slope
@@ -260,16 +260,18 @@ class LoadCostModel:
         return best_n
 
     def _stale(self, cut: Sequence[Medium]) -> bool:
-        """Whether a promoted tier among the ``cut`` hits was last measured (or probed)
-        ``probe_after_s`` ago; such tiers count as probed now, so the next probe is another
-        ``probe_after_s`` away even before this one's result comes back."""
+        """Whether the ``cut`` hits include the shared tier, last measured (or probed)
+        ``probe_after_s`` ago; it counts as probed now, so the next probe is another
+        ``probe_after_s`` away even before this one's result comes back. A local disk's
+        figure does not go stale the same way (the count-based probe re-measures it)."""
+        bw = self.bandwidth[Medium.REMOTE]
+        if Medium.REMOTE not in cut or not bw.samples:
+            return False
         now = self._clock()
-        stale = [bw for m in set(cut) & {Medium.DISK, Medium.REMOTE}
-                 if (bw := self.bandwidth[m]).samples
-                 and now - bw.measured_at >= self.probe_after_s]
-        for bw in stale:
-            bw.measured_at = now
-        return bool(stale)
+        if now - bw.measured_at < self.probe_after_s:
+            return False
+        bw.measured_at = now
+        return True
 
     def _explore(self, tiers: Sequence[Medium], best_n: int, save: dict, fixed: dict) -> bool:
         """Whether to load a cut lookup in full to measure a promoted tier on a hop at least

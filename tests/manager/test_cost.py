@@ -360,3 +360,12 @@ def test_a_tier_measured_slow_long_ago_is_probed_at_its_next_cut():
 def test_probe_after_s_must_be_positive():
     with pytest.raises(ValueError, match="probe_after_s"):
         vllm_8b(probe_after_s=0)
+
+
+def test_a_local_disk_measured_slow_is_not_probed_by_age():
+    now = [1000.0]
+    m = vllm_8b(probe_after_s=60.0, clock=lambda: now[0])
+    assert m.record_load(DISK, 64 * MIB, (64 * MIB) / (0.5 * GB))
+    now[0] += 600.0
+    assert m.worth_loading([DISK] * 512) == 0
+    assert m.probes == 0
