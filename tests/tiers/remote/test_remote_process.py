@@ -14,52 +14,14 @@ import time
 import pytest
 import torch
 
-from kvtier.config import load_config
 from kvtier.runtime.remote_process import RemoteIOProcesses
 from kvtier.tiers.cpu_pool import CpuBlockPool
-from kvtier.tiers.layout import BlockGeometry
 from kvtier.tiers.remote.block_io import RemoteBlockIO
 from kvtier.tiers.remote.connect import connect_remote, remote_keys
 from kvtier.tiers.remote.secrets import RemoteSecretError, RemoteSecrets
 from kvtier.tiers.remote.store import RemoteUnavailable
+from support.remote_processes import BLOCK, fill, geometry, keys_of, open_io, remote_cfg
 from support.valkey_fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
-
-BLOCK = 256 << 10
-SLOTS = 48
-
-
-def geometry(model: str = "remote-proc") -> BlockGeometry:
-    return BlockGeometry(num_layers=1, kv_parts=2, engine_blocks_per_block=1,
-                         page_bytes=BLOCK // 2, model=model)
-
-
-def remote_cfg(tmp_path, **remote):
-    data = {"tiers": {"cpu": {"capacity": f"{SLOTS * BLOCK}", "pin": False},
-                      "remote": {"timeout_s": 0.5, "connect_timeout_s": 0.5,
-                                 "probe_interval_s": 0.3, "io_processes": 2, **remote}}}
-    return load_config(data=data, env={}).remote
-
-
-def open_io(cfg, secrets=None, model="remote-proc", **kw):
-    geo = geometry(model)
-    pool = CpuBlockPool(geo, SLOTS, pin=False, shared=True)
-    io = RemoteIOProcesses(pool, cfg, remote_keys(cfg, geo), secrets or RemoteSecrets.load(cfg),
-                           **kw)
-    return pool, io
-
-
-def fill(pool, slots, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for s in slots:
-        pool.slot(s).copy_(torch.randint(0, 256, (BLOCK,), dtype=torch.uint8, generator=g))
-        out.append(pool.slot(s).clone())
-    return out
-
-
-def keys_of(n, tag="b"):
-    return [f"{tag}{i}".encode() for i in range(n)]
-
 
 def test_round_trip_through_the_io_processes_is_exact(tmp_path, valkey):
     cfg = remote_cfg(tmp_path, url=valkey().url)
@@ -466,50 +428,3 @@ def test_an_io_process_lost_after_reporting_blocks_fails_them_all(tmp_path, valk
     finally:
         io.close()
 
-
-def test_a_load_goes_between_the_rounds_of_a_store(tmp_path, valkey, monkeypatch):
-    """A child serves one request at a time: a load issued while a large store runs waited
-    for the whole store (in vLLM: a 24 MiB hit took 150 ms behind its instance's 1 GiB
-    stores, and the cost model shunned the tier). A store now goes in rounds, and a round
-    starts only once no load is waiting."""
-    import threading
-
-    from kvtier.runtime import disk_wire as wire
-    from kvtier.runtime import remote_process
-
-    monkeypatch.setattr(remote_process, "PUT_ROUND_BLOCKS", 2)
-    pool, io = open_io(remote_cfg(tmp_path, url=valkey().url, timeout_s=5.0))
-    try:
-        assert io.warm_up() == 2
-        want = fill(pool, range(8))
-        assert io.put_slots(list(range(8)), keys_of(8, "old")) == [True] * 8
-        fill(pool, range(8, 40), seed=1)
-        ops: list[int] = []
-        got: dict = {}
-        loader = threading.Thread(
-            target=lambda: got.update(r=io.fetch_slots(keys_of(8, "old"), list(range(40, 48)))))
-        run = io._run
-
-        def recording(op, slots, keys, ready=None):
-            ops.append(("start", op))
-            if op == wire.PUT and ops.count(("start", wire.PUT)) == 1:  # a load comes
-                loader.start()
-                deadline = time.monotonic() + 5
-                while not io._reads_waiting and time.monotonic() < deadline:
-                    time.sleep(0.001)
-            try:
-                return run(op, slots, keys, ready)
-            finally:
-                ops.append(("end", op))
-
-        monkeypatch.setattr(io, "_run", recording)
-        assert io.put_slots(list(range(8, 40)), keys_of(32, "new")) == [True] * 32
-        loader.join(10)
-        assert ops.count(("start", wire.PUT)) == 8  # 32 blocks, 2 per child a round
-        # the load ended before the store's second round started
-        assert ops.index(("end", wire.FETCH)) < [i for i, o in enumerate(ops)
-                                                 if o == ("start", wire.PUT)][1]
-        assert got["r"].failed == []
-        assert all(torch.equal(pool.slot(40 + k), want[k]) for k in range(8))
-    finally:
-        io.close()
