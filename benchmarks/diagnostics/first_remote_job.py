@@ -7,10 +7,14 @@ calls, the server's buffers) from what vLLM's process adds: one runtime stores `
 blocks into a real ``valkey-server`` on 127.0.0.1, then each of ``--reps`` fresh runtimes
 (new I/O processes, the production ``WorkerRuntime.create`` path, started ``--settle-s``
 before the first job as vLLM's start-up would) loads them ``--jobs`` times into other CPU
-slots. Printed: ms per job of each runtime, and the medians.
+slots. Printed: ms per job of each runtime, and the medians. ``--write-other`` has each fresh
+runtime store other blocks first (its connections and the server were just busy),
+``--write-first`` read blocks it stored itself, ``--server-args`` passes server settings
+(results: benchmarks/results/vllm_remote_NVIDIA-H200.md, "What a 256 MiB or 1 GiB read costs").
 
     PYTHONPATH=.:tests python benchmarks/diagnostics/first_remote_job.py [--io-processes 8]
-        [--blocks 128] [--jobs 4] [--reps 3] [--pin]
+        [--blocks 128] [--jobs 4] [--reps 3] [--pin] [--same-slots] [--write-first]
+        [--write-other] [--server-args="--events-per-io-thread 0"]
 """
 
 from __future__ import annotations
