@@ -28,27 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent.parent / "tests")]
 
+from kvtier.bench.remote_bandwidth import block_runtime, fill_random  # noqa: E402
 from kvtier.config import load_config  # noqa: E402
 from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
-from kvtier.runtime.worker import WorkerRuntime  # noqa: E402
-from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
-from kvtier.tiers.layout import BlockGeometry  # noqa: E402
 from support.valkey_servers import Server  # noqa: E402
 
 BLOCK = 2 << 20
-
-
-def runtime(cfg) -> WorkerRuntime:
-    page = BLOCK // 2
-    geo = BlockGeometry(num_layers=1, kv_parts=2, engine_blocks_per_block=1, page_bytes=page,
-                        model="first-remote-job")
-    gpu = {"layer.0": torch.zeros((2, 1, page), dtype=torch.uint8)}
-    return WorkerRuntime.create(cfg, GpuKvView(gpu, layout="kv_first"), geo)
 
 
 def main() -> int:
@@ -77,18 +65,18 @@ def main() -> int:
                     "--io-threads", str(a.io_threads), *a.server_args.split())
     rows = []
     try:
-        cfg = load_config(data={"tiers": {
-            "cpu": {"capacity": f"{(a.jobs + 1) * n * 2}MiB", "pin": a.pin},
-            "remote": {"url": server.url, "io_processes": a.io_processes, "timeout_s": 5.0}}},
-            env={})
+        cfg = load_config(data={"tiers": {"remote": {
+            "url": server.url, "io_processes": a.io_processes, "timeout_s": 5.0}}}, env={})
+
+        def runtime():  # every runtime in the same key space: the readers find the writer's
+            return block_runtime(cfg, BLOCK, (a.jobs + 1) * n, pin=a.pin,
+                                 model="first-remote-job")
+
         keys = [f"first-job-{i}".encode() for i in range(n)]
-        writer = runtime(cfg)
+        writer = runtime()
         try:
             writer.pool.wait_ready()
-            g = torch.Generator().manual_seed(0)
-            for s in range(n):
-                writer.pool.slot(s).copy_(torch.randint(0, 256, (BLOCK,), dtype=torch.uint8,
-                                                        generator=g))
+            fill_random(writer, n, BLOCK)
             [res] = writer.engine.wait([writer.engine.submit(LoadStoreSpec.cpu(list(range(n))),
                                                              LoadStoreSpec.remote(keys))])
             if not res.ok:
@@ -98,7 +86,7 @@ def main() -> int:
         del writer
         gc.collect()
         for rep in range(a.reps):
-            rt = runtime(cfg)
+            rt = runtime()
             try:
                 rt.pool.wait_ready()
                 time.sleep(a.settle_s)

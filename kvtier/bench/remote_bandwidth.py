@@ -31,14 +31,26 @@ from kvtier.tiers.remote.connect import connect_remote
 RECORD_OVERHEAD = 128  # header + key of one value, about
 
 
-def _runtime(config: KvtierConfig, block_bytes: int, blocks: int) -> WorkerRuntime:
+def block_runtime(config: KvtierConfig, block_bytes: int, blocks: int, *, pin: bool = False,
+                  model: str | None = None) -> WorkerRuntime:
+    """A worker runtime whose blocks are ``block_bytes`` of one layer, with a CPU pool of
+    ``blocks`` of them and no disk tier. Runtimes given the same ``model`` share the shared
+    tier's key space (by default each gets its own)."""
     page = block_bytes // 2
     geo = BlockGeometry(num_layers=1, kv_parts=2, engine_blocks_per_block=1, page_bytes=page,
-                        model=f"bandwidth-{uuid.uuid4().hex[:8]}")
+                        model=model or f"bandwidth-{uuid.uuid4().hex[:8]}")
     gpu = {"layer.0": torch.zeros((2, 1, page), dtype=torch.uint8)}
-    cfg = replace(config, cpu=replace(config.cpu, capacity=blocks * block_bytes, pin=False),
+    cfg = replace(config, cpu=replace(config.cpu, capacity=blocks * block_bytes, pin=pin),
                   disk=None)
     return WorkerRuntime.create(cfg, GpuKvView(gpu, layout="kv_first"), geo)
+
+
+def fill_random(rt: WorkerRuntime, blocks: int, block_bytes: int, seed: int = 0) -> None:
+    """Random bytes (seeded) into CPU slots ``0 .. blocks - 1``."""
+    g = torch.Generator().manual_seed(seed)
+    for s in range(blocks):
+        rt.pool.slot(s).copy_(torch.randint(0, 256, (block_bytes,), dtype=torch.uint8,
+                                            generator=g))
 
 
 def _waves(rt: WorkerRuntime, specs: list, at_once: int | None) -> list:
@@ -83,13 +95,10 @@ def tier_vs_ceiling(config: KvtierConfig, block_bytes: int, *, clients: int,
     """``jobs_at_once``: 1 times one hit's promotion at a time (a job of ``batch`` blocks),
     None submits every job at once (throughput)."""
     blocks = max(batch, total_bytes // block_bytes)
-    rt = _runtime(config, block_bytes, blocks)
+    rt = block_runtime(config, block_bytes, blocks)
     try:
         rt.remote.warm_up()
-        g = torch.Generator().manual_seed(0)
-        for s in range(blocks):
-            rt.pool.slot(s).copy_(torch.randint(0, 256, (block_bytes,), dtype=torch.uint8,
-                                                generator=g))
+        fill_random(rt, blocks, block_bytes)
         samples: dict[str, list[float]] = {"tier_set": [], "tier_get": [], "raw_set": [],
                                            "raw_get": []}
         bad = 0
