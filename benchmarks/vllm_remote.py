@@ -292,16 +292,19 @@ def main() -> int:
     ap.add_argument("--gpus", default=None,
                     help="comma list of GPU indexes the instances use (default: every GPU); "
                          "with one, both instances share it")
+    ap.add_argument("--server-args", default="",
+                    help='more server settings, e.g. "--events-per-io-thread 0" (Valkey 8+)')
     args = ap.parse_args()
     gpus = args.gpus.split(",") if args.gpus else gpu_list()
     work = Path(tempfile.mkdtemp(prefix="kvtier-vllm-remote-"))
     extra = ("--io-threads", str(args.io_threads), "--maxmemory", "100gb",
-             "--maxmemory-policy", "allkeys-lru")
+             "--maxmemory-policy", "allkeys-lru", *args.server_args.split())
     servers = start_cluster(work, 3, *extra) if args.cluster else [Server(work, *extra)]
     remote = ({"nodes": [s.node for s in servers]} if args.cluster else {"url": servers[0].url})
     remote.update(io_processes=args.io_processes, timeout_s=2.0)
     result: dict = {"gpu": gpu_name(), "gpus": len(gpus), "shape": args.shape,
                     "cluster": args.cluster, "io_threads": args.io_threads,
+                    "server_args": args.server_args,
                     "io_processes": args.io_processes, "cpu_count": os.cpu_count()}
     try:
         if "ttft" in args.phases:
