@@ -65,6 +65,8 @@ class Instance:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, VLLM_USE_FLASHINFER_SAMPLER="0")
         if args.timeline:  # kvtier's per-step marks of this instance (where a hit's time goes)
             env["KVTIER_TIMELINE"] = str(Path(args.timeline) / f"{name}-timeline.jsonl")
+            # the engine process may be killed at shutdown before it writes its marks
+            env["KVTIER_TIMELINE_FLUSH_S"] = "1"
         self.log = open(log_dir / f"{name}.log", "w")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, start_new_session=True)

@@ -45,7 +45,11 @@ START_TIMEOUT_S = 30.0
 RESPAWN_AFTER_S = 5.0
 MIN_BLOCKS_PER_CHILD = 8  # a smaller share costs a round trip for too few bytes; larger
 # shares keep each child's pipeline deep and leave the other children to concurrent jobs
-PUT_ROUND_BLOCKS = 16  # blocks per child per round of a store; reads go between rounds
+PUT_ROUND_BYTES = 4 << 20  # bytes per child per round of a store (at least one block); a
+# load waiting for a child waits at most its round, so the budget is in bytes, not blocks:
+# 16 blocks a round was 4 MiB of 256 KiB blocks but 32 MiB of an 8B model's 2 MiB blocks,
+# and a load then waited behind every child's round on a server busy with both instances'
+# stores (docs/design-measurements.md)
 
 
 def _part_positions(payload: memoryview, n: int) -> list[int]:
@@ -91,7 +95,8 @@ class RemoteIOProcesses:
     def __init__(self, pool: CpuBlockPool, cfg: RemoteTierConfig, keys: RemoteKeys,
                  secrets: RemoteSecrets, *, processes: int | None = None,
                  start_timeout_s: float = START_TIMEOUT_S,
-                 respawn_after_s: float = RESPAWN_AFTER_S) -> None:
+                 respawn_after_s: float = RESPAWN_AFTER_S,
+                 put_round_bytes: int = PUT_ROUND_BYTES) -> None:
         if pool.shared_fd is None:
             raise ValueError("the shared tier's I/O processes need a shared CPU pool "
                              "(CpuBlockPool(shared=True))")
@@ -99,6 +104,8 @@ class RemoteIOProcesses:
         self.cfg = cfg
         self.keys = keys
         self.block_bytes = pool.geometry.block_bytes
+        # blocks one child stores per round of a store (put_slots)
+        self.put_round_blocks = max(1, int(put_round_bytes) // self.block_bytes)
         self.start_timeout_s = start_timeout_s
         self.respawn_after_s = respawn_after_s
         self.health = RemoteHealth(cfg.probe_interval_s)
@@ -295,7 +302,7 @@ class RemoteIOProcesses:
     def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]:
         """Store each slot's block under its key; which the server acknowledged.
 
-        In rounds of ``PUT_ROUND_BLOCKS`` blocks per child, and a round starts only when no
+        In rounds of ``put_round_bytes`` per child, and a round starts only when no
         fetch is waiting: a child serves one request at a time, so a load behind a whole
         store (a 1 GiB store is 128 MiB per child) waited for all of it, and a hit the
         request is blocked on costs more than a write that nobody waits for."""
@@ -303,7 +310,7 @@ class RemoteIOProcesses:
             raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
         ok = [False] * len(keys)
         lost = 0
-        step = PUT_ROUND_BLOCKS * len(self._children)
+        step = self.put_round_blocks * len(self._children)
         for start in range(0, len(keys), step):
             self._after_reads()
             end = min(len(keys), start + step)

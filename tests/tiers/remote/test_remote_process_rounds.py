@@ -9,8 +9,7 @@ import time
 import torch
 
 from kvtier.runtime import disk_wire as wire
-from kvtier.runtime import remote_process
-from support.remote_processes import fill, keys_of, open_io, remote_cfg
+from support.remote_processes import BLOCK, fill, keys_of, open_io, remote_cfg
 from support.valkey_fixtures import valkey  # noqa: F401 - pytest fixture
 
 
@@ -19,8 +18,8 @@ def test_a_load_goes_between_the_rounds_of_a_store(tmp_path, valkey, monkeypatch
     for the whole store (in vLLM: a 24 MiB hit took 150 ms behind its instance's 1 GiB
     stores, and the cost model shunned the tier). A store now goes in rounds, and a round
     starts only once no load is waiting."""
-    monkeypatch.setattr(remote_process, "PUT_ROUND_BLOCKS", 2)
-    pool, io = open_io(remote_cfg(tmp_path, url=valkey().url, timeout_s=5.0))
+    pool, io = open_io(remote_cfg(tmp_path, url=valkey().url, timeout_s=5.0),
+                       put_round_bytes=2 * BLOCK)
     try:
         assert io.warm_up() == 2
         want = fill(pool, range(8))
@@ -53,5 +52,30 @@ def test_a_load_goes_between_the_rounds_of_a_store(tmp_path, valkey, monkeypatch
                                                  if o == ("start", wire.PUT)][1]
         assert got["r"].failed == []
         assert all(torch.equal(pool.slot(40 + k), want[k]) for k in range(8))
+    finally:
+        io.close()
+
+
+def test_a_round_is_a_byte_budget_and_at_least_one_block(tmp_path, valkey, monkeypatch):
+    """The round is bytes per child, so a model with large blocks stores few blocks a round
+    (a load waits at most one round); a budget under one block still stores a block a round."""
+    pool, io = open_io(remote_cfg(tmp_path, url=valkey().url, timeout_s=5.0),
+                       put_round_bytes=BLOCK // 2)
+    try:
+        assert io.warm_up() == 2
+        want = fill(pool, range(6))
+        run = io._run
+        sizes: list[int] = []
+
+        def recording(op, slots, keys, ready=None):
+            sizes.append(len(slots))
+            return run(op, slots, keys, ready)
+
+        monkeypatch.setattr(io, "_run", recording)
+        assert io.put_slots(list(range(6)), keys_of(6, "r")) == [True] * 6
+        assert sizes == [2, 2, 2]  # one block per child (2 children) per round
+        monkeypatch.setattr(io, "_run", run)
+        assert io.fetch_slots(keys_of(6, "r"), list(range(10, 16))).failed == []
+        assert all(torch.equal(pool.slot(10 + k), want[k]) for k in range(6))
     finally:
         io.close()
