@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -366,7 +367,8 @@ def configure(p: Parser, argv) -> argparse.Namespace:
     a.max_len = a.workload.max_len() + 64
     a.token_bytes = kv_bytes_per_token(a.shape)
     per_conv = a.workload.mean_held() * a.token_bytes
-    a.pool = a.pool or max(1, round(a.working_set * a.cpu_bytes / per_conv))
+    # rounded up: a pool a hair under 2x the CPU tier would leave kvtier_disk's target n/a
+    a.pool = a.pool or max(1, math.ceil(a.working_set * a.cpu_bytes / per_conv))
     ws = a.pool * per_conv
     a.disk_bytes = int(a.disk_gib * GiB) if a.disk_gib else int(1.5 * ws)
     if a.gpu_kv_bytes < a.max_len * a.token_bytes:
