@@ -261,8 +261,8 @@ class RemoteIOProcesses:
                 children[i].lock.release()
         return replies
 
-    def _shares(self, n: int) -> list[range]:
-        k = max(1, min(len(self._children), n // MIN_BLOCKS_PER_CHILD))
+    def _shares(self, n: int, per_child: int = MIN_BLOCKS_PER_CHILD) -> list[range]:
+        k = max(1, min(len(self._children), n // per_child))
         step, extra = divmod(n, k)
         out, start = [], 0
         for i in range(k):
@@ -272,10 +272,13 @@ class RemoteIOProcesses:
         return [r for r in out if len(r)]
 
     def _run(self, op: int, slots: Sequence[int], keys: Sequence[bytes],
-             ready: Callable[[list[int]], None] | None = None) -> list:
+             ready: Callable[[list[int]], None] | None = None,
+             per_child: int = MIN_BLOCKS_PER_CHILD) -> list:
+        """``per_child``: the fewest blocks a child is given (a store's round is already
+        sized per child, so it spreads over every child)."""
         if self.health.degraded and not self.health.probe_due():
             raise RemoteUnavailable(f"degraded: {self.health.last_error}")
-        shares = self._shares(len(keys))
+        shares = self._shares(len(keys), per_child)
         # children are taken from a rotating start so concurrent jobs spread over all of them
         n = len(self._children)
         first = self._next = (self._next + 1) % n
@@ -315,7 +318,8 @@ class RemoteIOProcesses:
             self._after_reads()
             end = min(len(keys), start + step)
             round_lost = 0
-            for share, reply in self._run(wire.PUT, slots[start:end], keys[start:end]):
+            for share, reply in self._run(wire.PUT, slots[start:end], keys[start:end],
+                                          per_child=self.put_round_blocks):
                 if reply is None:
                     round_lost += len(share)
                     continue

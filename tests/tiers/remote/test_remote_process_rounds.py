@@ -31,7 +31,7 @@ def test_a_load_goes_between_the_rounds_of_a_store(tmp_path, valkey, monkeypatch
             target=lambda: got.update(r=io.fetch_slots(keys_of(8, "old"), list(range(40, 48)))))
         run = io._run
 
-        def recording(op, slots, keys, ready=None):
+        def recording(op, slots, keys, ready=None, **kw):
             ops.append(("start", op))
             if op == wire.PUT and ops.count(("start", wire.PUT)) == 1:  # a load comes
                 loader.start()
@@ -39,7 +39,7 @@ def test_a_load_goes_between_the_rounds_of_a_store(tmp_path, valkey, monkeypatch
                 while not io._reads_waiting and time.monotonic() < deadline:
                     time.sleep(0.001)
             try:
-                return run(op, slots, keys, ready)
+                return run(op, slots, keys, ready, **kw)
             finally:
                 ops.append(("end", op))
 
@@ -67,13 +67,16 @@ def test_a_round_is_a_byte_budget_and_at_least_one_block(tmp_path, valkey, monke
         run = io._run
         sizes: list[int] = []
 
-        def recording(op, slots, keys, ready=None):
-            sizes.append(len(slots))
-            return run(op, slots, keys, ready)
+        def recording(op, slots, keys, ready=None, **kw):
+            out = run(op, slots, keys, ready, **kw)
+            sizes.append([len(share) for share, _ in out])
+            return out
 
         monkeypatch.setattr(io, "_run", recording)
         assert io.put_slots(list(range(6)), keys_of(6, "r")) == [True] * 6
-        assert sizes == [2, 2, 2]  # one block per child (2 children) per round
+        # one block per child per round, and a round goes to every child (not only to as
+        # many as a load's minimum share per child allows)
+        assert sizes == [[1, 1], [1, 1], [1, 1]]
         monkeypatch.setattr(io, "_run", run)
         assert io.fetch_slots(keys_of(6, "r"), list(range(10, 16))).failed == []
         assert all(torch.equal(pool.slot(10 + k), want[k]) for k in range(6))
