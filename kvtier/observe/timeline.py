@@ -84,6 +84,12 @@ class Timeline:
                 f.write("\n".join(lines) + "\n")
 
 
+def ms_since(began: float) -> float:
+    """Milliseconds since ``began`` (a ``time.perf_counter()`` reading), for a mark's ``ms``:
+    how long the marked call itself took, beside when it ended (``t``)."""
+    return round((time.perf_counter() - began) * 1e3, 3)
+
+
 _timeline: Timeline | None = None
 
 

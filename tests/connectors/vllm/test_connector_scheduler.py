@@ -450,3 +450,30 @@ def test_with_async_scheduling_a_prompt_is_stored_after_its_first_token_is_out(
     assert bad_checks(rig) == []
     vh.assert_no_leaks(rig.sched)
     rig.close()
+
+
+def test_the_timeline_says_how_long_each_lookup_and_step_plan_took(model_dir, tmp_path,
+                                                                     monkeypatch):
+    """Under load a step's time is what matters (serving.py's saturated runs): the scheduler's
+    marks carry the call's own duration (``ms``), not only when it ended."""
+    import json
+
+    from kvtier.observe import timeline as timeline_mod
+
+    path = tmp_path / "tl.jsonl"
+    monkeypatch.setattr(timeline_mod, "_timeline", timeline_mod.Timeline(str(path)))
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=1)
+    rig.loop.add(make(prompt, max_tokens=3))
+    rig.loop.run_until_idle()
+    assert rig.sched.reset_prefix_cache()
+    rig.loop.add(make(prompt, max_tokens=3))
+    rig.loop.run_until_idle()
+    rig.close()
+    timeline_mod._timeline.flush()
+    marks = [json.loads(line) for line in path.read_text().splitlines()]
+    lookups = [m for m in marks if m["ev"] == "lookup"]
+    plans = [m for m in marks if m["ev"] == "build_meta"]
+    assert lookups and plans and any(m["hits"] for m in lookups)
+    assert all(isinstance(m["ms"], float) and 0.0 <= m["ms"] < 60e3 for m in lookups + plans)

@@ -45,6 +45,7 @@ are collaborators built here, with their own state and explicit methods.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterable
 
 from kvtier.connectors.vllm.handoff import WorkerHandoff
@@ -71,7 +72,7 @@ from kvtier.connectors.vllm.scheduler.settle import JobSettler
 from kvtier.connectors.vllm.scheduler.state_hit import state_lookup
 from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 from kvtier.connectors.vllm.stats import KVTierStats
-from kvtier.observe.timeline import timeline
+from kvtier.observe.timeline import ms_since, timeline
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission
 from kvtier.manager.factory import build_manager
 from kvtier.manager.retention import apply_retention_hint
@@ -159,6 +160,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ loads
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        began = time.perf_counter() if self._tl.enabled else 0.0  # the marks' "ms"
         self._prefetch.drop()  # one lookup -> plan pass at a time (hit_prefetch)
         t = self.track(request)
         if t.load_job is not None:  # our previous load of it has not settled yet
@@ -188,7 +190,8 @@ class SchedulerSide:
             pending, tiers = found.pending, found.tiers
         if pending:  # the shared tier is being asked: vLLM asks again next step
             if self._tl.enabled and not t.sighted:  # when the wait began (the answer: "lookup")
-                self._tl.mark("sched", "lookup_pending", req=t.req_id, blocks=stop - start)
+                self._tl.mark("sched", "lookup_pending", req=t.req_id, blocks=stop - start,
+                              ms=ms_since(began))
             t.sighted = True
             return None, False
         t.sighted = True
@@ -198,7 +201,8 @@ class SchedulerSide:
                               self._whole_tail_max_bytes)
         if hits == 0:
             if self._tl.enabled:
-                self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0)
+                self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=0,
+                              ms=ms_since(began))
             return 0, False
         t.lookup_start = num_computed_tokens
         nbytes = hits * self.settings.block_bytes
@@ -212,7 +216,7 @@ class SchedulerSide:
                 self._prefetch.start(self.manager, keys[:hits], nbytes, whole=claimed == room)
         if self._tl.enabled:
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
-                          sync=t.sync_load)
+                          sync=t.sync_load, ms=ms_since(began))
         return claimed, not t.sync_load
 
     def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -313,6 +317,7 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ per step
     def build_meta(self, so: Any) -> KVTierConnectorMetadata:
+        began = time.perf_counter() if self._tl.enabled else 0.0
         self._prefetch.drop()
         written = self.stores.written_blocks(so, self._step_loads)
         flush = self.stores.reading(written)
@@ -346,7 +351,7 @@ class SchedulerSide:
         self._step_sync_bytes = 0
         if self._tl.enabled and (self._step_loads or stores or background):
             self._tl.mark("sched", "build_meta", loads=[j.job_id for j in self._step_loads],
-                          stores=len(stores), background=len(background))
+                          stores=len(stores), background=len(background), ms=ms_since(began))
         meta = KVTierConnectorMetadata(
             loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
             watch=tuple(self._step_watch), forget=self.settler.take_forget(),
