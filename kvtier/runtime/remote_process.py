@@ -206,59 +206,82 @@ class RemoteIOProcesses:
 
     def _fan_out(self, children: list[_Child], op: int,
                  parts: list[tuple[list[int], list[bytes]]],
-                 on_part: Callable[[int, list[int]], None] | None = None
+                 on_part: Callable[[int, list[int]], None] | None = None,
+                 follow: Callable[[int, dict], tuple[list[int], list[bytes]] | None] | None = None
                  ) -> list[dict | None]:
         """Send each child its part, then read the replies as they come, all on this thread
         (one GIL hand-off per reply, not per thread and system call). The children's locks
         are taken in index order, so concurrent jobs never wait on each other in a circle.
         ``on_part(i, positions)``: a fetch's PART frame from child ``i`` (positions within its
-        part that are verified already); junk in one loses the child like a bad reply."""
+        part that are verified already); junk in one loses the child like a bad reply.
+        ``follow(i, reply)``: called with child ``i``'s reply; it returns the child's next
+        part, sent at once on the same lock, or None: the child is done and its lock is
+        released at once (a waiting load can take it while the other children go on)."""
         replies: list[dict | None] = [None] * len(children)
         held = sorted(range(len(children)), key=lambda i: children[i].index)
         for i in held:
             children[i].lock.acquire()
+        released: set[int] = set()
         try:
-            waiting: list[int] = []  # parts whose request went out
+            ends: dict[int, float] = {}  # per child: its request's deadline
             for i, (child, (slots, keys)) in enumerate(zip(children, parts)):
                 if not self._ensure(child):
                     continue
                 try:
                     child.sock.settimeout(self._deadline_s(len(keys)))
                     child.sock.sendall(wire.encode_request(op, slots, keys))
-                    waiting.append(i)
+                    ends[i] = time.monotonic() + self._deadline_s(len(keys))
                 except OSError as exc:
                     self._lose(child, f"{type(exc).__name__}: {exc}")
-            end = time.monotonic() + max((self._deadline_s(len(k)) for _, k in parts),
-                                         default=0.0)
             with selectors.DefaultSelector() as sel:
-                for i in waiting:
+                for i in ends:
                     sel.register(children[i].sock, selectors.EVENT_READ, i)
                 while sel.get_map():
-                    ready = sel.select(timeout=max(0.0, end - time.monotonic()))
-                    if not ready:  # past the deadline: whoever has not answered is hung
+                    now = time.monotonic()
+                    ready = sel.select(timeout=max(0.0, min(ends.values()) - now))
+                    if not ready:  # past a deadline: whoever has not answered in time is hung
                         for key in list(sel.get_map().values()):
-                            sel.unregister(key.fileobj)
-                            self._lose(children[key.data], "missed its request deadline")
-                        break
+                            if ends[key.data] <= time.monotonic():
+                                sel.unregister(key.fileobj)
+                                del ends[key.data]
+                                self._lose(children[key.data], "missed its request deadline")
+                        continue
                     for key, _ in ready:
-                        child = children[key.data]
+                        i = key.data
+                        child = children[i]
                         try:
                             status, payload = wire.read_reply(child.sock, partial=True)
                             if status == wire.PART:
-                                positions = _part_positions(payload, len(parts[key.data][0]))
+                                positions = _part_positions(payload, len(parts[i][0]))
                         except OSError as exc:  # died, or sent half a frame and hung
                             sel.unregister(key.fileobj)
+                            del ends[i]
                             self._lose(child, f"{type(exc).__name__}: {exc}")
                             continue
                         if status == wire.PART:  # the request goes on
                             if on_part is not None:
-                                on_part(key.data, positions)
+                                on_part(i, positions)
                             continue
+                        replies[i] = self._reply(status, payload)
+                        more = (follow(i, replies[i]) if follow is not None
+                                and replies[i] is not None else None)
+                        if more is not None:
+                            try:
+                                child.sock.sendall(wire.encode_request(op, *more))
+                                ends[i] = time.monotonic() + self._deadline_s(len(more[1]))
+                                continue
+                            except OSError as exc:
+                                replies[i] = None
+                                self._lose(child, f"{type(exc).__name__}: {exc}")
                         sel.unregister(key.fileobj)
-                        replies[key.data] = self._reply(status, payload)
+                        del ends[i]
+                        if follow is not None:
+                            child.lock.release()
+                            released.add(i)
         finally:
             for i in held:
-                children[i].lock.release()
+                if i not in released:
+                    children[i].lock.release()
         return replies
 
     def _shares(self, n: int, per_child: int = MIN_BLOCKS_PER_CHILD) -> list[range]:
@@ -305,31 +328,53 @@ class RemoteIOProcesses:
     def put_slots(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[bool]:
         """Store each slot's block under its key; which the server acknowledged.
 
-        In rounds of ``put_round_bytes`` per child, and a round starts only when no
-        fetch is waiting: a child serves one request at a time, so a load behind a whole
-        store (a 1 GiB store is 128 MiB per child) waited for all of it, and a hit the
-        request is blocked on costs more than a write that nobody waits for."""
+        Each child streams its share in rounds of ``put_round_bytes``: the next round goes
+        out as its last one is answered, unless a fetch is waiting; then the child's lock is
+        let go and its rounds resume once no fetch waits. A child serves one request at a
+        time, so a load behind a whole store (a 1 GiB store is 128 MiB per child) waited
+        for all of it, and a hit the request is blocked on costs more than a write nobody
+        waits for. Children do not wait for each other between rounds (a round across all
+        of them cost a quarter of the store's speed: docs/design-measurements.md)."""
         if len(slots) != len(keys):
             raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
         ok = [False] * len(keys)
+        if not keys:
+            return ok
+        if self.health.degraded and not self.health.probe_due():
+            raise RemoteUnavailable(f"degraded: {self.health.last_error}")
+        per = self.put_round_blocks
+        n = len(self._children)
+        first = self._next = (self._next + 1) % n
+        shares = self._shares(len(keys), per)
+        # per share: its rounds still to send, as ranges of positions into keys
+        rounds = [[range(j, min(j + per, r.stop)) for j in range(r.start, r.stop, per)]
+                  for r in shares]
         lost = 0
-        step = self.put_round_blocks * len(self._children)
-        for start in range(0, len(keys), step):
+
+        def part(k: int) -> tuple[list[int], list[bytes]]:
+            r = rounds[k][0]
+            return [slots[j] for j in r], [keys[j] for j in r]
+
+        def follow(k: int, reply: dict) -> tuple[list[int], list[bytes]] | None:
+            nonlocal lost
+            r = rounds[k].pop(0)
+            for j, good in zip(r, reply.get("ok", [])):
+                ok[j] = bool(good)
+            lost += len(reply.get("lost", ()))
+            if not rounds[k] or self._reads_waiting:
+                return None
+            return part(k)
+
+        while any(rounds):
             self._after_reads()
-            end = min(len(keys), start + step)
-            round_lost = 0
-            for share, reply in self._run(wire.PUT, slots[start:end], keys[start:end],
-                                          per_child=self.put_round_blocks):
-                if reply is None:
-                    round_lost += len(share)
-                    continue
-                for j, good in zip(share, reply.get("ok", [])):
-                    ok[start + j] = bool(good)
-                round_lost += len(reply.get("lost", ()))
-            lost += round_lost
-            if round_lost == end - start:  # nothing got through: the rest would only wait
-                lost += len(keys) - end
-                break
+            active = [k for k in range(len(rounds)) if rounds[k]]
+            children = [self._children[(first + k) % n] for k in active]
+            replies = self._fan_out(children, wire.PUT, [part(k) for k in active],
+                                    follow=lambda i, reply: follow(active[i], reply))
+            for i, k in enumerate(active):
+                if replies[i] is None and rounds[k]:  # the child was lost: its rounds too
+                    lost += sum(len(r) for r in rounds[k])
+                    rounds[k] = []
         self._settle_health(lost, len(keys))
         return ok
 
