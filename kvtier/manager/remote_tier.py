@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
 from kvtier.manager.background import BackgroundQueue
 from kvtier.manager.events import BlockAccessed, BlockStored, EventBus
+from kvtier.manager.remote_lag import WriteLagNotice
 from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec, Medium
 from kvtier.manager.stats import ManagerStats
 from kvtier.manager.index.tier_index import BlockState, Entry, TierIndex
@@ -57,6 +58,7 @@ class RemoteTier:
         self.backlog: OrderedDict[BlockKey, None] = OrderedDict()  # admitted, awaiting room
         self.max_backlog = max(self.max_writes, cpu.capacity)
         self.promotions: set[BlockKey] = set()  # keys whose REMOTE -> CPU hop is in flight
+        self.lag = WriteLagNotice()  # logs when blocks leave before their write
         if directory is not None:  # per-tier counters gain a REMOTE column
             s = self.stats
             for per_tier in (s.hit_blocks, s.stored_blocks, s.evicted_blocks, s.admission_rejected,
@@ -121,25 +123,33 @@ class RemoteTier:
             wanted.append(key)
         for key in wanted:
             self.backlog[key] = None
+        overflow = 0
         while len(self.backlog) > self.max_backlog:  # the oldest waiting write gives way
             self.backlog.popitem(last=False)
-            self.stats.remote_writes_skipped += 1
+            overflow += 1
+        if overflow:
+            self.stats.remote_writes_skipped += overflow
+            self.lag.lost(overflow)
         self._drain()
 
     def _drain(self) -> None:
         """Start the backlog's writes, oldest first, while fewer than ``max_writes`` run."""
         keys, slots = [], []
+        evicted = 0
         while self.backlog and self.writing + len(keys) < self.max_writes:
             key, _ = self.backlog.popitem(last=False)
             entry = self.cpu.ready(key)
             if entry is None:  # evicted from CPU memory (or rewritten) before its turn
-                self.stats.remote_writes_skipped += 1
+                evicted += 1
                 continue
             if self.directory.known_present(key):
                 continue
             entry.readers += 1  # pinned until the write is reported
             keys.append(key)
             slots.append(entry.slot)
+        if evicted:
+            self.stats.remote_writes_skipped += evicted
+            self.lag.lost(evicted)
         if keys:
             self.writing += len(keys)
             self.background.queue(LoadStoreSpec.cpu(slots), LoadStoreSpec.remote(keys), keys)
@@ -156,6 +166,7 @@ class RemoteTier:
         if success:
             self.directory.learned(t.keys, present=True)
             self.stats.stored_blocks["REMOTE"] += len(t.keys)
+            self.lag.written(len(t.keys))
             self.events.emit(BlockStored(Medium.REMOTE, tuple(t.keys)))
         else:
             self.stats.failed_stores["REMOTE"] += len(t.keys)

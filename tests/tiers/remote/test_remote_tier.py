@@ -245,3 +245,20 @@ def test_stores_beyond_max_writes_in_flight_wait_their_turn_and_are_all_shared(t
     second = replay(cfg, trace)
     assert second["wrong_blocks"] == 0
     assert second["blocks"]["MISS"] < first["blocks"]["MISS"] // 10
+
+
+def test_writes_falling_behind_the_cpu_tier_are_counted_and_logged(tmp_path, valkey, trace,
+                                                                     caplog):
+    """One write at a time and a CPU tier that turns over faster: blocks leave the CPU tier
+    before their write. They are counted and the operator gets a line saying so (a counter
+    alone did not say why sharing stopped paying)."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="kvtier.manager.remote_lag")
+    cfg = config(tmp_path, {"url": valkey().url, "max_writes_in_flight": 1})
+    first = replay(cfg, trace)
+    skipped = first["manager"]["remote_writes_skipped"]
+    assert skipped > 0 and first["wrong_blocks"] == 0
+    lines = [r.getMessage() for r in caplog.records if "writes are behind" in r.getMessage()]
+    assert len(lines) == 1  # once per minute at most
+    assert lines[0].startswith("kvtier: the shared tier's writes are behind: ")
