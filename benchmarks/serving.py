@@ -81,7 +81,8 @@ def serve_args(a, model_dir: str, config: str, port: int) -> list[str]:
                             max_num_seqs=a.max_num_seqs, gpu_kv_bytes=a.gpu_kv_bytes,
                             tensor_parallel_size=a.tensor_parallel_size,
                             workdir=a.workdir, cpu_bytes=a.cpu_bytes,
-                            kvtier_json=json.dumps(extra) if extra else None)
+                            kvtier_json=json.dumps(extra) if extra else None,
+                            sync_budget=a.sync_budget)
     return server_args(ns, model_dir, base_connector(config), port)
 
 
@@ -178,7 +179,7 @@ def setup(a, config: str) -> dict:
            "workload": vars(a.workload), "duration_s": a.duration_s, "drain_s": a.drain_s,
            "max_num_seqs": a.max_num_seqs, "block_size": a.block_size, "slos_ms": a.slos,
            "tensor_parallel_size": a.tensor_parallel_size,
-           "seed": a.seed}
+           "sync_budget": a.sync_budget, "seed": a.seed}
     if config == "kvtier_disk":
         out["disk_bytes"], out["disk_fs"] = a.disk_bytes, fs_type(a.disk_dir)
     return out
@@ -305,6 +306,9 @@ def parser() -> Parser:
     p.add_argument("--kvtier-json", default=None,
                    help="a JSON object deep-merged into kvtier's configuration (both kvtier "
                         "configurations)")
+    p.add_argument("--sync-budget", default=None,
+                   help="kvtier's sync_load_budget_bytes (bytes or a size such as 512MiB; 0: "
+                        "every hit loads asynchronously, so no engine step waits for a load)")
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a server may take to become healthy" + D)
     p.add_argument("--cpu-smoke", action="store_true",

@@ -69,7 +69,8 @@ def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
     section = {"stats": {"snapshot_path": snapshot_path(a, connector), "interval_s": 0.2}}
     if a.kvtier_json:  # an A/B of one kvtier setting
         merge(section, json.loads(a.kvtier_json))
-    cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section)
+    extra = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
+    cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section, extra=extra)
     if cfg is not None:
         args += ["--kv-transfer-config", json.dumps(cfg)]
     return args
@@ -292,6 +293,9 @@ def main(argv=None) -> int:
     p.add_argument("--settle-timeout", type=float, default=60.0)
     p.add_argument("--kvtier-json", default=None,
                    help="a JSON object deep-merged into kvtier's configuration")
+    p.add_argument("--sync-budget", default=None,
+                   help="kvtier's sync_load_budget_bytes (bytes or a size such as 512MiB; 0: "
+                        "every hit loads asynchronously)")
     p.add_argument("--timeline", default=None,
                    help="file: kvtier's per-step marks (KVTIER_TIMELINE) and the client's")
     p.add_argument("--vllm-marks", action="store_true",

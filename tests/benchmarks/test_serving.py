@@ -333,3 +333,21 @@ def test_the_report_checks_the_targets_against_native_at_each_rate():
     configs["kvtier_disk"]["setup"] = dict(small, disk_bytes=2**31)
     md = serving_report.report({"device": "X", "runs": {"r": {"configs": configs, "errors": {}}}})
     assert "n/a (working set under 2x CPU)" in md
+
+
+def test_sync_budget_reaches_kvtiers_connector_config_only(tmp_path):
+    """``--sync-budget 0``: an A/B of loading every hit asynchronously under load (a step
+    that loads CPU hits synchronously makes every running request's token wait for it)."""
+    a = serving.configure(serving.parser(), ["--shape", "1b", "--workdir", str(tmp_path),
+                                             "--sync-budget", "0"])
+    cfgs = {}
+    for config in ("native", "kvtier_cpu"):
+        args = serving.serve_args(a, "/model", config, 8000)
+        cfgs[config] = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert cfgs["kvtier_cpu"]["kv_connector_extra_config"]["sync_load_budget_bytes"] == "0"
+    assert "sync_load_budget_bytes" not in cfgs["native"]["kv_connector_extra_config"]
+    assert serving.setup(a, "kvtier_cpu")["sync_budget"] == "0"
+    default = serving.configure(serving.parser(), ["--shape", "1b", "--workdir", str(tmp_path)])
+    args = serving.serve_args(default, "/model", "kvtier_cpu", 8000)
+    assert "sync_load_budget_bytes" not in json.loads(
+        args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
