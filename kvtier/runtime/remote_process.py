@@ -294,18 +294,20 @@ class RemoteIOProcesses:
             start = stop
         return [r for r in out if len(r)]
 
-    def _run(self, op: int, slots: Sequence[int], keys: Sequence[bytes],
-             ready: Callable[[list[int]], None] | None = None,
-             per_child: int = MIN_BLOCKS_PER_CHILD) -> list:
-        """``per_child``: the fewest blocks a child is given (a store's round is already
-        sized per child, so it spreads over every child)."""
+    def _job_children(self, shares: int) -> list[_Child]:
+        """The children a job's ``shares`` go to, share ``i`` to child ``i`` of the list;
+        RemoteUnavailable while the tier is degraded and no probe is due. Children are taken
+        from a rotating start so concurrent jobs spread over all of them."""
         if self.health.degraded and not self.health.probe_due():
             raise RemoteUnavailable(f"degraded: {self.health.last_error}")
-        shares = self._shares(len(keys), per_child)
-        # children are taken from a rotating start so concurrent jobs spread over all of them
         n = len(self._children)
         first = self._next = (self._next + 1) % n
-        children = [self._children[(first + i) % n] for i in range(len(shares))]
+        return [self._children[(first + i) % n] for i in range(shares)]
+
+    def _run(self, op: int, slots: Sequence[int], keys: Sequence[bytes],
+             ready: Callable[[list[int]], None] | None = None) -> list:
+        shares = self._shares(len(keys))
+        children = self._job_children(len(shares))
         parts = [([slots[j] for j in r], [keys[j] for j in r]) for r in shares]
 
         def on_part(i: int, positions: list[int]) -> None:
@@ -340,12 +342,9 @@ class RemoteIOProcesses:
         ok = [False] * len(keys)
         if not keys:
             return ok
-        if self.health.degraded and not self.health.probe_due():
-            raise RemoteUnavailable(f"degraded: {self.health.last_error}")
         per = self.put_round_blocks
-        n = len(self._children)
-        first = self._next = (self._next + 1) % n
         shares = self._shares(len(keys), per)
+        share_children = self._job_children(len(shares))
         # per share: its rounds still to send, as ranges of positions into keys
         rounds = [[range(j, min(j + per, r.stop)) for j in range(r.start, r.stop, per)]
                   for r in shares]
@@ -368,7 +367,7 @@ class RemoteIOProcesses:
         while any(rounds):
             self._after_reads()
             active = [k for k in range(len(rounds)) if rounds[k]]
-            children = [self._children[(first + k) % n] for k in active]
+            children = [share_children[k] for k in active]
             replies = self._fan_out(children, wire.PUT, [part(k) for k in active],
                                     follow=lambda i, reply: follow(active[i], reply))
             for i, k in enumerate(active):
