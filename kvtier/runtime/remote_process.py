@@ -216,7 +216,8 @@ class RemoteIOProcesses:
         part that are verified already); junk in one loses the child like a bad reply.
         ``follow(i, reply)``: called with child ``i``'s reply; it returns the child's next
         part, sent at once on the same lock, or None: the child is done and its lock is
-        released at once (a waiting load can take it while the other children go on)."""
+        released at once (a waiting load can take it while the other children go on).
+        A child lost on the way replies None, whatever its earlier rounds answered."""
         replies: list[dict | None] = [None] * len(children)
         held = sorted(range(len(children)), key=lambda i: children[i].index)
         for i in held:
@@ -244,6 +245,7 @@ class RemoteIOProcesses:
                             if ends[key.data] <= time.monotonic():
                                 sel.unregister(key.fileobj)
                                 del ends[key.data]
+                                replies[key.data] = None  # not an earlier round's reply
                                 self._lose(children[key.data], "missed its request deadline")
                         continue
                     for key, _ in ready:
@@ -256,6 +258,7 @@ class RemoteIOProcesses:
                         except OSError as exc:  # died, or sent half a frame and hung
                             sel.unregister(key.fileobj)
                             del ends[i]
+                            replies[i] = None
                             self._lose(child, f"{type(exc).__name__}: {exc}")
                             continue
                         if status == wire.PART:  # the request goes on
