@@ -106,9 +106,9 @@ def handshake_with_slow_pinning(model_dir, pin_wait_s=None, pinning_s=None):
             allocate(index)
 
         pool._allocate_chunk = held
+        t0 = time.monotonic()  # before the timer starts, so took >= pinning_s when it waited
         if pinning_s is not None:
             threading.Timer(pinning_s, release.set).start()
-        t0 = time.monotonic()
         assert w.get_handshake_metadata() is None
         took = time.monotonic() - t0
         complete = pool.allocated_bytes == pool.capacity_bytes  # no wait_ready before this
