@@ -289,7 +289,8 @@ def print_stats(data: dict, console: Console) -> None:
     if "remote_degraded" in m and shared_tier_configured(data):
         state = "DEGRADED" if m["remote_degraded"] else "ok"
         parts.append(f"shared tier {state} ({m.get('remote_degradations', 0)} degradations, "
-                     f"{m.get('remote_writes_skipped', 0)} write-backs skipped)")
+                     f"{m.get('remote_writes_skipped', 0)} write-backs skipped, "
+                     f"{m.get('remote_writes_already_held', 0)} already held)")
     r = inst.get("remote") or {}
     if r:
         parts.append(f"shared tier values rejected {r.get('rejected', 0)}, "

@@ -21,12 +21,17 @@ The manager cannot index the shared tier (other instances write and the server e
   What exceeds ``max_writes`` waits in a backlog (oldest first, unpinned, at most the CPU
   tier's size) and is written as earlier writes are reported: a long prompt is shared whole,
   not cut at the first ``max_writes`` blocks. A backlogged block evicted from CPU memory
-  before its turn is skipped (counted in ``remote_writes_skipped``).
+  before its turn is skipped (counted in ``remote_writes_skipped``). The backlog's next
+  ``max_writes`` blocks are asked about again before their turn (``RemoteDirectory.recheck``,
+  without waiting): where the store is the limit, the instance that recomputed a block the
+  tier missed is often writing it while the instance that computed it first still is, and a
+  block found held by then is not written twice (``remote_writes_already_held``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 from typing import Callable, Sequence
 
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
@@ -55,7 +60,8 @@ class RemoteTier:
         self.background = background
         self._make_room = make_room
         self.writing = 0  # blocks whose CPU -> REMOTE write is queued or running
-        self.backlog: OrderedDict[BlockKey, None] = OrderedDict()  # admitted, awaiting room
+        # admitted, awaiting room; the value: asked about again (``_recheck_next``)
+        self.backlog: OrderedDict[BlockKey, bool] = OrderedDict()
         self.max_backlog = max(self.max_writes, cpu.capacity)
         self.promotions: set[BlockKey] = set()  # keys whose REMOTE -> CPU hop is in flight
         self.lag = WriteLagNotice()  # logs when blocks leave before their write
@@ -116,13 +122,14 @@ class RemoteTier:
         wanted: list[BlockKey] = []
         for key in keys:
             if self.directory.known_present(key):
+                self.stats.remote_writes_already_held += 1
                 continue
             if not self.admission.admit(key):
                 self.stats.admission_rejected["REMOTE"] += 1
                 continue
             wanted.append(key)
         for key in wanted:
-            self.backlog[key] = None
+            self.backlog[key] = False
         overflow = 0
         while len(self.backlog) > self.max_backlog:  # the oldest waiting write gives way
             self.backlog.popitem(last=False)
@@ -142,7 +149,8 @@ class RemoteTier:
             if entry is None:  # evicted from CPU memory (or rewritten) before its turn
                 evicted += 1
                 continue
-            if self.directory.known_present(key):
+            if self.directory.known_present(key):  # another instance wrote it meanwhile
+                self.stats.remote_writes_already_held += 1
                 continue
             entry.readers += 1  # pinned until the write is reported
             keys.append(key)
@@ -153,6 +161,17 @@ class RemoteTier:
         if keys:
             self.writing += len(keys)
             self.background.queue(LoadStoreSpec.cpu(slots), LoadStoreSpec.remote(keys), keys)
+        self._recheck_next()
+
+    def _recheck_next(self) -> None:
+        """Ask the server once more about the blocks whose write starts next (the backlog's
+        first ``max_writes``), each once: their answers land while the writes before them
+        run, and ``_drain`` skips those found held."""
+        ask = [key for key, asked in islice(self.backlog.items(), self.max_writes) if not asked]
+        for key in ask:
+            self.backlog[key] = True
+        if ask:
+            self.directory.recheck(ask)
 
     def write_done(self, t: BackgroundTransfer, success: bool) -> None:
         """Settle a reported CPU -> REMOTE transfer (``complete_background``)."""

@@ -39,6 +39,7 @@ class ManagerStats:
     remote_degraded: bool = False  # the shared tier is down or hung: local tiers serve alone
     remote_degradations: int = 0
     remote_writes_skipped: int = 0  # write-backs not queued: tier degraded or queue full
+    remote_writes_already_held: int = 0  # write-backs not needed: the server held the block
     remote_pending_lookups: int = 0  # lookups answered "not yet" (server asked, reply due)
 
     def snapshot(self) -> dict:

@@ -215,6 +215,9 @@ class HeldRemotely:
     def learned(self, keys, present):
         pass
 
+    def recheck(self, keys):  # its answers never change
+        return 0
+
 
 def test_a_remote_hit_makes_room_for_its_promotions_in_one_walk():
     """A 2,048-block REMOTE hit into a full CPU tier whose cold end is pinned by writes to the

@@ -72,6 +72,9 @@ SPECS: tuple[MetricSpec, ...] = (
     _c("remote_degradations", "manager.remote_degradations", "Times the shared tier became degraded."),
     _c("remote_writes_skipped", "manager.remote_writes_skipped",
        "Write-backs to the shared tier not queued (degraded, or too many in flight)."),
+    _c("remote_writes_already_held", "manager.remote_writes_already_held",
+       "Write-backs to the shared tier not needed: the server held the block (another "
+       "instance wrote it)."),
     _c("remote_pending_lookups", "manager.remote_pending_lookups",
        "Lookups answered 'not yet' while the shared tier was asked."),
     _c("remote_rejected", "remote.rejected",

@@ -148,6 +148,31 @@ class RemoteDirectory:
             hit = self._known.get(key)
         return hit is not None and hit[0] and hit[1] > self._clock()
 
+    def recheck(self, keys: Sequence[bytes]) -> int:
+        """Ask the server again about ``keys`` not known to be held, dropping a cached
+        "absent" meanwhile (those keys read "not yet" until the answer lands). For write-back:
+        a block this instance recomputed because the tier missed it is often being written by
+        the instance that missed it first, and a write that finds it held saves the store its
+        bytes. Never waits; returns how many keys were asked."""
+        if self.store.health.degraded:
+            return 0
+        now = self._clock()
+        ask: list[bytes] = []
+        with self._lock:
+            for key in keys:
+                if key in self._asking:
+                    continue
+                hit = self._known.get(key)
+                if hit is not None and hit[0] and hit[1] > now:
+                    continue
+                self._known.pop(key, None)
+                self._asking.add(key)
+                ask.append(key)
+            self._outbox.extend(ask)
+        if ask:
+            self._wake.set()
+        return len(ask)
+
     def learned(self, keys: Sequence[bytes], present: bool) -> None:
         """What this instance itself found out (a write landed, a read missed)."""
         self._answer(keys, [present] * len(keys))

@@ -1,0 +1,109 @@
+"""Write-back skips a block another instance wrote after this one's lookup found it absent.
+
+Round-robin serving across instances makes this common: the next turn lands on the other
+instance while the first still writes the previous turn, the lookup finds the tail absent, the
+instance recomputes it and queues it for writing too. Where the store is the limit (the writes
+wait in a backlog) the same bytes were sent twice. The manager asks the server again about
+the blocks whose write starts next, and skips those found held. The real manager on a real
+server; "another instance" is a plain client writing under the same server keys."""
+
+from __future__ import annotations
+
+import time
+
+from kvtier.config import load_config
+from kvtier.manager.factory import build_manager
+from kvtier.tiers.remote import RemoteKeys, RemoteStore
+from kvtier.tiers.remote.directory import RemoteDirectory
+from support.valkey_fixtures import valkey  # noqa: F401 - a pytest fixture
+
+BLOCK = 64 << 10
+WAIT_S = 10.0
+
+
+def settled_lookup(manager, keys):
+    """The manager's lookup once the shared tier's answer has landed (it never waits)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        found = manager.lookup(keys)
+        if not found.pending or time.monotonic() > deadline:
+            return found
+        time.sleep(0.005)
+
+
+def answered(directory) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while directory.pending() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert directory.pending() == 0
+
+
+def test_a_block_written_by_another_instance_since_the_lookup_is_not_written_again(valkey):
+    server = valkey()
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "2MiB"},
+                                      "remote": {"url": server.url, "max_writes_in_flight": 2,
+                                                 "timeout_s": 1.0}}}, env={})
+    names = RemoteKeys("ns-dedup", "geo")
+    store = RemoteStore(cfg.remote, names)
+    directory = RemoteDirectory(store)
+    manager = build_manager(cfg, BLOCK, remote=directory)
+    raw = server.client()
+    try:
+        keys = [b"blk-%d" % i for i in range(8)]
+        assert settled_lookup(manager, keys).num_hits == 0  # "absent" cached for lookup_ttl_s
+        for k in keys[2:4]:  # the instance that computed them first wrote them meanwhile
+            raw.set(names.server_key(k), b"another instance's value")
+        plan = manager.prepare_store(keys)
+        assert plan.keys == tuple(keys)
+        manager.complete_store(keys)
+        [first] = manager.take_background_transfers()
+        assert list(first.keys) == keys[:2]  # two in flight; the rest wait their turn
+        answered(directory)  # asked again about the next two while those were written
+        manager.complete_background(first.id, True)
+        later = manager.take_background_transfers()
+        assert [list(t.keys) for t in later] == [keys[4:6]]  # 2 and 3 held: not written
+        manager.complete_background(later[0].id, True)
+        [last] = manager.take_background_transfers()
+        assert list(last.keys) == keys[6:8]
+        manager.complete_background(last.id, True)
+        m = manager.stats.snapshot()
+        assert m["remote_writes_already_held"] == 2
+        assert m["stored_blocks"]["REMOTE"] == 6 and m["remote_writes_skipped"] == 0
+        assert manager.pins() == 0  # nothing left pinned by a write that never ran
+        # the other instance's values were not overwritten
+        assert raw.get(names.server_key(keys[2])) == b"another instance's value"
+    finally:
+        directory.close()
+        store.close()
+
+
+def test_a_write_is_never_held_back_waiting_for_the_answer(valkey):
+    """The second look is a hint, not a gate: with the server paused (answers pending), the
+    backlog's next writes still start as room frees up."""
+    server = valkey()
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "2MiB"},
+                                      "remote": {"url": server.url, "max_writes_in_flight": 2,
+                                                 "timeout_s": 5.0}}}, env={})
+    store = RemoteStore(cfg.remote, RemoteKeys("ns-dedup-2", "geo"))
+    directory = RemoteDirectory(store)
+    manager = build_manager(cfg, BLOCK, remote=directory)
+    try:
+        keys = [b"blk-%d" % i for i in range(4)]
+        assert settled_lookup(manager, keys).num_hits == 0
+        server.pause()
+        try:
+            manager.prepare_store(keys)
+            manager.complete_store(keys)
+            [first] = manager.take_background_transfers()
+            assert directory.pending() > 0  # the second look is on its way
+            manager.complete_background(first.id, True)
+            [second] = manager.take_background_transfers()
+            assert list(second.keys) == keys[2:4]
+            manager.complete_background(second.id, True)
+        finally:
+            server.resume()
+        assert manager.stats.snapshot()["stored_blocks"]["REMOTE"] == 4
+        assert manager.pins() == 0
+    finally:
+        directory.close()
+        store.close()
