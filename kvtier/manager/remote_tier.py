@@ -129,7 +129,7 @@ class RemoteTier:
                 continue
             wanted.append(key)
         for key in wanted:
-            self.backlog[key] = False
+            self.backlog.setdefault(key, False)  # a key queued twice keeps its place and state
         overflow = 0
         while len(self.backlog) > self.max_backlog:  # the oldest waiting write gives way
             self.backlog.popitem(last=False)
@@ -137,14 +137,16 @@ class RemoteTier:
         if overflow:
             self.stats.remote_writes_skipped += overflow
             self.lag.lost(overflow)
-        self._drain()
+        self._drain(grew=bool(wanted))
 
-    def _drain(self) -> None:
-        """Start the backlog's writes, oldest first, while fewer than ``max_writes`` run."""
+    def _drain(self, grew: bool = False) -> None:
+        """Start the backlog's writes, oldest first, while fewer than ``max_writes`` run.
+        ``grew``: keys were just added (the next writes may be new ones)."""
         keys, slots = [], []
-        evicted = 0
+        evicted = popped = 0
         while self.backlog and self.writing + len(keys) < self.max_writes:
             key, _ = self.backlog.popitem(last=False)
+            popped += 1
             entry = self.cpu.ready(key)
             if entry is None:  # evicted from CPU memory (or rewritten) before its turn
                 evicted += 1
@@ -161,7 +163,8 @@ class RemoteTier:
         if keys:
             self.writing += len(keys)
             self.background.queue(LoadStoreSpec.cpu(slots), LoadStoreSpec.remote(keys), keys)
-        self._recheck_next()
+        if popped or grew:  # otherwise the next writes are the ones already asked about
+            self._recheck_next()
 
     def _recheck_next(self) -> None:
         """Ask the server once more about the blocks whose write starts next (the backlog's
