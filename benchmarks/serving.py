@@ -111,6 +111,22 @@ def counters(server: Server, a, config: str) -> tuple[dict, dict]:
     return vllm, kvtier_hits(a) if config.startswith("kvtier") else {}
 
 
+def server_env(a, config: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The environment of ``config``'s server and the folders leading its PYTHONPATH. With
+    ``--timeline``, kvtier's servers mark where their steps' time goes; with ``--vllm-marks``
+    too, every server (native's and no connector's included, to compare like with like)
+    marks vLLM's own step phases (``diagnostics/serve_marks``)."""
+    env = {"HF_HUB_OFFLINE": "1"}
+    if a.shape == "tiny":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    if a.timeline and (config.startswith("kvtier") or a.vllm_marks):
+        os.makedirs(a.timeline, exist_ok=True)
+        env["KVTIER_TIMELINE"] = os.path.join(a.timeline, f"{a.shape}-{config}-timeline.jsonl")
+        env["KVTIER_TIMELINE_FLUSH_S"] = "1"  # the server is killed, not shut down
+    path = (os.path.join(HERE, "diagnostics", "serve_marks"),) if a.vllm_marks else ()
+    return env, path
+
+
 def run_config(a, model_dir: str, config: str, save) -> dict:
     port = free_port()
     log = os.path.join(a.out_dir, f"server-serving-{a.shape}-{config}.log")
@@ -118,14 +134,9 @@ def run_config(a, model_dir: str, config: str, save) -> dict:
         remove(path)
     if config == "kvtier_disk":
         os.makedirs(disk_path(a))
-    env = {"HF_HUB_OFFLINE": "1"}
-    if a.shape == "tiny":
-        env["VLLM_TARGET_DEVICE"] = "cpu"
-    if a.timeline and config.startswith("kvtier"):  # kvtier's per-step marks (where time goes)
-        os.makedirs(a.timeline, exist_ok=True)
-        env["KVTIER_TIMELINE"] = os.path.join(a.timeline, f"{a.shape}-{config}-timeline.jsonl")
-        env["KVTIER_TIMELINE_FLUSH_S"] = "1"  # the server is killed, not shut down
-    server = Server(config, model_dir, serve_args(a, model_dir, config, port), port, log, env)
+    env, path = server_env(a, config)
+    server = Server(config, model_dir, serve_args(a, model_dir, config, port), port, log, env,
+                    path)
     result: dict = {"config": config, "argv": a.argv, "setup": setup(a, config), "rates": {}}
     save(result)  # replaces what an earlier run of this label left for this configuration
     t0 = time.perf_counter()
@@ -319,6 +330,9 @@ def parser() -> Parser:
                    help="serving_DEVICE.json and .md, and the servers' logs" + D)
     p.add_argument("--timeline", default=None,
                    help="a folder for each kvtier server's timeline (KVTIER_TIMELINE)")
+    p.add_argument("--vllm-marks", action="store_true",
+                   help="with --timeline: every server also marks vLLM's own step phases "
+                        "(diagnostics/vllm_marks.py; summed by diagnostics/serve_phases.py)")
     p.add_argument("--workdir", default="/tmp/kvtier-serving",
                    help="the model's config and kvtier's stats snapshot" + D)
     return p
@@ -363,6 +377,8 @@ def configure(p: Parser, argv) -> argparse.Namespace:
         p.error("--drain-s, --pool and --disk-gib: must be >= 0")
     if not 2 <= a.turns < 1000:
         p.error("--turns: 2 to 999 (a conversation of one turn reuses nothing)")
+    if a.vllm_marks and not a.timeline:
+        p.error("--vllm-marks: needs --timeline (the marks are written there)")
     a.cpu_bytes = int((cpu if a.cpu_gib is None else a.cpu_gib) * GiB)
     a.gpu_kv_bytes = int((gpu if a.gpu_kv_gib is None else a.gpu_kv_gib) * GiB)
     if a.cpu_bytes <= 0 or a.gpu_kv_bytes <= 0:

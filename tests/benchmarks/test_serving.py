@@ -351,3 +351,24 @@ def test_sync_budget_reaches_kvtiers_connector_config_only(tmp_path):
     args = serving.serve_args(default, "/model", "kvtier_cpu", 8000)
     assert "sync_load_budget_bytes" not in json.loads(
         args[args.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+
+def test_vllm_marks_time_every_servers_steps_and_need_a_timeline(tmp_path):
+    """``--vllm-marks``: native's steps are marked as kvtier's are, so a slower step under
+    load can be split into vLLM's phases for both (diagnostics/serve_phases.py)."""
+    tl = tmp_path / "tl"
+    a = serving.configure(serving.parser(), ["--shape", "1b", "--workdir", str(tmp_path),
+                                             "--timeline", str(tl), "--vllm-marks"])
+    for config in ("native", "kvtier_cpu"):
+        env, path = serving.server_env(a, config)
+        assert env["KVTIER_TIMELINE"] == str(tl / f"1b-{config}-timeline.jsonl")
+        assert len(path) == 1 and os.path.isfile(os.path.join(path[0], "sitecustomize.py"))
+    plain = serving.configure(serving.parser(), ["--shape", "1b", "--workdir", str(tmp_path),
+                                                 "--timeline", str(tl)])
+    env, path = serving.server_env(plain, "native")
+    assert "KVTIER_TIMELINE" not in env and path == ()
+    assert "KVTIER_TIMELINE" in serving.server_env(plain, "kvtier_cpu")[0]
+    bad = subprocess.run([sys.executable, SCRIPT, "--vllm-marks", "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: --vllm-marks") and bad.stderr.count("\n") == 1
