@@ -37,6 +37,13 @@ INSTANCE = textwrap.dedent("""
 """)
 
 
+def ctrl_c_as_in_a_terminal() -> None:
+    """The consumer's Ctrl-C as a user's terminal delivers it. A test run started in the
+    background of a shell without job control inherits SIGINT ignored, and so did the
+    consumer: it never saw the test's SIGINT and the wait below timed out."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_the_consumer_rebuilds_what_the_instance_holds(tmp_path):
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text(textwrap.dedent(f"""
@@ -56,7 +63,8 @@ def test_the_consumer_rebuilds_what_the_instance_holds(tmp_path):
         consumer = subprocess.Popen(
             [sys.executable, str(EXAMPLES / "block_index_consumer.py"), "--endpoint",
              ready["endpoint"], "--replay-endpoint", ready["replay_endpoint"], "--every", "0.5"],
-            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=ctrl_c_as_in_a_terminal)
         want_blocks = ", ".join(f"{t} {n}" for t, n in sorted(ready["resident"].items()))
         want_hits = ", ".join(f"{t} {n}" for t, n in sorted(ready["hits"].items()))
         deadline, seen = time.monotonic() + 120, []
