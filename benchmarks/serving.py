@@ -50,7 +50,8 @@ from serving_report import report, size  # noqa: E402
 from serving_stats import delta, hit_counters, summarize  # noqa: E402
 from serving_workload import Pool, Shape  # noqa: E402
 from vllm_e2e_engine import SHAPES, VOCAB, write_model  # noqa: E402
-from vllm_serve import device_name, free_port, server_args, snapshot_path  # noqa: E402
+from vllm_serve import (SERVE_MARKS, device_name, free_port, server_args,  # noqa: E402
+                        snapshot_path)
 
 GiB = 1 << 30
 CONFIGS = ("none", "native", "kvtier_cpu", "kvtier_disk")
@@ -123,7 +124,7 @@ def server_env(a, config: str) -> tuple[dict[str, str], tuple[str, ...]]:
         os.makedirs(a.timeline, exist_ok=True)
         env["KVTIER_TIMELINE"] = os.path.join(a.timeline, f"{a.shape}-{config}-timeline.jsonl")
         env["KVTIER_TIMELINE_FLUSH_S"] = "1"  # the server is killed, not shut down
-    path = (os.path.join(HERE, "diagnostics", "serve_marks"),) if a.vllm_marks else ()
+    path = (SERVE_MARKS,) if a.vllm_marks else ()
     return env, path
 
 

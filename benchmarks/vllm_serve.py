@@ -39,6 +39,8 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# put ahead on a server's PYTHONPATH: its processes mark vLLM's step phases (--vllm-marks)
+SERVE_MARKS = os.path.join(HERE, "diagnostics", "serve_marks")
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from serve_client import Completion, Server, complete, reset_prefix_cache  # noqa: E402
@@ -186,7 +188,7 @@ def run_config(a, model_dir: str, connector: str) -> dict:
         env["KVTIER_TIMELINE_FLUSH_S"] = "1"
     if a.shape == "tiny":
         env["VLLM_TARGET_DEVICE"] = "cpu"
-    path = (os.path.join(HERE, "diagnostics", "serve_marks"),) if a.vllm_marks else ()
+    path = (SERVE_MARKS,) if a.vllm_marks else ()
     server = Server(connector, model_dir, server_args(a, model_dir, connector, port), port, log,
                     env, path)
     t0 = time.perf_counter()
