@@ -21,9 +21,9 @@ Sections:
 * model: the manager against its reference model, ``--model-ops`` random operations.
 * soak: overlapping concurrent requests for ``--soak-s`` seconds; RSS growth after warm-up.
 
-The rig and the model checker make the vLLM connector's calls (``prepare_shared_load`` with
-joined promotions, ``kvtier.runtime.load_job`` for hops and failed keys), so "wrong blocks
-served" is about the path vLLM runs.
+The rig and the model checker make the vLLM connector's calls (``lookup`` until promotions are
+done, ``prepare_load``, ``kvtier.runtime.load_job`` to read results), so "wrong blocks served"
+is about the path vLLM runs.
 
 Exit status 1 if any section found a violation.
 """
@@ -122,7 +122,7 @@ def section_faults(root: Path, seconds: float) -> dict:
         "degradations": rig.manager.stats.disk_degradations,
         "degraded_at_end": rig.manager.stats.disk_degraded,
         "disk_blocks_stored": rig.manager.stats.stored_blocks["DISK"],
-        "loaded_blocks": dict(rig.c.loaded_blocks), "joined_blocks": rig.c.joined_blocks,
+        "loaded_blocks": dict(rig.c.loaded_blocks), "promoted_blocks": rig.c.promoted_blocks,
         "bad_blocks_indexed": bad_listed,
         "store_counters": {"write_errors": st.write_errors, "read_errors": st.read_errors,
                            "checksum_failures": st.checksum_failures},
@@ -163,7 +163,7 @@ def section_soak(root: Path, seconds: float) -> dict:
     out = {
         "requests": r.requests, "seconds": round(r.seconds, 1),
         "max_jobs_in_flight": r.max_jobs_in_flight, "max_pins": r.max_pins,
-        "loaded_blocks": dict(rig.c.loaded_blocks), "joined_blocks": rig.c.joined_blocks,
+        "loaded_blocks": dict(rig.c.loaded_blocks), "promoted_blocks": rig.c.promoted_blocks,
         "wrong_blocks": rig.c.wrong_blocks,
         "rss_first_mib": round(r.rss[0][1] / MiB, 1), "rss_last_mib": round(r.rss[-1][1] / MiB, 1),
         "rss_growth_after_warmup_mib": round(r.growth_after_warmup() / MiB, 2),
@@ -258,8 +258,8 @@ def print_report(r: dict) -> None:
     print(f"  model: {m['ops']} ops, pins checked {m['pins_checked']} times, {m['resets']} restarts, "
           f"{m['disk_degradations']} degradations, violation: {m['violation']}")
     print(f"  soak: {k['requests']} requests in {k['seconds']} s, up to {k['max_jobs_in_flight']} jobs "
-          f"in flight, loads {k['loaded_blocks']} ({k['joined_blocks']} joined a promotion in "
-          f"flight), RSS {k['rss_first_mib']} -> {k['rss_last_mib']} MiB")
+          f"in flight, loads {k['loaded_blocks']} ({k['promoted_blocks']} blocks promoted from "
+          f"disk first), RSS {k['rss_first_mib']} -> {k['rss_last_mib']} MiB")
 
 
 if __name__ == "__main__":

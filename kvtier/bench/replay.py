@@ -6,14 +6,15 @@ prefix cache of ``gpu_blocks`` engine blocks in front of kvtier (the "GPU" is ho
 machine without CUDA: GPU<->CPU figures are then memcpy figures). Per request:
 
 1. the longest prefix already in the engine cache is a GPU hit;
-2. the next run is looked up in kvtier and loaded (CPU hit, or disk hit promoted via CPU);
+2. the next run is looked up in kvtier and loaded from CPU memory (blocks held on disk or in
+   the shared tier are promoted into it first: the lookup answers "not yet" until then);
 3. the rest is "computed" (written into engine blocks) and offered to kvtier for storing.
 
-Stores, demotions and deletions run asynchronously, as in the engine; loads are waited for.
-Every job is planned and submitted with the calls the vLLM connector makes
-(``prepare_shared_load``, ``kvtier.runtime.load_job``, ``TransferEngine.submit`` of the same
-specs, ``record_load`` from the job's measured hops), so the figures, ``wrong_blocks``
-included, are about the path vLLM runs.
+Stores, promotions, demotions and deletions run asynchronously, as in the engine; loads are
+waited for. Every job is planned and submitted with the calls the vLLM connector makes
+(``prepare_load``, ``kvtier.runtime.load_job``, ``TransferEngine.submit`` of the same specs,
+``record_load`` from the job's measured hops), so the figures, ``wrong_blocks`` included, are
+about the path vLLM runs.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.config import KvtierConfig
 from kvtier.observe.events import EventPublisher, ManagerFeed, MetadataCache
 from kvtier.manager.factory import build_manager
-from kvtier.manager.specs import LoadStoreSpec, Medium, RequestContext
+from kvtier.manager.specs import BackgroundTransfer, LoadStoreSpec, Medium, RequestContext
 from kvtier.observe.metrics import MetricsExporter
-from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
-                                     transient_load_keys)
+from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops,
+                                     promotion_outcome)
 from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
@@ -150,13 +151,13 @@ class Replay:
         self.remote = open_remote_directory(config.remote, g, world_size=1, replicated=False)
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
                                      g.block_bytes, self.worker.disk_keys(), remote=self.remote)
-        self.lookup_wait_s = 0.0  # time spent waiting for the shared tier's presence answers
-        # every lookup / prepare_shared_load call of the simulated scheduler thread, timed
+        self.lookup_wait_s = 0.0  # time lookups answered "not yet" (presence, promotions)
+        # every lookup / prepare_load call of the simulated scheduler thread, timed
         self.scheduler_calls = SchedulerCallTimer()
         self.engine_cache = EngineCache(gpu_blocks)
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
-        self._background: dict[int, int] = {}
+        self._background: dict[int, BackgroundTransfer] = {}  # engine job -> transfer
         self.metadata: MetadataCache | None = None
         self.events: ManagerFeed | None = None
         if config.events is not None:  # full payloads: synthetic tokens, parents from the trace
@@ -214,7 +215,7 @@ class Replay:
     # -- asynchronous completions
     def pump(self) -> None:
         for t in self.manager.take_background_transfers():
-            self._background[self.worker.engine.submit(t.src, t.dst)] = t.id
+            self._background[self.worker.engine.submit(t.src, t.dst)] = t
         for res in self.worker.poll():
             self.result.failed_jobs += not res.ok
             if res.job_id in self._stores:
@@ -222,7 +223,15 @@ class Replay:
                 self.manager.complete_store(keys, res.ok)
                 self.engine_cache.pin(ids, -1)
             elif res.job_id in self._background:
-                self.manager.complete_background(self._background.pop(res.job_id), res.ok)
+                t = self._background.pop(res.job_id)
+                if is_promotion(t.src.medium, t.dst.medium):
+                    out = promotion_outcome(res, t.keys)
+                    for medium, nbytes, seconds in out.measured:
+                        self.manager.record_load(medium, nbytes, seconds)
+                    self.result.failed_loads += len(out.failed)
+                    self.manager.complete_background(t.id, res.ok, out.failed, out.transient)
+                else:
+                    self.manager.complete_background(t.id, res.ok)
         if self.events is not None:
             self.events.pump()
 
@@ -274,32 +283,24 @@ class Replay:
         loaded = 0
         if rest:
             hits = self._lookup(rest)
-            # loads are waited for one at a time: no promotion is ever in flight to join
-            plan = (self.scheduler_calls.call(self.manager.prepare_shared_load, rest[:hits])
+            plan = (self.scheduler_calls.call(self.manager.prepare_load, rest[:hits])
                     if hits else None)
             if plan is not None and plan.keys:
                 ids = self._allocate(plan.keys)
-                hops = load_hops(plan.keys, plan.cpu_slots, plan.from_disk, ids, 1,
-                                 from_remote=plan.from_remote)
-                res = self.worker.engine.wait([self.worker.engine.submit_chain(hops)])[0]
+                job = self.worker.engine.submit(plan.src, LoadStoreSpec.gpu(ids))
+                res = self.worker.engine.wait([job])[0]
                 for medium, nbytes, seconds in measured_hops(res):
                     self.manager.record_load(medium, nbytes, seconds)
                 self.engine_cache.pin(ids, -1)
-                disk_keys = [k for k, d in zip(plan.keys, plan.from_disk) if d]
-                remote_keys = [k for k, r in zip(plan.keys, plan.from_remote) if r]
-                failed = failed_load_keys(res, disk_keys, remote_keys=remote_keys)
-                self.manager.complete_load(plan.keys, failed, transient_load_keys(res, failed))
+                self.manager.complete_load(plan.keys)  # a copy that failed fails no key
                 self.result.failed_jobs += not res.ok
-                untrusted = gpu_untrusted(res)  # a hop raised: recompute every block
                 good = 0
-                remote = plan.from_remote or (False,) * len(plan.keys)
-                for key, block, from_disk, from_remote in zip(plan.keys, ids, plan.from_disk,
-                                                              remote):
-                    if untrusted or key in failed:
+                sources = plan.sources or (Medium.CPU,) * len(plan.keys)
+                for key, block, source in zip(plan.keys, ids, sources):
+                    if gpu_untrusted(res):  # the copy raised: recompute every block
                         break
                     self.result.wrong_blocks += not self._gpu_matches(key, block)
-                    tier = "REMOTE" if from_remote else "DISK" if from_disk else "CPU"
-                    self._count(tier, req, n_gpu + good, 1)
+                    self._count(source.value, req, n_gpu + good, 1)
                     good += 1
                 loaded = good
                 self.result.failed_loads += len(plan.keys) - good

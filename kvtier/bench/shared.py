@@ -87,6 +87,6 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
                                "store": max(_gbps(r, "CPU->REMOTE") for r in (ra, rb))},
         "bandwidth": bandwidth,  # tier vs the raw ceiling, isolated, same run
         "bandwidth_share": bandwidth["share"],
-        # the scheduler thread's lookup + prepare_shared_load calls of both instances
+        # the scheduler thread's lookup + prepare_load calls of both instances
         "scheduler_calls": calls,
     }

@@ -47,7 +47,9 @@ class OffloadingManager(ABC):
     @abstractmethod
     def lookup(self, keys: Sequence[BlockKey], sighting: bool = True,
                ends_prompt: bool = False) -> LookupResult:
-        """Leading run of ``keys`` that is ready to load, and the tier of each hit.
+        """Leading run of ``keys`` that is ready to load from CPU memory. Blocks held in a
+        lower tier (disk, shared tier) are promoted into CPU memory first: the lookup starts
+        that (a background transfer) and answers ``pending`` until they are there.
 
         ``sighting``: count this as one sighting of the keys for admission. A caller asking
         again about the same request (vLLM does, every step it waits) passes False.
@@ -56,13 +58,8 @@ class OffloadingManager(ABC):
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
-        """Pin the (looked-up) ``keys`` for reading; may cover a shorter prefix than asked."""
-
-    def prepare_shared_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
-        """``prepare_load`` that may join another load's in-flight DISK -> CPU promotion
-        (``LoadPlan.joined``) instead of stopping at it; see the tiered manager for the
-        caller's duties. Default: no sharing, exactly ``prepare_load`` (no key is joined)."""
-        return self.prepare_load(keys)
+        """Pin the (looked-up) ``keys``, READY in CPU memory, for one CPU -> GPU copy; may
+        cover a shorter prefix than asked."""
 
     @abstractmethod
     def touch(self, keys: Sequence[BlockKey]) -> None:
@@ -75,7 +72,7 @@ class OffloadingManager(ABC):
         their tier (corrupt or missing record, or the read itself failed): the manager
         forgets them, so they are never offered again. A key whose tier was read but whose
         copy to the GPU failed is *not* failed: its bytes are fine
-        (``kvtier.runtime.load_job.failed_load_keys`` tells the two apart). ``transient``:
+        (``kvtier.runtime.load_job`` tells the two apart). ``transient``:
         those of ``failed`` whose read failed for a reason that says nothing about the
         record (EIO, EMFILE, ENOMEM ...): counted apart from corruption."""
 
@@ -92,13 +89,18 @@ class OffloadingManager(ABC):
 
     # ------------------------------------------------------------------ background work
     def take_background_transfers(self) -> list[BackgroundTransfer]:
-        """Moves the manager wants on its own account (demotions, deletions), each to be run
+        """Moves the manager wants on its own account (promotions, demotions, deletions,
+        shared-tier writes), each to be run
         on every worker and reported once with ``complete_background``. Default: none."""
         return []
 
-    def complete_background(self, transfer_id: int, success: bool = True) -> None:
+    def complete_background(self, transfer_id: int, success: bool = True,
+                            failed: Collection[BlockKey] = (),
+                            transient: Collection[BlockKey] = ()) -> None:
         """Settle a transfer from ``take_background_transfers`` (on every worker: ``success``
-        only if it worked on all of them). Default: there are none, so any id is unknown."""
+        only if it worked on all of them). ``failed``: keys a promotion could not read from
+        their tier (forgotten), ``transient`` those of them that failed for a reason that says
+        nothing about the record. Default: there are none, so any id is unknown."""
         raise KeyError(f"unknown background transfer {transfer_id}")
 
     # ------------------------------------------------------------------ cost model
@@ -106,9 +108,9 @@ class OffloadingManager(ABC):
         """A load hop out of ``medium`` moved ``nbytes`` in ``seconds``. Default: ignored."""
 
     def record_promotion(self, medium: Medium, nbytes: int, seconds: float) -> None:
-        """A load promoted ``nbytes`` out of ``medium`` (DISK, REMOTE) and the request waited
-        ``seconds`` for it, planning to settling: what the hops do not see (engine steps)
-        is the tier's fixed cost per load. Default: ignored."""
+        """A promotion moved ``nbytes`` out of ``medium`` (DISK, REMOTE) and took ``seconds``
+        from the lookup that started it to its settling: what the hops do not see (engine
+        steps) is the tier's fixed cost per load. Default: ignored."""
 
     def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
         """The engine's measured prefill time per token. Default: ignored."""

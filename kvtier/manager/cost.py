@@ -195,7 +195,7 @@ class LoadCostModel:
 
     def record_promotion(self, medium: Medium, nbytes: float, seconds: float) -> None:
         """A promotion out of ``medium`` that the request waited ``seconds`` for, planning to
-        settling (connectors/promotion_clock.py). The hops teach the bandwidths; the time
+        settling (the manager times its own promotions). The hops teach the bandwidths; the time
         beyond them (engine steps until the read is seen, the step that loads it) is the
         tier's fixed cost per load: in real vLLM, the hops' bandwidth alone made small-model
         disk hits look cheaper than recompute while requests waited longer (figures:

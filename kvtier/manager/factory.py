@@ -69,6 +69,7 @@ def build_manager(
         initial_disk_keys=initial_disk_keys,
         stale_disk_keys=stale_disk_keys,
         cost=build_cost_model(config, block_bytes),
+        block_bytes=block_bytes,
         **_remote_args(config, block_bytes, remote),
     )
     adm = config.admission

@@ -10,11 +10,10 @@ The manager cannot index the shared tier (other instances write and the server e
 * ``lookup`` asks a :class:`~kvtier.tiers.remote.directory.RemoteDirectory` about the keys
   after the local hits. It never waits: keys still being asked make the result ``pending``
   (the connector answers vLLM "not yet", and vLLM asks again next step).
-* ``prepare_load`` promotes a remote hit like a disk hit: a CPU slot is reserved (WRITING,
-  ``promoted``) and the worker runs REMOTE -> CPU -> GPU. ``complete_load`` publishes it, or,
-  when the read missed (evicted meanwhile, corrupt, server down), frees the slot and forgets
-  the answer. A remote promotion is never joined by a second load (a joined load would need
-  to be ordered after it by the caller); the second load stops there and recomputes.
+* A remote hit is promoted like a disk hit: the lookup that finds it reserves a CPU slot
+  (WRITING, ``promoted``) and queues a REMOTE -> CPU read; settling it publishes the block,
+  or, when the read missed (evicted meanwhile, corrupt, server down), frees the slot and
+  forgets the answer.
 * ``complete_store`` queues a CPU -> REMOTE write of the newly stored blocks that the shared
   tier admits and does not hold yet, at most ``max_writes`` blocks at once. The CPU slot is
   pinned (a reader) until the write is reported, so it cannot be evicted or reused under it.
@@ -86,13 +85,9 @@ class RemoteTier:
             tiers.append(Medium.REMOTE)
         return False
 
-    def promotable(self, key: BlockKey) -> bool:
-        """Whether ``promote`` would take the key (room permitting): the server holds it."""
-        return self.directory is not None and self.directory.known_present(key)
-
     def promote(self, key: BlockKey) -> Entry | None:
-        """``prepare_load`` of a key held nowhere locally: a CPU slot reserved for its
-        REMOTE -> CPU hop (WRITING, promoted), or None (not held there, or no free slot)."""
+        """A lookup's promotion of a key held nowhere locally: a CPU slot reserved for its
+        REMOTE -> CPU read (WRITING, promoted), or None (not held there, or no free slot)."""
         if self.directory is None or not self.directory.known_present(key):
             return None
         if not self._make_room(1):
@@ -104,7 +99,7 @@ class RemoteTier:
         return entry
 
     def settle_promotion(self, key: BlockKey, bad: bool) -> bool:
-        """``complete_load`` of a promoted key: True when it came from the shared tier."""
+        """A settled promotion of ``key``: True when it came from the shared tier."""
         if key not in self.promotions:
             return False
         self.promotions.discard(key)
@@ -196,7 +191,7 @@ class RemoteTier:
         self._drain()
 
     def count_hits(self, keys: Sequence[BlockKey]) -> None:
-        """``prepare_load`` promoted ``keys`` from the shared tier: counted, and an event."""
+        """``prepare_load`` loads ``keys`` promoted from the shared tier: counted, an event."""
         self.stats.hit_blocks["REMOTE"] += len(keys)
         self.events.emit(BlockAccessed(Medium.REMOTE, tuple(keys)))
 

@@ -92,22 +92,23 @@ class LookupResult:
 
 @dataclass(frozen=True)
 class LoadPlan:
-    """What ``prepare_load`` reserved. ``keys`` may be shorter than asked (no CPU slot free for
-    a disk hit's promotion): the caller loads only these and recomputes the rest.
+    """What ``prepare_load`` pinned: the leading READY CPU blocks of the keys asked, each in
+    ``cpu_slots[i]`` (``keys`` may be shorter than asked: the caller loads only these and
+    recomputes the rest). A load is one CPU -> GPU copy; blocks held below the CPU tier were
+    promoted into it first (the lookup's "not yet").
 
-    For each key: ``cpu_slots[i]`` holds (CPU hit) or will hold (disk hit, promoted) the block;
-    ``from_disk[i]`` says whether a DISK -> CPU hop must run before CPU -> GPU.
-
-    ``joined[i]`` (only from ``prepare_shared_load``; empty otherwise) marks a key whose
-    DISK -> CPU promotion another load already has in flight: this load reads the same CPU slot
-    once that promotion is done instead of reading the disk again.
+    ``sources[i]`` (empty when every block was a CPU hit): the tier block i was promoted from
+    for this load (DISK, REMOTE) or CPU: where the hit came from, for stats and vLLM's hit
+    sources.
     """
 
     keys: tuple[BlockKey, ...]
     cpu_slots: tuple[int, ...]
-    from_disk: tuple[bool, ...]
-    joined: tuple[bool, ...] = ()
-    from_remote: tuple[bool, ...] = ()  # REMOTE -> CPU hop first (empty: no shared-tier hits)
+    sources: tuple[Medium, ...] = ()
+
+    @property
+    def src(self) -> LoadStoreSpec:
+        return LoadStoreSpec.cpu(self.cpu_slots)
 
 
 @dataclass(frozen=True)

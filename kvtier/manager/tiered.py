@@ -7,11 +7,15 @@
   at once. Eviction takes clean blocks first and drops dirty ones only when write-back is
   behind (see ``_evict_cpu``); a block being read (a load, a demotion) or written is never
   evicted. A store that finds no unpinned slot is cut short (counted) instead of blocking.
-* A disk hit is promoted: ``prepare_load`` reserves a CPU slot for it; the worker runs
-  DISK -> CPU then CPU -> GPU; ``complete_load`` publishes the CPU copy.
+* A block held only below the CPU tier (disk, shared tier) is promoted before it is loaded:
+  the ``lookup`` that finds it reserves a CPU slot (WRITING, ``promoted``), queues the
+  DISK -> CPU (or REMOTE -> CPU) read as a background transfer and answers "not yet"
+  (``LookupResult.pending``); ``complete_background`` publishes the block, and the next
+  lookup finds it in CPU memory. Every load is then one CPU -> GPU copy of READY slots, and
+  requests after the same blocks wait for the same promotion (vLLM's secondary-tier model).
 * The shared tier (Redis/Valkey; ``RemoteTier`` in ``remote_tier.py``): lookups ask a presence
-  directory without waiting (``LookupResult.pending``), a hit is promoted REMOTE -> CPU like a
-  disk hit, stored CPU blocks are written back behind the tier's admission.
+  directory without waiting (``LookupResult.pending``), a hit is promoted like a disk hit,
+  stored CPU blocks are written back behind the tier's admission.
 * Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
   come out of ``take_background_transfers`` and are reported back through
   ``complete_background``.
@@ -25,6 +29,7 @@ moves in flight), ``writeback`` (:class:`WriteBack`: demotions, disk evictions, 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Collection, Iterable, Sequence
 
@@ -43,6 +48,7 @@ from kvtier.manager.specs import (
     BackgroundTransfer,
     BlockKey,
     LoadPlan,
+    LoadStoreSpec,
     LookupResult,
     Medium,
     RequestContext,
@@ -76,6 +82,7 @@ class TieredOffloadingManager(OffloadingManager):
         remote_admission: AdmissionPolicy | None = None,
         remote_max_writes: int = 256,
         remote_capacity_blocks: int | None = None,
+        block_bytes: int = 0,
     ) -> None:
         self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
         self.disk = (
@@ -94,7 +101,10 @@ class TieredOffloadingManager(OffloadingManager):
         self._early_loads: deque[tuple[bool, Medium, int, float]] = deque(maxlen=EARLY_LOADS)
         self.stats = ManagerStats()
         self.events = EventBus()
-        self._failed_promotions: set[BlockKey] = set()  # failed, still pinned by joined loads
+        self.block_bytes = block_bytes  # sizes a promotion for the cost model
+        self._promotions: dict[int, float] = {}  # promotion transfer id -> when it started
+        self._clock = time.monotonic  # times promotions for the cost model (tests set it)
+        self._promoted_from: dict[BlockKey, Medium] = {}  # promoted, not loaded yet: origin
         self.background = BackgroundQueue()
         self.writeback = WriteBack(
             cpu=self.cpu, disk=self.disk, admission=self.disk_admission,
@@ -146,27 +156,112 @@ class TieredOffloadingManager(OffloadingManager):
                 self.disk_admission.record_lookup(keys)
         n = self.cpu.ready_prefix(keys)
         tiers: list[Medium] = [Medium.CPU] * n
-        cpu_ready = self.cpu.is_ready
-        disk_ready = self.disk.is_ready if self.disk is not None else (lambda _key: False)
-        for key in keys[n:] if self.disk is not None else ():
-            if cpu_ready(key):
-                tiers.append(Medium.CPU)
-            elif disk_ready(key):
-                tiers.append(Medium.DISK)
-            else:
-                break
+        if n < len(keys) and (self.disk is not None or self.remote is not None):
+            self._extend_local(keys, tiers)
         if self.remote_tier.extend_lookup(keys, tiers):  # the server's answer is on its way
-            return LookupResult(tuple(tiers), pending=True)
+            return LookupResult(tuple(tiers[:self._cpu_run(tiers)]), pending=True)
         if self.cost is not None and tiers:
             keep = self.cost.worth_loading(tiers, ends_prompt and len(tiers) == len(keys))
             for medium in tiers[keep:]:  # resident, but recomputing them is faster
                 self.stats.skipped_slower_than_recompute[medium.value] += 1
             del tiers[keep:]
-        return LookupResult(tuple(tiers))
+        first = self._cpu_run(tiers)
+        if first == len(tiers):
+            return LookupResult(tuple(tiers))
+        # Blocks below the CPU tier: promoted into it first; the hit is "not yet" until then
+        # (every load is then one CPU -> GPU copy, and requests after the same blocks wait
+        # for the same promotion)
+        if self._promote(keys, tiers, first):
+            return LookupResult(tuple(tiers[:first]), pending=True)
+        return LookupResult(tuple(tiers[:first]))
+
+    @staticmethod
+    def _cpu_run(tiers: Sequence[Medium]) -> int:
+        """Length of the leading run of CPU hits in ``tiers``."""
+        for i, medium in enumerate(tiers):
+            if medium is not Medium.CPU:
+                return i
+        return len(tiers)
+
+    def _extend_local(self, keys: Sequence[BlockKey], tiers: list[Medium]) -> None:
+        """Extend ``tiers`` past the READY CPU prefix: READY CPU blocks, blocks being promoted
+        (their source tier) and disk blocks, up to the first key none of those holds."""
+        cpu, disk, promotions = self.cpu, self.disk, self.remote_tier.promotions
+        for key in keys[len(tiers):]:
+            entry = cpu.get(key)
+            if entry is not None:
+                if entry.state is BlockState.READY:
+                    tiers.append(Medium.CPU)
+                elif entry.promoted:
+                    tiers.append(Medium.REMOTE if key in promotions else Medium.DISK)
+                else:  # being stored: not readable yet
+                    break
+            elif disk is not None and disk.is_ready(key):
+                tiers.append(Medium.DISK)
+            else:
+                break
+
+    def _promote(self, keys: Sequence[BlockKey], tiers: Sequence[Medium], first: int) -> bool:
+        """Start the promotion into the CPU tier of every block of ``keys[first:len(tiers)]``
+        held below it (``tiers``) and not being promoted yet, in key order, up to the first
+        one no CPU slot can be made for. One background transfer per source tier. True when
+        some block of the hit is being promoted now (the lookup answers "not yet")."""
+        wanted = [i for i in range(first, len(tiers))
+                  if tiers[i] is not Medium.CPU and keys[i] not in self.cpu]
+        promoting = len(wanted) < sum(1 for m in tiers[first:] if m is not Medium.CPU)
+        if not wanted:
+            return promoting
+        # the hit's READY blocks must not make room for the rest of it
+        held = [k for k, m in zip(keys, tiers) if m is Medium.CPU]
+        for key in held:
+            self.cpu.ready(key).readers += 1
+        try:
+            room = self._room_for(len(wanted))
+        finally:
+            for key in held:
+                self.cpu.ready(key).readers -= 1
+        if room < len(wanted):
+            self.stats.load_truncated_no_space += 1
+            wanted = wanted[:room]
+        disk_keys: list[BlockKey] = []
+        disk_slots: list[int] = []
+        remote_keys: list[BlockKey] = []
+        remote_slots: list[int] = []
+        for i in wanted:
+            key = keys[i]
+            if tiers[i] is Medium.DISK:
+                d = self.disk.ready(key)
+                d.readers += 1
+                self.disk.policy.access(key)
+                self.disk_admission.on_hit(key)
+                entry = self.cpu.add(key, BlockState.WRITING)
+                entry.promoted = entry.on_disk = True
+                disk_keys.append(key), disk_slots.append(entry.slot)
+            else:
+                entry = self.remote_tier.promote(key)
+                if entry is None:  # the directory forgot it meanwhile
+                    break
+                remote_keys.append(key), remote_slots.append(entry.slot)
+        now = self._clock()
+        if disk_keys:
+            self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_keys)))
+            t = self.background.queue(LoadStoreSpec.disk(disk_keys),
+                                      LoadStoreSpec.cpu(disk_slots), disk_keys)
+            self._promotions[t.id] = now
+        if remote_keys:
+            t = self.background.queue(LoadStoreSpec.remote(remote_keys),
+                                      LoadStoreSpec.cpu(remote_slots), remote_keys)
+            self._promotions[t.id] = now
+        return promoting or bool(disk_keys or remote_keys)
+
+    def _room_for(self, n: int) -> int:
+        """Free CPU slots for up to ``n`` promotions (one eviction pass, not one per block)."""
+        self.eviction.make_room(n)
+        return min(n, self.cpu.free_count)
 
     def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
-        """A load hop out of ``medium`` moved ``nbytes`` in ``seconds`` (DISK: the DISK -> CPU
-        hop of a promotion; CPU: CPU -> GPU). Feeds the cost model; a no-op without one."""
+        """A hop out of ``medium`` moved ``nbytes`` in ``seconds`` (DISK, REMOTE: the read of
+        a promotion; CPU: a CPU -> GPU load). Feeds the cost model; a no-op without one."""
         if self.cost is not None:
             self.cost.record_load(medium, nbytes, seconds)
         else:
@@ -196,112 +291,29 @@ class TieredOffloadingManager(OffloadingManager):
             self.cost.set_recompute(s_per_token, block_tokens)
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
-        return self._prepare_load(keys, join=False)
-
-    def prepare_shared_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
-        """``prepare_load`` that shares in-flight promotions instead of stopping at them.
-
-        Many requests often hit one popular prefix at once (vLLM #44294). When a key's DISK ->
-        CPU promotion is already in flight for another load, this load joins it (``joined[i]``):
-        it pins the same CPU slot and reads it once the promotion is done, so the disk is read
-        once and the second request neither recomputes nor waits for the first one's whole load.
-        The caller must (1) run a joined key's CPU -> GPU copy only after the promoting load's
-        DISK -> CPU hop finished, treating keys that hop failed as failed, and (2) call
-        ``complete_load`` for the joined keys only after the promoting load's ``complete_load``.
-        """
-        return self._prepare_load(keys, join=True)
-
-    def _prepare_load(self, keys: Sequence[BlockKey], join: bool) -> LoadPlan:
-        # The leading CPU hits (nearly every load) in one tight pass, then the rest
-        slots: list[int] = self.cpu.pin_ready_prefix(keys)  # CPU handles are slot ids
-        m = len(slots)
-        prefix = list(keys[:m])
-        out_keys: list[BlockKey] = list(prefix)
-        from_disk: list[bool] = [False] * m
-        joined: list[bool] = [False] * m
-        cpu_hits: list[BlockKey] = list(prefix)
-        disk_hits: list[BlockKey] = []
-        touched: list[tuple] = []  # (policy, key) after the prefix, applied last-to-first
-        from_remote: list[bool] = [False] * m
-        remote_hits: list[BlockKey] = []
-        self.cpu_admission.on_hits(prefix)
-        make_room, remote = self.eviction.make_room, self.remote_tier
-        if m < len(keys):
-            make_room(self._promotions_ahead(keys, m))  # one eviction, not one each
-        for key in keys[m:]:
-            entry = self.cpu.ready(key)
-            if entry is not None:
-                entry.readers += 1
-                touched.append((self.cpu.policy, key))
-                self.cpu_admission.on_hit(key)
-                cpu_hits.append(key)
-                out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
-                joined.append(False), from_remote.append(False)
-                continue
-            entry = self.cpu.get(key)
-            if (join and entry is not None and entry.promoted and entry.state is BlockState.WRITING
-                    and key not in remote.promotions):
-                entry.readers += 1  # pins the slot past the promotion's own completion
-                touched.append((self.disk.policy, key))
-                disk_hits.append(key)
-                out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
-                joined.append(True), from_remote.append(False)
-                continue
-            d = self.disk.ready(key) if self.disk is not None else None
-            if key in self.cpu:  # a promotion of it already in flight
-                break
-            if d is None:  # held by the shared tier, or a miss
-                entry = remote.promote(key)
-                if entry is None:
-                    break
-                remote_hits.append(key)
-                out_keys.append(key), slots.append(entry.slot), from_disk.append(False)
-                joined.append(False), from_remote.append(True)
-                continue
-            if not make_room(1):
-                self.stats.load_truncated_no_space += 1
-                break
-            d.readers += 1
-            touched.append((self.disk.policy, key))
-            self.disk_admission.on_hit(key)
-            entry = self.cpu.add(key, BlockState.WRITING)
-            entry.promoted = entry.on_disk = True
-            disk_hits.append(key)
-            out_keys.append(key), slots.append(entry.slot), from_disk.append(True)
-            joined.append(False), from_remote.append(False)
+        slots = self.cpu.pin_ready_prefix(keys)  # CPU handles are slot ids
+        got = list(keys[:len(slots)])
+        sources: tuple[Medium, ...] = ()
+        if self._promoted_from:  # blocks promoted for this load: counted as their tier's hits
+            pop = self._promoted_from.pop
+            origin = [pop(key, Medium.CPU) for key in got]
+            if any(m is not Medium.CPU for m in origin):
+                sources = tuple(origin)
+        self.cpu_admission.on_hits(got)
         # Last-to-first, so the prefix's first block ends up the most recent: it is needed
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
-        for policy, key in reversed(touched):
-            policy.access(key)
-        self.cpu.policy.access_at(prefix[::-1], slots[m - 1::-1] if m else ())
-        self.stats.hit_blocks["CPU"] += len(cpu_hits)
-        self.stats.hit_blocks["DISK"] += len(disk_hits)
-        self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
-        self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_hits)))
-        if remote_hits:
-            remote.count_hits(remote_hits)
-        return LoadPlan(tuple(out_keys), tuple(slots), tuple(from_disk),
-                        tuple(joined) if join else (),
-                        tuple(from_remote) if remote_hits else ())
-
-    def _promotions_ahead(self, keys: Sequence[BlockKey], start: int) -> int:
-        """How many of ``keys[start:]`` a load would promote into new CPU slots (from disk, or
-        from the shared tier), up to the first key it could not serve that way (absent, or in
-        the CPU tier but not READY). Makes room for them in one eviction: block by block, each
-        eviction walked the cold end again, past every slot pinned there (a remote write pins
-        its slot): quadratic in a long REMOTE hit, tens of milliseconds of the scheduler's step
-        (docs/design-measurements.md), and one event per block."""
-        cpu, disk, remote, n = self.cpu, self.disk, self.remote_tier, 0
-        for key in keys[start:]:
-            if cpu.is_ready(key):
-                continue
-            if key in cpu:
-                break
-            if (disk is not None and disk.is_ready(key)) or remote.promotable(key):
-                n += 1
-                continue
-            break
-        return n
+        self.cpu.policy.access_at(got[::-1], slots[::-1])
+        if sources:
+            disk_hits = sum(1 for m in sources if m is Medium.DISK)
+            remote_hits = [k for k, m in zip(got, sources) if m is Medium.REMOTE]
+            self.stats.hit_blocks["CPU"] += len(got) - disk_hits - len(remote_hits)
+            self.stats.hit_blocks["DISK"] += disk_hits
+            if remote_hits:
+                self.remote_tier.count_hits(remote_hits)
+        else:
+            self.stats.hit_blocks["CPU"] += len(got)
+        self.events.emit(BlockAccessed(Medium.CPU, tuple(got)))
+        return LoadPlan(tuple(got), tuple(slots), sources)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         rest = self.cpu.access(keys)
@@ -310,48 +322,51 @@ class TieredOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = (),
                       transient: Collection[BlockKey] = ()) -> None:
+        # A load only read its CPU slots: the pins drop, failed or not. A key whose read
+        # failed is forgotten once nothing else reads it (a CPU -> GPU copy that failed is not
+        # a failed key: the caller reports only keys whose tier could not be read).
+        self.stats.protocol_errors += len(self.cpu.unpin_ready(keys))
         failed = set(failed)
-        published: list[BlockKey] = []
-        unreadable: list[BlockKey] = []  # disk blocks forgotten: deleted on every rank
-        # CPU hits (READY and pinned) only drop their pin, failed or not: the CPU -> GPU hop
-        # reads the slot and never writes it. The rest (promotions, joins) below.
-        for key in self.cpu.unpin_ready(keys):
+        for key in failed:
             entry = self.cpu.get(key)
-            if entry is None:
-                self.stats.protocol_errors += 1
-                continue
-            if entry.promoted and entry.state is BlockState.WRITING:
-                if not self.remote_tier.settle_promotion(key, bad=key in failed):
-                    if self._release_disk_reader(key, bad=key in failed):
-                        unreadable.append(key)
-                if key in failed and entry.readers > 0:
-                    # joined loads still pin the slot; they fail too, the last one frees it
-                    entry.promoted = False
-                    self._failed_promotions.add(key)
-                elif key in failed:
-                    self.cpu.remove(key)
-                else:
-                    entry.state, entry.promoted = BlockState.READY, False
-                    published.append(key)
-            elif key in self._failed_promotions:  # a load that joined a failed promotion
-                if entry.readers <= 0:
-                    self.stats.protocol_errors += 1
-                    continue
-                entry.readers -= 1
-                if entry.readers == 0:
-                    self._failed_promotions.discard(key)
-                    self.cpu.remove(key)
-            elif entry.readers > 0:
-                # A CPU hit only had its CPU -> GPU hop, which reads the slot and never writes
-                # it: whatever failed (the hop, or another hop of the same job), the CPU bytes
-                # are intact, so the block stays. Freeing it here freed a slot that a queued
-                # demotion or another load still read: the next store reused it and the
-                # demotion wrote that store's bytes to disk under this key (issue 14.1).
-                entry.readers -= 1
-            else:
-                self.stats.protocol_errors += 1
+            if entry is not None and entry.readers == 0 and entry.state is BlockState.READY:
+                self.cpu.remove(key)
         self.stats.failed_loads += len(failed)
         self.stats.failed_loads_transient += len(failed.intersection(transient))
+        self.writeback.plan(completion=True)
+
+    def _promotion_done(self, t: BackgroundTransfer, success: bool,
+                        failed: Collection[BlockKey], transient: Collection[BlockKey]) -> None:
+        """Settle a promotion (DISK or REMOTE -> CPU): the blocks read become READY CPU
+        blocks; those that could not be read free their slot and are forgotten below."""
+        started = self._promotions.pop(t.id, None)
+        bad_keys = set(t.keys) if not success else set(failed)
+        published: list[BlockKey] = []
+        unreadable: list[BlockKey] = []  # disk blocks forgotten: deleted on every rank
+        medium = t.src.medium
+        for key in t.keys:
+            bad = key in bad_keys
+            entry = self.cpu.get(key)
+            if entry is None or not entry.promoted:
+                self.stats.protocol_errors += 1
+                continue
+            if medium is Medium.REMOTE:
+                self.remote_tier.settle_promotion(key, bad=bad)
+            elif self._release_disk_reader(key, bad=bad):
+                unreadable.append(key)
+            if bad:
+                self.cpu.remove(key)
+                continue
+            entry.state, entry.promoted = BlockState.READY, False
+            published.append(key)
+            self._promoted_from[key] = medium
+        if len(self._promoted_from) > self.cpu.capacity:  # origins never loaded: only stats
+            self._promoted_from.clear()
+        self.stats.failed_loads += len(bad_keys)
+        self.stats.failed_loads_transient += len(bad_keys.intersection(transient))
+        if published and started is not None:  # what a request waits for a promotion
+            self.record_promotion(medium, len(published) * self.block_bytes,
+                                  self._clock() - started)
         self.writeback.drop_everywhere(unreadable)
         self.events.emit(BlockStored(Medium.CPU, tuple(published)))
         self.writeback.plan(completion=True)
@@ -445,12 +460,16 @@ class TieredOffloadingManager(OffloadingManager):
     def take_background_transfers(self) -> list[BackgroundTransfer]:
         return self.background.take()
 
-    def complete_background(self, transfer_id: int, success: bool = True) -> None:
+    def complete_background(self, transfer_id: int, success: bool = True,
+                            failed: Collection[BlockKey] = (),
+                            transient: Collection[BlockKey] = ()) -> None:
         t = self.background.settle(transfer_id)
         if t is None:
             self.stats.protocol_errors += 1
             return
-        if t.dst.medium is Medium.REMOTE:
+        if t.id in self._promotions:
+            self._promotion_done(t, success, failed, transient)
+        elif t.dst.medium is Medium.REMOTE:
             self.remote_tier.write_done(t, success)
         elif t.dst.medium is Medium.DROP:
             self.writeback.drop_done(t)

@@ -1,9 +1,10 @@
 """The manager against a reference model, one operation at a time, invariants after each.
 
-``ManagerModel`` drives a real TieredOffloadingManager the way the connector does (loads are
-planned with ``prepare_shared_load`` and may join another load's in-flight promotion, settling
-only after it and failing what it failed; every plan is later completed once; background
-transfers are taken after every call) and simulates the worker side with plain dictionaries: which key's bytes sit in which CPU slot, which keys have a
+``ManagerModel`` drives a real TieredOffloadingManager the way the connector does (a lookup that
+finds disk blocks starts their promotion into CPU memory, a background transfer, and answers
+"not yet"; a load is planned with ``prepare_load`` over READY CPU blocks only; every plan is
+later completed once; background transfers are taken after every call) and simulates the
+worker side with plain dictionaries: which key's bytes sit in which CPU slot, which keys have a
 record on disk. After every operation ``check()`` proves:
 
 * capacity: no tier over capacity; CPU slots unique, in range, and free + used == capacity;
@@ -53,8 +54,10 @@ class ModelCounts:
     degradations: int = 0
     pins_checked: int = 0
     cpu_hits: int = 0
-    joined_hits: int = 0
-    disk_hits: int = 0
+    disk_hits: int = 0  # loads of blocks promoted from disk
+    pending_lookups: int = 0  # lookups answered "not yet" (a promotion in flight)
+    promotions: int = 0
+    failed_promotions: int = 0
     demotions: int = 0
     drops: int = 0
 
@@ -82,9 +85,6 @@ class ManagerModel:
         self.slot_data: dict[int, bytes] = {}
         self.stores: dict[int, object] = {}
         self.loads: dict[int, object] = {}
-        self.after: dict[int, set[int]] = {}  # load -> promoting loads it joined
-        self.promoting: dict[bytes, int] = {}  # key -> load promoting it from disk
-        self.promotion_failed: dict[int, set[bytes]] = {}  # settled promoting load -> failed
         self.bg: dict[int, object] = {}
         self.probes: set[int] = set()
         self._next = 0
@@ -106,6 +106,9 @@ class ManagerModel:
         """Take new background transfers (as the connector does each step) and events."""
         for t in self.m.take_background_transfers():
             self.bg[t.id] = t
+            if t.dst.medium is Medium.CPU:  # a promotion reads a record the disk holds
+                for key in t.keys:
+                    assert key in self.disk_data, "promotion of a key with no record on disk"
             if t.dst.medium is Medium.DISK:
                 for key, slot in zip(t.keys, t.src.ids):
                     assert self.slot_data.get(slot) == key, "demotion reads a slot not holding its key"
@@ -152,79 +155,62 @@ class ManagerModel:
             self.slot_data[slot] = key if ok else GARBAGE
         self._call("complete_store", self.m.complete_store, plan.keys, ok)
 
+    def _promoting(self) -> set[bytes]:
+        return {k for t in self.bg.values() if t.dst.medium is Medium.CPU for k in t.keys}
+
     def load(self, idx: list[int]) -> None:
         keys = [mk(i) for i in idx]
-        hits = self._call("lookup", self.m.lookup, keys).num_hits
-        plan = self._call("prepare_shared_load", self.m.prepare_shared_load, keys[:hits])
-        assert plan.keys == tuple(keys[: len(plan.keys)])
-        joined = plan.joined or (False,) * len(plan.keys)
-        writing = {k for p in self.stores.values() for k in p.keys}
-        promoting = {k for p in self.loads.values() for k, d in zip(p.keys, p.from_disk) if d}
-        after: set[int] = set()
-        for key, slot, from_disk, j in zip(plan.keys, plan.cpu_slots, plan.from_disk, joined):
-            assert key not in writing, "a block being written was handed out for reading"
-            if j:  # shares the slot another load's promotion is filling
-                assert not from_disk and key in promoting, "joined a promotion not in flight"
-                op = self.promoting[key]
-                assert self.loads[op].cpu_slots[self.loads[op].keys.index(key)] == slot
-                after.add(op)
-                continue
-            assert key not in promoting, "a block being promoted was handed out for reading"
-            if not from_disk:
-                assert self.slot_data.get(slot) == key, "CPU hit points at another block's bytes"
-            else:
-                assert key in self.disk_data, "disk hit for a key with no record on disk"
-        if plan.keys:
-            op = self._id()
-            self.loads[op] = plan
-            self.after[op] = after
-            for key, from_disk in zip(plan.keys, plan.from_disk):
-                if from_disk:
-                    self.promoting[key] = op
-            self.counts.disk_hits += sum(plan.from_disk)
-            self.counts.joined_hits += sum(joined)
-            self.counts.cpu_hits += len(plan.keys) - sum(plan.from_disk) - sum(joined)
-
-    def complete_load(self, pick: int, corrupt: bool) -> None:
-        # a load that joined promotions settles after them (the connector parks it)
-        ready = sorted(op for op in self.loads if not self.after[op] & set(self.loads))
-        if not ready:
+        found = self._call("lookup", self.m.lookup, keys)
+        if found.pending:  # a promotion is on its way: the request asks again later
+            self.counts.pending_lookups += 1
+            assert self._promoting() & set(keys), "pending with no promotion of its keys"
             return
-        op = ready[pick % len(ready)]
-        plan = self.loads.pop(op)
-        joined_from = self.after.pop(op)
-        failed_joined = set().union(*(self.promotion_failed.get(d, set()) for d in joined_from))
-        failed = []
-        for key, slot, from_disk, j in zip(plan.keys, plan.cpu_slots, plan.from_disk,
-                                            plan.joined or (False,) * len(plan.keys)):
-            if j and key in failed_joined:  # the promotion it shared could not read it
-                failed.append(key)
-            elif not from_disk:
-                assert self.slot_data.get(slot) == key, "slot changed under a pinned CPU hit"
-            elif corrupt:
-                failed.append(key)
-                self.disk_data.pop(key, None)  # the store drops a record that fails to verify
-                self.slot_data[slot] = GARBAGE
-            else:
-                assert self.disk_data.get(key) == key, "disk record gone under a pinned load"
-                self.slot_data[slot] = key
-        promoted = {k for k, d in zip(plan.keys, plan.from_disk) if d}
-        if promoted:
-            self.promotion_failed[op] = set(failed) & promoted
-            for key in promoted:
-                if self.promoting.get(key) == op:
-                    del self.promoting[key]
-        waiting = set().union(*self.after.values()) if self.after else set()
-        for done in [d for d in self.promotion_failed if d not in waiting and d not in self.loads]:
-            del self.promotion_failed[done]
-        self._call("complete_load", self.m.complete_load, plan.keys, failed)
+        plan = self._call("prepare_load", self.m.prepare_load, keys[:found.num_hits])
+        assert plan.keys == tuple(keys[: len(plan.keys)])
+        writing = {k for p in self.stores.values() for k in p.keys}
+        promoting = self._promoting()
+        for key, slot in zip(plan.keys, plan.cpu_slots):
+            assert key not in writing, "a block being written was handed out for reading"
+            assert key not in promoting, "a block being promoted was handed out for reading"
+            assert self.slot_data.get(slot) == key, "CPU hit points at another block's bytes"
+        if plan.keys:
+            self.loads[self._id()] = plan
+            disk = sum(1 for m in plan.sources if m is Medium.DISK)
+            self.counts.disk_hits += disk
+            self.counts.cpu_hits += len(plan.keys) - disk
 
-    def background(self, pick: int, ok: bool) -> None:
+    def complete_load(self, pick: int, corrupt: bool = False) -> None:
+        """Settle a load (a CPU -> GPU copy: it reads its slots, which stay what they were)."""
+        if not self.loads:
+            return
+        op = sorted(self.loads)[pick % len(self.loads)]
+        plan = self.loads.pop(op)
+        for key, slot in zip(plan.keys, plan.cpu_slots):
+            assert self.slot_data.get(slot) == key, "slot changed under a pinned CPU hit"
+        self._call("complete_load", self.m.complete_load, plan.keys)
+
+    def background(self, pick: int, ok: bool, corrupt: bool = False) -> None:
+        """Settle a background transfer; ``corrupt``: a promotion finds its first record bad."""
         if not self.bg:
             return
         tid = sorted(self.bg)[pick % len(self.bg)]
         t = self.bg.pop(tid)
         self.probes.discard(tid)
+        failed: list[bytes] = []
+        if t.dst.medium is Medium.CPU:  # a promotion from disk into CPU memory
+            self.counts.promotions += 1
+            for i, (key, slot) in enumerate(zip(t.keys, t.dst.ids)):
+                assert self.disk_data.get(key) == key, "disk record gone under a promotion"
+                if not ok or (corrupt and i == 0):
+                    self.slot_data[slot] = GARBAGE
+                    if ok:  # the store drops a record that fails to verify
+                        failed.append(key)
+                        self.disk_data.pop(key, None)
+                else:
+                    self.slot_data[slot] = key
+            self.counts.failed_promotions += bool(failed) or not ok
+            self._call("complete_background", self.m.complete_background, tid, ok, failed)
+            return
         if t.dst.medium is Medium.DISK:
             ok = ok and not self.disk_failing
             self.counts.demotions += ok
@@ -268,12 +254,11 @@ class ManagerModel:
     # -- invariants -------------------------------------------------------------------------
     def expected_pins(self) -> int:
         n = sum(len(p.keys) for p in self.stores.values())
-        n += sum(2 if d else 1 for p in self.loads.values() for d in p.from_disk)
-        n += sum(2 * len(t.keys) + 1 if t.dst.medium is Medium.DISK else 1 for t in self.bg.values())
-        # a failed promotion that joined loads still read stays a half-written entry (one pin)
-        # until the last of them settles
-        n += len({k for op, p in self.loads.items() for k, j in zip(p.keys, p.joined or ())
-                  if j and any(k in self.promotion_failed.get(d, ()) for d in self.after[op])})
+        n += sum(len(p.keys) for p in self.loads.values())
+        # a demotion pins its CPU slots and the disk entries it writes; a promotion the disk
+        # entries it reads and the CPU slots it writes; every transfer counts once more
+        n += sum(2 * len(t.keys) + 1 if Medium.CPU in (t.src.medium, t.dst.medium) else 1
+                 for t in self.bg.values())
         return n
 
     def check(self) -> None:
@@ -292,10 +277,10 @@ class ManagerModel:
             for key in p.keys:
                 assert cpu.ready(key) is None, "block readable in CPU while being stored"
         for p in self.loads.values():
-            for key, d in zip(p.keys, p.from_disk):
-                assert key in cpu, "block with an in-flight load was evicted"
-                if d:
-                    assert cpu.ready(key) is None, "promotion readable before it completed"
+            for key in p.keys:
+                assert cpu.ready(key) is not None, "block with an in-flight load was evicted"
+        for key in self._promoting():
+            assert cpu.ready(key) is None, "promotion readable before it completed"
         for t in self.bg.values():
             if t.dst.medium is Medium.DISK:
                 for key in t.keys:
@@ -320,7 +305,7 @@ class ManagerModel:
         m = self.m
         assert m.pins() == 0, "pin leak"
         assert not m.background.pending and not m.background.ready and not m.writeback.pending_drops
-        assert not m._failed_promotions
+        assert not m._promotions
         assert all(e.state is BlockState.READY and not e.flushing and e.readers == 0
                    for tier in (m.cpu, m.disk) for e in tier.entries.values())
 
@@ -342,9 +327,9 @@ def run_random(model: ManagerModel, rng: random.Random, n_ops: int, check_every:
         elif r < 0.56:
             model.load(keys())
         elif r < 0.70:
-            model.complete_load(rng.randrange(64), rng.random() < 0.1)
+            model.complete_load(rng.randrange(64))
         elif r < 0.88:
-            model.background(rng.randrange(64), rng.random() < 0.9)
+            model.background(rng.randrange(64), rng.random() < 0.9, rng.random() < 0.1)
         elif r < 0.93:
             model.touch(keys())
         elif r < 0.96:

@@ -7,17 +7,16 @@ flight at once, and settles every prepare with exactly one complete. Each block'
 their key (reliability.blocks), so a load that puts anything but that key's bytes into the
 engine is counted in ``wrong_blocks``: the one number that must always be zero.
 
-It makes the calls the connector makes, in the connector's order: ``prepare_shared_load``
-(a load may join another load's in-flight disk promotion: it is submitted once that load
-finished and settled, and fails the keys the promotion could not read), hops and failed keys
-from ``kvtier.runtime.load_job`` (the worker side's own functions), ``record_load`` from each
-load's measured hops, stores and background moves as plain ``engine.submit`` of the plans'
-specs. Only the OffloadingManager contract is used.
+It makes the calls the connector makes, in the connector's order: ``lookup`` until it no longer
+answers "not yet" (a disk hit is promoted into CPU memory by a background move first, which the
+rig runs and settles meanwhile, as engine steps would), ``prepare_load`` and one CPU -> GPU job,
+results read with ``kvtier.runtime.load_job`` (the worker side's own functions), ``record_load``
+from what each load and promotion measured, stores and background moves as plain
+``engine.submit`` of the plans' specs. Only the OffloadingManager contract is used.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -31,8 +30,8 @@ from reliability.blocks import GEO, block
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.specs import LoadPlan, LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
-from kvtier.runtime.load_job import (failed_load_keys, gpu_untrusted, load_hops, measured_hops,
-                                     transient_load_keys)
+from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops,
+                                     promotion_outcome)
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView
@@ -51,7 +50,7 @@ class RigCounters:
     wrong_blocks: int = 0
     failed_jobs: Counter = field(default_factory=Counter)  # by kind of job
     load_truncated: int = 0
-    joined_blocks: int = 0  # loads that shared another load's disk promotion
+    promoted_blocks: int = 0  # read into CPU memory by promotions (disk -> CPU)
 
 
 @dataclass
@@ -61,9 +60,8 @@ class _Op:
     gpu_ids: list[int] = field(default_factory=list)
     plan: LoadPlan | None = None
     bg_id: int = 0  # background: the manager's transfer id; load: the load's number
+    src: Medium | None = None
     dst: Medium | None = None
-    after: frozenset = frozenset()  # loads: promoting loads this one joined
-    excluded: frozenset = frozenset()  # joined keys whose promotion failed
 
 
 class StackRig:
@@ -93,10 +91,6 @@ class StackRig:
         )
         self.free_gpu = list(range(gpu_blocks))
         self.ops: dict[int, _Op] = {}
-        self.deferred: list[_Op] = []  # joined loads waiting for their promoting loads
-        self._load_ids = itertools.count(1)  # loads are numbered when planned (``_Op.bg_id``)
-        self._promoting: dict[bytes, int] = {}  # key -> load promoting it from disk
-        self._promotions: dict[int, frozenset] = {}  # settled promoting load -> keys it failed
         self.c = RigCounters()
         self.events: deque = deque(maxlen=4096)  # the latest events, for tests to inspect
 
@@ -137,46 +131,37 @@ class StackRig:
             job = self.engine.submit(LoadStoreSpec.gpu(used), plan.dst)
             self.ops[job] = _Op("store", plan.keys, used)
 
+    def lookup(self, keys: Sequence[bytes], timeout: float = 60.0) -> int:
+        """Hits of ``keys``, asked again (while the rig pumps, as engine steps would) until the
+        manager no longer answers "not yet" (a promotion in flight)."""
+        deadline = time.monotonic() + timeout
+        found = self.manager.lookup(list(keys))
+        while found.pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a lookup still pending after {timeout}s")
+            time.sleep(0.0002)
+            self.pump()
+            found = self.manager.lookup(list(keys), sighting=False)
+        return found.num_hits
+
     def load_blocks(self, keys: Sequence[bytes]) -> int:
         """Look ``keys`` up and start loading the hit prefix; returns how many are loading."""
-        hits = self.manager.lookup(list(keys)).num_hits
+        hits = self.lookup(keys)
         if not hits:
             return 0
         if len(self.free_gpu) < hits:
             self.drain()
-        plan = self.manager.prepare_shared_load(list(keys[:hits]))
+        plan = self.manager.prepare_load(list(keys[:hits]))
         if len(plan.keys) < hits:
             self.c.load_truncated += 1
         if not plan.keys:
             return 0
         ids = self._take_gpu(len(plan.keys))
         assert ids is not None, "rig bug: drained, yet no engine blocks for a load"
-        joined = plan.joined or (False,) * len(plan.keys)
-        after = frozenset(self._promoting[k] for k, j in zip(plan.keys, joined) if j)
-        op = _Op("load", plan.keys, ids, plan, bg_id=next(self._load_ids), after=after)
-        for key, from_disk in zip(plan.keys, plan.from_disk):
-            if from_disk:  # the scheduler side records promotions when it plans them
-                self._promoting[key] = op.bg_id
-        self.c.joined_blocks += sum(joined)
         self.c.loads += 1
-        if after:  # the connector's worker defers it until those loads finished
-            self.deferred.append(op)
-        else:
-            self._submit_load(op)
+        job = self.engine.submit(plan.src, LoadStoreSpec.gpu(ids))
+        self.ops[job] = _Op("load", plan.keys, ids, plan)
         return len(plan.keys)
-
-    def _submit_load(self, op: _Op) -> None:
-        plan = op.plan
-        excluded: set[bytes] = set()
-        for dep in op.after:
-            excluded |= self._promotions[dep]
-        excluded &= {k for k, j in zip(plan.keys, plan.joined or ()) if j}
-        op.excluded = frozenset(excluded)
-        hops = load_hops(plan.keys, plan.cpu_slots, plan.from_disk, op.gpu_ids, 1, op.excluded)
-        if not hops:  # every key a failed promotion's: nothing to move
-            self._settle_load(op, None)
-            return
-        self.ops[self.engine.submit_chain(hops)] = op
 
     # -- completions ------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -190,50 +175,39 @@ class StackRig:
                 self.free_gpu.extend(op.gpu_ids)
             elif op.kind == "load":
                 self._settle_load(op, res)
+            elif is_promotion(op.src, op.dst):
+                out = promotion_outcome(res, op.keys)
+                if res.error is not None:
+                    self.c.failed_jobs["promotion"] += 1
+                for medium, nbytes, seconds in out.measured:
+                    self.manager.record_load(medium, nbytes, seconds)
+                self.c.failed_load_blocks += len(out.failed)
+                self.c.promoted_blocks += len(op.keys) - len(out.failed)
+                self.manager.complete_background(op.bg_id, res.ok, out.failed, out.transient)
             else:
                 if not res.ok:
                     self.c.failed_jobs[f"bg->{op.dst.value}"] += 1
                 self.manager.complete_background(op.bg_id, res.ok)
-        waiting, self.deferred = self.deferred, []
-        for op in waiting:
-            if all(d in self._promotions for d in op.after):
-                self._submit_load(op)
-            else:
-                self.deferred.append(op)
-        needed = {d for op in self.deferred for d in op.after}
-        for done in [d for d in self._promotions if d not in needed]:
-            del self._promotions[done]  # no load waits for it; none can join it any more
         for t in self.manager.take_background_transfers():
             job = self.engine.submit(t.src, t.dst)
-            self.ops[job] = _Op("bg", t.keys, bg_id=t.id, dst=t.dst.medium)
+            self.ops[job] = _Op("bg", t.keys, bg_id=t.id, src=t.src.medium, dst=t.dst.medium)
         self.events.extend(self.manager.take_events())  # the connector forwards these each step
 
     def _settle_load(self, op: _Op, res) -> None:
         plan = op.plan
-        disk_keys = {k for k, d in zip(plan.keys, plan.from_disk) if d}
-        if res is None:
-            failed, untrusted = set(op.excluded), False
-        else:
-            failed = failed_load_keys(res, disk_keys, op.excluded)
-            untrusted = gpu_untrusted(res)
-            if res.error is not None:
-                self.c.failed_jobs["load"] += 1
-            for medium, nbytes, seconds in measured_hops(res):
-                self.manager.record_load(medium, nbytes, seconds)
-        for k, b, from_disk in zip(op.keys, op.gpu_ids, plan.from_disk):
-            if k in failed or untrusted:
-                continue
-            self.c.loaded_blocks["DISK" if from_disk else "CPU"] += 1
+        untrusted = gpu_untrusted(res)  # the copy raised: no engine block is trusted
+        if res.error is not None:
+            self.c.failed_jobs["load"] += 1
+        for medium, nbytes, seconds in measured_hops(res):
+            self.manager.record_load(medium, nbytes, seconds)
+        sources = plan.sources or (Medium.CPU,) * len(plan.keys)
+        for k, b, source in zip(op.keys, op.gpu_ids, sources):
+            if untrusted:
+                break
+            self.c.loaded_blocks[source.value] += 1
             if not self._gpu_holds(k, b):
                 self.c.wrong_blocks += 1
-        self.c.failed_load_blocks += len(failed)
-        self.manager.complete_load(op.keys, failed,
-                                   transient_load_keys(res, failed) if res is not None else ())
-        if disk_keys:
-            self._promotions[op.bg_id] = frozenset(failed & disk_keys)
-            for key in disk_keys:
-                if self._promoting.get(key) == op.bg_id:
-                    del self._promoting[key]
+        self.manager.complete_load(op.keys)  # a failed copy fails no key: the CPU copy is intact
         self.free_gpu.extend(op.gpu_ids)
 
     def in_flight(self) -> int:
@@ -254,7 +228,7 @@ class StackRig:
         deadline = time.monotonic() + timeout
         while True:
             self.pump()
-            if not self.ops and not self.deferred:  # pump submits what the manager queued
+            if not self.ops:  # pump submits what the manager queued
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(self.ops)} jobs still in flight after {timeout}s")
@@ -263,8 +237,7 @@ class StackRig:
     def leaks(self) -> dict[str, int]:
         """After ``drain``: everything that should be back to zero."""
         return {"pins": self.manager.pins(), "engine_pending": self.engine.pending(),
-                "ops": len(self.ops) + len(self.deferred),
-                "promotions_kept": len(self._promotions) + len(self._promoting),
+                "ops": len(self.ops),
                 "protocol_errors": self.manager.stats.protocol_errors,
                 "gpu_blocks_missing": len(self.gpu["layer.0"][0]) - len(self.free_gpu)}
 

@@ -21,11 +21,9 @@ from kvtier.manager.specs import BlockKey, LoadStoreSpec
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Bring ``keys`` into the request's engine blocks ``gpu_ids`` (k per key, in order).
+    """Copy the CPU slots ``cpu_slots`` (one per key, READY and pinned by the scheduler) into
+    the request's engine blocks ``gpu_ids`` (k per key, in order): one CPU -> GPU copy.
 
-    ``from_disk[i]``: read key i from disk into ``cpu_slots[i]`` first. ``joined[i]``: another
-    load (one of ``after``) is promoting key i into ``cpu_slots[i]``; copy it only once that
-    load finished here, and treat it as failed if that load could not read it.
     ``unloaded_gpu_ids``: blocks vLLM was told are external but that no tier could supply in
     the end (the plan came out shorter); the worker reports them as load errors, so vLLM
     recomputes them. ``sync``: vLLM computes the request in this step: the worker enqueues
@@ -39,14 +37,18 @@ class LoadJob:
     req_id: str
     keys: tuple[BlockKey, ...]
     cpu_slots: tuple[int, ...]
-    from_disk: tuple[bool, ...]
     gpu_ids: tuple[int, ...]
-    joined: tuple[bool, ...] = ()
-    after: tuple[int, ...] = ()
     unloaded_gpu_ids: tuple[int, ...] = ()
     sync: bool = False
-    from_remote: tuple[bool, ...] = ()  # read key i from the shared tier first (empty: none)
     whole: bool = False
+
+    @property
+    def src(self) -> LoadStoreSpec:
+        return LoadStoreSpec.cpu(self.cpu_slots)
+
+    @property
+    def dst(self) -> LoadStoreSpec:
+        return LoadStoreSpec.gpu(self.gpu_ids, self.whole)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class StoreJob:
 
 @dataclass(frozen=True)
 class BackgroundJob:
-    """A move the manager wants on its own account (CPU -> disk demotion, disk deletion)."""
+    """A move the manager wants on its own account (a promotion into CPU memory, a CPU -> disk
+    demotion, a deletion, a shared-tier write)."""
 
     job_id: int
     src: LoadStoreSpec
@@ -81,7 +84,6 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     preemption or a sliding window and reallocated); workers finish them before the forward.
     ``watch``: finished requests whose blocks vLLM keeps until their stores are done; a worker
     reports each in ``finished_sending`` once it has no store of it in flight.
-    ``forget``: settled loads whose results a worker kept for loads that joined them.
     ``untaint``: requests a worker reported ``tainted`` that the scheduler has seen since
     (with vLLM's rewind of them): this step's stores of them were planned after it.
     """
@@ -91,13 +93,12 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     background: list[BackgroundJob] = field(default_factory=list)
     flush: tuple[int, ...] = ()
     watch: tuple[str, ...] = ()
-    forget: tuple[int, ...] = ()
     step_tokens: int = 0  # tokens this step computes (workers time large forwards)
     untaint: tuple[str, ...] = ()
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.background or self.flush or self.watch
-                    or self.forget or self.untaint)
+                    or self.untaint)
 
 
 @dataclass
@@ -105,12 +106,13 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """A worker's report for one step (or the sum over workers after ``aggregate``).
 
     ``done``: job id -> number of workers that finished it. ``failed``: job id -> keys that
-    could not be read (disk miss or corruption; the manager forgets them), and ``transient``:
+    could not be read (a promotion's disk or shared-tier miss or corruption; the manager
+    forgets them), and ``transient``:
     those of them whose read failed transiently (EIO, EMFILE: counted apart from corruption;
     after ``aggregate``, only keys no worker failed otherwise). ``errors``: job id
     -> number of workers on which the job raised (a store or demotion that must not be
-    published). ``load_hops``: (source medium, bytes, seconds) of each finished load hop out
-    of CPU or DISK on each worker, and ``forwards``: (tokens, seconds) of large forward passes:
+    published). ``load_hops``: (source medium, bytes, seconds) of each finished load (CPU)
+    and promotion read (DISK, REMOTE) on each worker, and ``forwards``: (tokens, seconds) of large forward passes:
     the scheduler's cost model learns load bandwidth and recompute time from them.
     ``tainted``: requests whose synchronous load failed on a worker after their forward ran on
     it (kvtier.connectors.vllm.worker.load_taint); the scheduler acknowledges them in ``untaint``.

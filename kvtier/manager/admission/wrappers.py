@@ -56,14 +56,13 @@ class ManagerWrapper(OffloadingManager):
     def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
         self.inner.complete_store(keys, success)
 
-    def prepare_shared_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
-        return self.inner.prepare_shared_load(keys)
-
     def take_background_transfers(self) -> list[BackgroundTransfer]:
         return self.inner.take_background_transfers()
 
-    def complete_background(self, transfer_id: int, success: bool = True) -> None:
-        self.inner.complete_background(transfer_id, success)
+    def complete_background(self, transfer_id: int, success: bool = True,
+                            failed: Collection[BlockKey] = (),
+                            transient: Collection[BlockKey] = ()) -> None:
+        self.inner.complete_background(transfer_id, success, failed, transient)
 
     def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
         self.inner.record_load(medium, nbytes, seconds)

@@ -21,7 +21,7 @@ What 0.33 changes that needs no adapter here, and why:
   plug into vLLM's offloading manager but drives its own (``kvtier.manager``) from the
   connector, only on the scheduler thread: nothing can evict a hit between
   ``get_num_new_matched_tokens`` and ``update_state_after_alloc``, and a shorter
-  ``prepare_shared_load`` plan is recomputed, never read. ``CachePolicy.insert(ctx)``'s request
+  ``prepare_load`` plan is recomputed, never read. ``CachePolicy.insert(ctx)``'s request
   context is kvtier's ``prepare_store(keys, RequestContext)`` (which now carries the hints).
 * ``sync_load_budget_bytes`` (small hits loaded inside the step) is a kvtier key of the same
   name and meaning on both releases (``settings.sync_load_budget``).

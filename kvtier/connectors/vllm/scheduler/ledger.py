@@ -2,7 +2,7 @@
 
 Every job (load, store, background move) is sent to all workers; each worker reports it once
 when its part is done. A :class:`HandedJob` is the scheduler's record of one such job while it
-awaits those reports (a load's stages are named in :mod:`kvtier.runtime.load_job`). The ledger adds those reports up and releases a job when all
+awaits those reports (:mod:`kvtier.runtime.load_job` reads a load's result). The ledger adds those reports up and releases a job when all
 ``world_size`` workers reported it: only then may the manager publish or free what the job's
 prepare call pinned. Failed keys and errors are unioned / counted across workers, so one bad
 worker fails the job for all.
@@ -27,9 +27,7 @@ class HandedJob:
     kind: Kind
     req_id: str | None = None
     keys: tuple[BlockKey, ...] = ()
-    from_disk: tuple[bool, ...] = ()
     gpu_ids: tuple[int, ...] = ()  # stores: source blocks (fenced until settled)
-    after: tuple[int, ...] = ()  # loads: promoting loads this one joined
     transfer_id: int = 0  # background: the manager's transfer id
     reports: int = 0
     errors: int = 0

@@ -1,89 +1,34 @@
 """Settling finished jobs on the scheduler side: the manager's prepare calls get their complete.
 
-The settler owns the promotions in flight: which load job promotes each key from disk (a load
-planned later that joins it waits for it), their plan -> settle clock (:mod:`promotion_clock`),
-the loads parked until the promotions they joined settled (the manager's
-``prepare_shared_load`` contract), and the settled promoting loads whose results the workers
-may forget. A settled failed load rewinds the request's store cursor, since vLLM recomputes
-from its first failed block.
+A load settles ``complete_load`` with the keys that could not be read; a failed load rewinds
+its request's store cursor, since vLLM recomputes from its first failed block. A store
+settles ``complete_store``; a background move (promotion, demotion, deletion, shared-tier
+write) ``complete_background`` with the keys a promotion could not read.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from kvtier.connectors.vllm.scheduler.ledger import HandedJob, JobLedger
-from kvtier.connectors.vllm.scheduler.promotion_clock import PromotionClock
+from kvtier.connectors.vllm.scheduler.ledger import HandedJob
 from kvtier.connectors.vllm.scheduler.requests import RequestTrack, drop_if_done
 from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 from kvtier.connectors.vllm.stats import KVTierStats
 from kvtier.manager.abstract import OffloadingManager
-from kvtier.manager.specs import BlockKey
 from kvtier.observe.timeline import timeline
 
 
 class JobSettler:
-    def __init__(self, manager: OffloadingManager, ledger: JobLedger,
-                 tracks: dict[str, RequestTrack], stores: StorePlanner, stats: KVTierStats,
-                 block_bytes: int) -> None:
+    def __init__(self, manager: OffloadingManager, tracks: dict[str, RequestTrack],
+                 stores: StorePlanner, stats: KVTierStats) -> None:
         self._manager = manager
-        self._ledger = ledger
         self._tracks = tracks  # the scheduler's live requests (settling may drop one)
         self._stores = stores
         self._stats = stats
-        self.clock = PromotionClock(block_bytes)  # disk-hit wall times, plan -> settle
-        self._promoting: dict[BlockKey, int] = {}  # key -> load job promoting it from disk
-        self._parked: dict[int, HandedJob] = {}  # complete loads waiting for those they joined
-        self._forget: list[int] = []  # settled promoting loads: workers may drop their results
         self._tl = timeline()
 
-    # ------------------------------------------------------------------ planning a load
-    def promoting(self, keys: Sequence[BlockKey], joined: Sequence[bool]) -> tuple[int, ...]:
-        """The load jobs promoting the joined ones of ``keys``: a new load waits for them."""
-        return tuple(sorted({self._promoting[k] for k, j in zip(keys, joined)
-                             if j and k in self._promoting}))
-
-    def load_planned(self, job_id: int, keys: Sequence[BlockKey], from_disk: Sequence[bool],
-                     from_remote: Sequence[bool], timed: bool) -> None:
-        """Load ``job_id`` promotes ``keys[i]`` where ``from_disk[i]``; ``timed``: its request
-        waits for it (asynchronous), so its wall time teaches the cost model."""
-        if timed:
-            self.clock.started(job_id, from_disk, from_remote)
-        for key, disk in zip(keys, from_disk):
-            if disk:
-                self._promoting[key] = job_id
-
-    # ------------------------------------------------------------------ state
-    def has_parked(self) -> bool:
-        return bool(self._parked)
-
-    def has_forget(self) -> bool:
-        return bool(self._forget)
-
-    def take_forget(self) -> tuple[int, ...]:
-        out, self._forget = tuple(self._forget), []
-        return out
-
-    def _unsettled(self, job_id: int) -> bool:
-        return job_id in self._ledger or job_id in self._parked
-
-    # ------------------------------------------------------------------ settling
     def settle(self, job_id: int, job: HandedJob) -> None:
         """Every worker reported ``job_id``: complete what its prepare call pinned."""
         if job.kind == "load":
-            if any(self._unsettled(d) for d in job.after):
-                self._parked[job_id] = job
-                return
             self._settle_load(job_id, job)
-            progress = True
-            while progress:  # a load may both promote some keys and join others: chains
-                progress = False
-                for parked_id in sorted(self._parked):
-                    parked = self._parked[parked_id]
-                    if not any(self._unsettled(d) for d in parked.after):
-                        del self._parked[parked_id]
-                        self._settle_load(parked_id, parked)
-                        progress = True
         elif job.kind == "store":
             self._manager.complete_store(job.keys, success=job.errors == 0)
             if job.errors:
@@ -94,13 +39,18 @@ class JobSettler:
                 t.store_jobs.discard(job_id)
                 drop_if_done(self._tracks, t)
         else:
-            self._manager.complete_background(job.transfer_id, success=job.errors == 0)
+            failed, transient = job.failed, job.transient
+            self._manager.complete_background(
+                job.transfer_id, success=job.errors == 0,
+                failed=[k for k in job.keys if k in failed] if failed else (),
+                transient=[k for k in job.keys if k in transient] if transient else ())
+            if failed:
+                self._stats.add("failed_load_blocks", len(failed))
+            if transient:
+                self._stats.add("transient_failed_load_blocks", len(transient))
 
     def _settle_load(self, job_id: int, job: HandedJob) -> None:
         failed, transient = set(job.failed), job.transient
-        sample = self.clock.settled(job_id, ok=not failed and job.errors == 0)
-        if sample is not None:  # what the request waited for its promotion: the cost model
-            self._manager.record_promotion(*sample)
         self._manager.complete_load(job.keys,
                                     failed=[k for k in job.keys if k in failed] if failed else (),
                                     transient=[k for k in job.keys if k in transient]
@@ -109,11 +59,6 @@ class JobSettler:
             self._stats.add("failed_load_blocks", len(failed))
         if transient:
             self._stats.add("transient_failed_load_blocks", len(transient))
-        if any(job.from_disk):
-            for key, from_disk in zip(job.keys, job.from_disk):
-                if from_disk and self._promoting.get(key) == job_id:
-                    del self._promoting[key]
-            self._forget.append(job_id)
         t = self._tracks.get(job.req_id)
         if t is not None and t.load_job == job_id:
             t.load_job = None

@@ -2,13 +2,16 @@
 
 Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``):
 
-* ``lookup`` (get_num_new_matched_tokens): leading run of the prompt's blocks that some tier
-  holds, block aligned; one that reaches the last prompt token is reported one token short
-  with its last block loaded whole (:mod:`hit_claim`). A hit held wholly in CPU memory, within
-  this step's ``sync_load_budget_bytes``, loads *synchronously*: vLLM schedules the request in
-  this very step, the worker enqueues the copy before the forward and orders the forward after
-  it on the GPU (no extra engine step, no host wait). Disk hits and what exceeds the budget
-  load asynchronously (the request waits in WAITING_FOR_REMOTE_KVS), and so does every hit
+* ``lookup`` (get_num_new_matched_tokens): leading run of the prompt's blocks that the CPU
+  tier holds, block aligned; one that reaches the last prompt token is reported one token
+  short with its last block loaded whole (:mod:`hit_claim`). Blocks held only on disk or in
+  the shared tier are promoted into CPU memory first: the manager's lookup starts that and
+  answers "not yet", and so does this lookup (``None``: vLLM asks again next step); requests
+  after the same blocks wait for the same promotion. A hit within this step's
+  ``sync_load_budget_bytes`` loads *synchronously*: vLLM schedules the request in this very
+  step, the worker enqueues the copy before the forward and orders the forward after it on
+  the GPU (no extra engine step, no host wait). What exceeds the budget loads
+  asynchronously (the request waits in WAITING_FOR_REMOTE_KVS), and so does every hit
   where vLLM zeroes new blocks (Mamba or mixed-precision caches): it zeroes them in the
   worker after the connector's first hook, over a copy already enqueued; and every hit of a
   model with several KV cache groups, whose failed load vLLM takes only as a request still
@@ -16,9 +19,8 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   request restarts from zero computed tokens and is not loaded again (``on_failed_recving``):
   a failed load is a recompute. With Mamba/SSM state groups the hit is cut at a boundary
   whose state kvtier holds (:mod:`state_hit`).
-* ``plan_load`` (update_state_after_alloc): ``prepare_shared_load`` pins the blocks; a block
-  whose disk promotion another request has in flight is joined, not read twice and not cut
-  (vLLM #44294: concurrent requests on one prefix neither queue nor recompute).
+* ``plan_load`` (update_state_after_alloc): ``prepare_load`` pins the CPU blocks; the load
+  is one CPU -> GPU job (:class:`..metadata.LoadJob`).
 * ``build_meta``: stores of every block that the *previous* steps completed (write-through,
   admission and per-request ``kv_transfer_params`` applied), the manager's background moves,
   and the fence: store jobs whose source blocks are written this step. Stores are planned one
@@ -34,7 +36,7 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   token is returned, so a prompt's store waits one step more (``first_token_pending``).
 * ``on_worker_output``: counts worker reports per job (:mod:`ledger`); a complete job settles
   the manager's prepare call (``complete_load`` with the failed keys, ``complete_store``,
-  ``complete_background``). A load that joined a promotion settles after it (:mod:`settle`).
+  ``complete_background``, :mod:`settle`).
 * ``request_finished``: delay freeing a request's blocks while its stores are in flight or
   still to be planned (its last step's blocks).
 
@@ -128,8 +130,7 @@ class SchedulerSide:
         self._stats = KVTierStats()
         self.stores = StorePlanner(settings, self.keymap, manager, self.ledger, self._stats,
                                    self._remember if self._describe else None)
-        self.settler = JobSettler(manager, self.ledger, self.tracks, self.stores, self._stats,
-                                  settings.block_bytes)
+        self.settler = JobSettler(manager, self.tracks, self.stores, self._stats)
         self.observability = SchedulerObservability(
             settings.config, manager, block_tokens=settings.block_tokens, block_bytes=bb,
             metadata=self._events.metadata, wire_hash=self._events.wire_hash)
@@ -180,15 +181,15 @@ class SchedulerSide:
         if state:
             found_state = state_lookup(self.manager, self.keymap, request, start, stop,
                                        sighting=not t.sighted)
-            pending, hits, tiers = found_state.pending, found_state.units, None
+            pending, hits = found_state.pending, found_state.units
         else:
             keys = self.keymap.keys(request, start, stop)
             # all of them loaded, the step computes the last token only (hit_claim.py)
             ends = stop // per * bt >= request.num_tokens - 1
             found = self.manager.lookup(keys, sighting=not t.sighted, ends_prompt=ends)
             hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
-            pending, tiers = found.pending, found.tiers
-        if pending:  # the shared tier is being asked: vLLM asks again next step
+            pending = found.pending
+        if pending:  # a promotion or the shared tier's answer is on its way: asked again
             if self._tl.enabled and not t.sighted:  # when the wait began (the answer: "lookup")
                 self._tl.mark("sched", "lookup_pending", req=t.req_id, blocks=stop - start,
                               ms=ms_since(began))
@@ -206,9 +207,7 @@ class SchedulerSide:
             return 0, False
         t.lookup_start = num_computed_tokens
         nbytes = hits * self.settings.block_bytes
-        all_cpu = (found_state.all_cpu if tiers is None
-                   else all(m == Medium.CPU for m in tiers[:hits]))
-        t.sync_load = (all_cpu and not self.settings.async_loads_only
+        t.sync_load = (not self.settings.async_loads_only
                        and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
         if t.sync_load:
             self._step_sync_bytes += nbytes
@@ -251,14 +250,10 @@ class SchedulerSide:
             wanted = [i for i in range(n) if 0 not in gpu[i]]
             keys = [keys[i] for i in wanted]
             gpu = [gpu[i] for i in wanted]
-        plan = self.manager.prepare_shared_load(keys)
+        plan = self.manager.prepare_load(keys)
         sync = t.sync_load
         # the step computes the prompt's last token only: it waits for the whole load
         whole = sync and t.lookup_start + num_external_tokens == request.num_tokens - 1
-        if sync and (any(plan.from_disk) or any(plan.joined or ())):
-            # cannot happen (lookup saw every key READY in CPU within this schedule() call);
-            # if it did, the worker's fence waits for the disk read on the host: slow, right
-            log.warning("kvtier: synchronous load of %s includes disk blocks", t.req_id)
         got = len(plan.keys)
         loaded = wanted[:got]
         if isinstance(wanted, range):
@@ -266,20 +261,13 @@ class SchedulerSide:
         else:
             gpu_ids = [b for ids in gpu[:got] for b in ids]
             unloaded = [b for ids in gpu[got:] for b in ids] + partial
-        joined = plan.joined or (False,) * len(plan.keys)
-        after = self.settler.promoting(plan.keys, joined)
-        job = HandedJob("load", t.req_id, tuple(plan.keys), tuple(plan.from_disk), after=after)
-        job_id = self.ledger.add(job)
-        self.settler.load_planned(job_id, plan.keys, plan.from_disk, plan.from_remote,
-                                  timed=not sync)
+        job_id = self.ledger.add(HandedJob("load", t.req_id, tuple(plan.keys)))
         self._step_loads.append(LoadJob(
             job_id=job_id, req_id=t.req_id, keys=tuple(plan.keys),
-            cpu_slots=tuple(plan.cpu_slots), from_disk=tuple(plan.from_disk),
-            gpu_ids=tuple(gpu_ids), joined=tuple(joined),
-            after=after, unloaded_gpu_ids=tuple(unloaded), sync=sync,
-            from_remote=tuple(plan.from_remote), whole=whole,
+            cpu_slots=tuple(plan.cpu_slots), gpu_ids=tuple(gpu_ids),
+            unloaded_gpu_ids=tuple(unloaded), sync=sync, whole=whole,
         ))
-        if sync and not after:  # a worker in this thread starts it now (handoff.py)
+        if sync:  # a worker in this thread starts it now (handoff.py)
             worker = self.handoff.worker_here()
             if worker is not None:
                 worker.submit_ahead(self._step_loads[-1], tuple(self.stores.reading(gpu_ids)))
@@ -288,28 +276,39 @@ class SchedulerSide:
         t.load_first_index = start
         if self._tl.enabled:
             self._tl.mark("sched", "plan_load", req=t.req_id, job=job_id, blocks=len(plan.keys),
-                          sync=sync, disk=sum(plan.from_disk))
-        disk = sum(1 for f, j in zip(plan.from_disk, joined) if f or j)
-        remote = sum(plan.from_remote)
-        t.hit_tokens = {"CPU": (len(plan.keys) - disk - remote) * bt // per,
-                        "DISK": disk * bt // per}
-        self._stats.add("hit_tokens_cpu", t.hit_tokens["CPU"])
-        self._stats.add("hit_tokens_disk", t.hit_tokens["DISK"])
-        if remote:
-            t.hit_tokens["REMOTE"] = remote * bt
-            self._stats.add("hit_tokens_remote", remote * bt)
-        over = sum(t.hit_tokens.values()) - num_external_tokens  # a whole tail's last token
-        if over > 0:  # is computed, not loaded: vLLM checks the sources add up to its count
-            last = ("REMOTE" if plan.from_remote and plan.from_remote[-1] else
-                    "DISK" if plan.from_disk[-1] or joined[-1] else "CPU")
-            t.hit_tokens[last] -= over
+                          sync=sync)
+        t.hit_tokens = self._hit_sources(plan.sources, len(plan.keys), num_external_tokens)
         self._stats.add("unloadable_tokens", len(unloaded) * bs)
         t.next_store = max(t.next_store, start + (loaded[-1] + 1 if loaded else 0))
         if self._describe:
             known = self._events.metadata  # a lookup refreshes a known block's entry: cheaper
-            for i, key, from_disk in zip(loaded, plan.keys, plan.from_disk):  # than remembering
-                if from_disk or known(key) is None:
+            promoted = plan.sources or (Medium.CPU,) * len(plan.keys)
+            for i, key, source in zip(loaded, plan.keys, promoted):  # than remembering
+                if source is not Medium.CPU or known(key) is None:
                     self._remember(request, start + i, key)
+
+    def _hit_sources(self, sources: tuple[Medium, ...], blocks: int,
+                     num_external_tokens: int) -> dict[str, int]:
+        """Tokens of a planned load per tier it came from (``LoadPlan.sources``), counted,
+        adding up to ``num_external_tokens`` as vLLM checks (a whole tail's last token is
+        computed, not loaded)."""
+        bt, per = self.settings.block_tokens, self.keymap.per_block
+        if sources:
+            disk = sum(1 for m in sources if m is Medium.DISK)
+            remote = sum(1 for m in sources if m is Medium.REMOTE)
+        else:
+            disk = remote = 0
+        hit = {"CPU": (blocks - disk - remote) * bt // per, "DISK": disk * bt // per}
+        self._stats.add("hit_tokens_cpu", hit["CPU"])
+        self._stats.add("hit_tokens_disk", hit["DISK"])
+        if remote:
+            hit["REMOTE"] = remote * bt // per
+            self._stats.add("hit_tokens_remote", hit["REMOTE"])
+        over = sum(hit.values()) - num_external_tokens
+        if over > 0:
+            last = sources[-1].value if sources else "CPU"
+            hit[last] -= over
+        return hit
 
     def hit_sources(self, request: Any) -> dict[str, int]:
         t = self.tracks.get(request.request_id)
@@ -354,7 +353,7 @@ class SchedulerSide:
                           stores=len(stores), background=len(background), ms=ms_since(began))
         meta = KVTierConnectorMetadata(
             loads=self._step_loads, stores=stores, background=background, flush=tuple(flush),
-            watch=tuple(self._step_watch), forget=self.settler.take_forget(),
+            watch=tuple(self._step_watch),
             step_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
             untaint=tuple(self._step_untaint),
         )
@@ -416,8 +415,8 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ reporting
     def has_pending_work(self) -> bool:
-        return bool(len(self.ledger) or self.settler.has_parked() or self._step_loads
-                    or self._step_watch or self.settler.has_forget() or self._step_background
+        return bool(len(self.ledger) or self._step_loads
+                    or self._step_watch or self._step_background
                     or self._store_due or self._step_untaint)
 
     def take_events(self) -> Iterable[Any]:

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.manager.abstract import OffloadingManager
-from kvtier.manager.specs import Medium
 
 
 @dataclass(frozen=True)
 class StateHit:
     units: int  # kvtier blocks (token blocks x groups) from ``start``; a multiple of per_block
-    all_cpu: bool = False  # every entry it loads is in CPU memory (a synchronous load)
     pending: bool = False  # the shared tier is being asked: ask again next step
 
 
@@ -49,7 +47,6 @@ def state_lookup(manager: OffloadingManager, keymap: Any, request: Any, start: i
         if got.pending:
             return StateHit(0, pending=True)
         if got.num_hits == len(state):
-            tiers = found.tiers[:(end - first) * len(attention)] + got.tiers
-            return StateHit((end - first) * per, all(m == Medium.CPU for m in tiers))
+            return StateHit((end - first) * per)
         end -= 1
     return StateHit(0)

@@ -1,13 +1,13 @@
 """The worker's jobs in flight: submitting its copies, reading their results, reporting them.
 
 :class:`WorkerJobs` is the worker side's collaborator that owns every job a worker submitted
-and has not reported yet: loads (built and read through :mod:`kvtier.runtime.load_job`),
-stores, background moves, the loads deferred until the promotions they joined finished here,
-and this step's report for the scheduler. A refused submission fails its job visibly (a
+and has not reported yet: loads (one CPU -> GPU copy each, read through
+:mod:`kvtier.runtime.load_job`), stores, background moves (promotions into CPU memory among
+them), and this step's report for the scheduler. A refused submission fails its job visibly (a
 result with the error, as if it had run); a store refused for a tainted or sleeping request
-fails without touching the CPU tier; a load's result names the keys that failed (transiently
-or not) and the engine blocks that must not be trusted, and what its hops measured feeds the
-scheduler's cost model. Engine blocks of a failed load are reported as load errors, or, with
+fails without touching the CPU tier; a load's result names the engine blocks that must not be
+trusted, a promotion's the keys it could not read (transiently or not), and what both
+measured feeds the scheduler's cost model. Engine blocks of a failed load are reported as load errors, or, with
 several KV cache groups (``settings.fails_per_request``), the asynchronous load's request
 as a failed receive (:mod:`..compat.load_failures`): vLLM cannot map such blocks back.
 """
@@ -23,7 +23,7 @@ from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.observe.timeline import timeline
-from kvtier.runtime.load_job import excluded_keys, gpu_untrusted, load_hops, load_outcome
+from kvtier.runtime.load_job import gpu_untrusted, is_promotion, load_outcome, promotion_outcome
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.transfer import JobResult
 
@@ -40,7 +40,7 @@ class InFlight:
     kind: str  # "load" | "store" | "background"
     req_id: str | None = None
     load: LoadJob | None = None
-    excluded: frozenset[BlockKey] = frozenset()  # joined keys whose promotion failed
+    promoted: tuple[BlockKey, ...] = ()  # a promotion's keys (background into CPU memory)
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,6 @@ class WorkerJobs:
         self._runtime: WorkerRuntime | None = None
         self.asleep = False  # sleep mode: every GPU copy fails until restored
         self.running: dict[int, InFlight] = {}
-        self._deferred: list[LoadJob] = []  # joined loads waiting for their promoting loads
-        self._promotions: dict[int, frozenset[BlockKey]] = {}  # finished load -> keys it failed
         self._stores_of: dict[str, set[int]] = {}  # request -> its stores in flight
         self._recving: set[str] = set()  # requests whose asynchronous load finished
         self._load_errors: set[int] = set()  # engine blocks to report as not loaded
@@ -118,68 +116,40 @@ class WorkerJobs:
                                               job_id=job.job_id), job.job_id)
 
     def submit_background(self, jobs: Iterable[BackgroundJob]) -> None:
-        """The manager's own moves (demotions, deletions)."""
+        """The manager's own moves (promotions, demotions, deletions, shared-tier writes)."""
         rt = self._rt()
         for bg in jobs:
-            self.running[bg.job_id] = InFlight("background")
+            route = (bg.src.medium, bg.dst.medium)
+            self.running[bg.job_id] = InFlight(
+                "background", promoted=bg.src.keys if is_promotion(*route) else ())
             self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
-                         bg.job_id)
-
-    def defer_loads(self, jobs: Iterable[LoadJob]) -> None:
-        """Asynchronous loads: submitted by ``submit_ready_loads`` once the promotions they
-        joined finished here."""
-        self._deferred.extend(jobs)
-
-    def submit_ready_loads(self) -> None:
-        """Submit deferred loads whose promoting loads finished here (in arrival order)."""
-        waiting: list[LoadJob] = []
-        for job in self._deferred:
-            if all(d in self._promotions for d in job.after):
-                self.submit_load(job)
-            else:
-                waiting.append(job)
-        self._deferred = waiting
+                         bg.job_id, route)
 
     def submit_load(self, job: LoadJob) -> None:
-        excluded = excluded_keys(job.keys, job.joined,
-                                 (self._promotions.get(d, frozenset()) for d in job.after))
-        self.running[job.job_id] = InFlight("load", job.req_id, job, excluded)
-        hops = load_hops(job.keys, job.cpu_slots, job.from_disk, job.gpu_ids, self._per_block,
-                         excluded, from_remote=job.from_remote, whole=job.whole)
-        if not hops:  # nothing left to move (all truncated or all joined promotions failed)
+        """One CPU -> GPU copy (before the forward for a synchronous load, after otherwise)."""
+        self.running[job.job_id] = InFlight("load", job.req_id, job)
+        if not job.cpu_slots:  # nothing left to move (the plan came out empty)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
             return
         if self.asleep:  # the GPU pages are suspended: recompute (reported as load errors)
-            first = hops[0][0].medium, hops[0][1].medium
-            self._on_result(JobResult(job.job_id, False, ASLEEP_STORE, (),
-                                      0, 0.0, first))  # a promotion never ran: keys failed
+            self._on_result(JobResult(job.job_id, False, ASLEEP_STORE, (), 0, 0.0,
+                                      (Medium.CPU, Medium.GPU)))
             return
         rt = self._rt()
-        self._submit(lambda: rt.engine.submit_chain(hops, job_id=job.job_id), job.job_id,
-                     (hops[0][0].medium, hops[0][1].medium))
-
-    def forget(self, job_ids: Iterable[int]) -> None:
-        """Settled promoting loads: no load planned from now on joins them."""
-        self.poll()
-        self.submit_ready_loads()  # nothing waiting may still need a forgotten result
-        for job_id in job_ids:
-            self._promotions.pop(job_id, None)
+        self._submit(lambda: rt.engine.submit(job.src, job.dst, job_id=job.job_id), job.job_id,
+                     (Medium.CPU, Medium.GPU))
 
     def quiesce(self, reason: str) -> None:
-        """Wait (on the host) for every GPU copy submitted, and fail the loads still waiting
-        for a promotion with ``reason``: they must never reach the GPU now (sleep mode)."""
+        """Wait (on the host) for every GPU copy submitted: none may touch the GPU after this
+        (sleep mode). ``reason``: why, for the log."""
         if self._runtime is None:
             return
         self.poll()
         gpu_jobs = [j for j, r in self.running.items() if r.kind in ("load", "store")]
         for result in self._runtime.engine.wait(gpu_jobs) if gpu_jobs else ():
             self._on_result(result)
-        for job in self._deferred:
-            self.running.setdefault(job.job_id, InFlight("load", job.req_id, job))
-            first = (Medium.DISK, Medium.CPU) if any(job.from_disk) else (Medium.CPU, Medium.GPU)
-            self._on_result(JobResult(job.job_id, False, reason, (), 0, 0.0, first))
-        self._deferred = []
+        log.debug("kvtier: GPU copies quiesced: %s", reason)
 
     # ------------------------------------------------------------------ state
     def stores_in_flight(self, job_ids: Iterable[int]) -> list[int]:
@@ -220,11 +190,8 @@ class WorkerJobs:
     def poll(self) -> None:
         if self._runtime is None:
             return
-        results = self._runtime.poll()
-        for result in results:
+        for result in self._runtime.poll():
             self._on_result(result)
-        if results and self._deferred:
-            self.submit_ready_loads()
 
     def _on_result(self, r: JobResult) -> None:
         running = self.running.pop(r.job_id, None)
@@ -244,22 +211,30 @@ class WorkerJobs:
                 if not jobs:
                     del self._stores_of[running.req_id]
         else:
-            if not r.ok:
+            if running.promoted:
+                self._on_promotion(r, running.promoted)
+            elif not r.ok:
                 self._errors[r.job_id] = 1
+
+    def _on_promotion(self, r: JobResult, keys: tuple[BlockKey, ...]) -> None:
+        """A promotion's keys that could not be read fail (the manager forgets them); a read
+        that raised is an error too, so nothing of it is published."""
+        out = promotion_outcome(r, keys)
+        if r.error is not None:
+            self._errors[r.job_id] = 1
+            log.warning("kvtier: promotion job %d failed: %s", r.job_id, r.error)
+        if out.failed:
+            self._failed[r.job_id] = out.failed
+            if out.transient:
+                self._transient[r.job_id] = out.transient
+        self._load_hops.extend((src.value, n, sec) for src, n, sec in out.measured)
 
     def _on_load(self, r: JobResult, running: InFlight) -> None:
         job = running.load
         assert job is not None
         if gpu_untrusted(r):
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
-        out = load_outcome(r, job.keys, job.from_disk, job.gpu_ids, self._per_block,
-                           running.excluded, job.from_remote, job.unloaded_gpu_ids)
-        if out.failed:
-            self._failed[r.job_id] = out.failed
-            if out.transient:
-                self._transient[r.job_id] = out.transient
-        if out.promotion_failed is not None:  # for loads that joined its promotions
-            self._promotions[r.job_id] = out.promotion_failed
+        out = load_outcome(r, job.gpu_ids, job.unloaded_gpu_ids)
         if out.untrusted_gpu_ids and self._per_request and not job.sync:
             self._failed_recving.setdefault(job.req_id, set()).update(out.untrusted_gpu_ids)
         else:  # a synchronous load never is one (async_loads_only): vLLM fails loudly

@@ -17,9 +17,8 @@ Per step (vLLM's model runner calls these in this order):
 3. ``start_load``: submit this step's other loads (before the forward for a synchronous
    load, after it otherwise) and fence the synchronous ones: the forward reading their blocks
    is ordered after the copy on the GPU, per layer when vLLM runs the per-layer hooks
-   (:mod:`layer_fences`), else whole. A load that joined another load's disk promotion waits
-   (here, not in the engine) until that load finished on this worker, then copies what the
-   promotion read; keys it failed to read are failed here too.
+   (:mod:`layer_fences`), else whole. Every load is one CPU -> GPU copy (blocks held below
+   the CPU tier were promoted into it by background moves before the load was planned).
 4. ``wait_for_save``: the forward is enqueued: per-layer fences are checked, and stores of
    blocks this very forward computes (sliding-window models, whose windows free blocks
    before a late plan) are submitted, their copy ordered after the forward on the GPU.
@@ -27,8 +26,9 @@ Per step (vLLM's model runner calls these in this order):
    ``finished_recving`` (and the engine blocks that could not be filled as load errors, in
    the same step; with several KV cache groups the request in ``failed_recving`` instead),
    watched finished requests with no store left in ``finished_sending``.
-6. ``build_worker_meta``: per-job reports for the scheduler (done, failed keys and which of
-   them failed transiently, errors, and the measured load hops that feed its cost model).
+6. ``build_worker_meta``: per-job reports for the scheduler (done, the keys a promotion
+   could not read and which of them failed transiently, errors, and what loads and
+   promotions measured for its cost model).
 
 Before the first step: ``register_kv_caches`` builds the runtime with a CPU pool that pins
 only its first chunk; the rest is pinned in the background once vLLM's start-up is over
@@ -200,7 +200,6 @@ class WorkerSide:
     def _start_ahead(self, sync: list[LoadJob], ev: str) -> None:
         """Submit synchronous loads before ``start_load``, which decides how the forward
         waits for them (it knows the forward)."""
-        sync = [job for job in sync if not job.after]
         if not sync or self.runtime is None:
             return
         if self._tl.enabled:  # marked before: the copy starts with the first submit
@@ -244,8 +243,6 @@ class WorkerSide:
         self._fences.begin_step()
         if self._forward is not None and not any(j.sync for j in meta.loads):
             self._forward.begin(meta.step_tokens)  # a fenced load would inflate the time
-        if meta.forget:
-            self.jobs.forget(meta.forget)
         self._watch.update(meta.watch)
         self._taint.acknowledged(meta.untaint)  # planned after the scheduler saw the failure
         self.jobs.submit_stores(meta.stores, this_step=False)
@@ -262,9 +259,8 @@ class WorkerSide:
             return
         self.jobs.poll()
         sync = [job for job in meta.loads if job.sync]
-        self.jobs.defer_loads(job for job in meta.loads if not job.sync)
         early = 0
-        for job in sync:  # never deferred: their forward runs in this step
+        for job in sync:  # their forward runs in this step
             if job.job_id in self._ahead:
                 self._ahead.discard(job.job_id)
                 early += 1
@@ -279,7 +275,9 @@ class WorkerSide:
             self._tl.mark("worker", "start_load", sync=[j.job_id for j in sync],
                           jobs=[j.job_id for j in meta.loads], per_layer=per_layer,
                           early=early)
-        self.jobs.submit_ready_loads()
+        for job in meta.loads:  # the rest wait for no forward: after it
+            if not job.sync:
+                self.jobs.submit_load(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._fences.on_layer(layer_name, lambda ids, l: self._rt().engine.fence_layer(ids, l))
