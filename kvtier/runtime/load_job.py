@@ -43,14 +43,12 @@ def measured_hops(result: JobResult) -> list[tuple[Medium, int, float]]:
     points per read are kept (a third and two thirds of the way): the model forgets per
     sample, and a read reports dozens of points, so all of them would make one job (a cold
     first one, say) outweigh the next several."""
-    if result.error is not None:
+    if result.error is not None or result.bytes <= 0:
         return []
-    out = [(src, nbytes, seconds) for (src, _), nbytes, seconds in result.hops if nbytes > 0]
-    by_route: dict = {}
-    for route, nbytes, seconds in result.progress:
-        if nbytes >= MIN_SAMPLE_BYTES and seconds > 0:
-            by_route.setdefault(route, []).append((nbytes, seconds))
-    for (src, _), points in by_route.items():
+    src = result.direction[0]
+    out = [(src, result.bytes, result.seconds)]
+    points = [(n, s) for n, s in result.progress if n >= MIN_SAMPLE_BYTES and s > 0]
+    if points:
         picks = sorted({len(points) * k // (PROGRESS_SAMPLES + 1)
                         for k in range(1, PROGRESS_SAMPLES + 1)})
         out += [(src, *points[i]) for i in picks]

@@ -6,20 +6,17 @@ one worker per (source medium, destination medium) route. Each route has its own
 CPU->DISK store never sits in front of a CPU->GPU load; within a route jobs *start* in submission
 order and up to ``handler.concurrency`` of them run at once.
 
-A chained job (DISK->CPU then CPU->GPU) is forwarded from route to route: after a hop finishes
-it joins the next hop's queue, so every hop obeys its own route's order and concurrency. A hop
-whose handler reports final blocks while it runs (the shared tier's read) lets the next hop's
-copies of those blocks start before it ends (:mod:`kvtier.transfer.early`). A hop
-that raises ends the job; a hop that only reports ``failed_keys`` does not (the keys are reported
-and the caller treats them as errors), matching how the manager settles partial loads.
+A job is one (source spec, destination spec) pair, routed by its media; its result is one
+:class:`~kvtier.transfer.jobs.JobResult`. A job whose handler raises fails; one whose handler
+only reports ``failed_keys`` (blocks that individually could not be read) does not, and the
+caller settles those keys with the manager.
 
 Immediate routes (:class:`ImmediateHandler`, the CUDA GPU<->CPU copies) bypass the loop: their
-hops are enqueued on the submitting thread and their completion is polled by ``get_finished``
+jobs are enqueued on the submitting thread and their completion is polled by ``get_finished``
 and ``wait`` on the caller's thread (:class:`~kvtier.transfer.immediate.ImmediateHops`, a
-collaborator the engine owns). A chain whose later hop is immediate (DISK->CPU->GPU) parks
-after its loop hop until the caller's next call starts it. ``fence`` orders the caller's later
-device work after given jobs (a stream wait for immediate hops, a host wait otherwise), so a
-forward can consume a load without the host ever blocking on the GPU.
+collaborator the engine owns). ``fence`` orders the caller's later device work after given
+jobs (a stream wait for immediate jobs, a host wait otherwise), so a forward can consume a
+load without the host ever blocking on the GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
@@ -41,7 +38,6 @@ from kvtier.transfer.jobs import (
     Route,
     TransferOutcome,
     route_name,
-    route_of,
 )
 
 log = logging.getLogger(__name__)
@@ -64,15 +60,14 @@ class TransferEngine:
         self._live: set[int] = set()  # submitted and not yet handed to the caller
         self._reserved: set[int] = set()  # ids a wait() call is collecting
         self._pending = 0
-        self.hops_done = 0  # grows with every accounted hop: stats() changed only if it did
+        self.jobs_done = 0  # grows with every accounted job: stats() changed only if it did
         self._next_id = 0
         self._closed = False
         self._stopped = False
         self._lanes: dict[Route, Lane] = {}
         self._immediate = ImmediateHops(
             name, self._handlers, lane_of=self._lane, account=self._hop_done,
-            finish=self._finish,
-            to_loop=lambda job: self._loop.call_soon_threadsafe(self._dispatch, job))
+            finish=self._finish)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
@@ -100,20 +95,14 @@ class TransferEngine:
             self._lanes[route] = lane
 
     def _lane(self, job: JobProgress) -> Lane:
-        """The lane of the job's next (or running) hop."""
-        return self._lanes[route_of(job.hops[job.next_hop])]
+        return self._lanes[job.route]
 
     def _dispatch(self, job: JobProgress) -> None:
-        """Loop thread: queue the job's next hop, or park it for the caller if immediate."""
-        if self._immediate.takes(job):
-            self._immediate.park(job)
-            with self._cond:
-                self._cond.notify_all()  # a waiter must start it
-            return
+        """Loop thread: queue the job on its route."""
         self._lane(job).queue.put_nowait(job)
 
     async def _worker(self, lane: Lane) -> None:
-        """Start the route's hops in queue order, at most ``concurrency`` at a time."""
+        """Start the route's jobs in queue order, at most ``concurrency`` at a time."""
         while True:
             # Take a free slot before taking a job, so a job is never held outside the queue
             # while it waits (close() fails whatever is still queued).
@@ -128,21 +117,16 @@ class TransferEngine:
             task.add_done_callback(lambda t, lane=lane: lane.running.pop(t, None))
 
     async def _run_hop(self, lane: Lane, job: JobProgress) -> None:
-        src, dst = job.hops[job.next_hop]
+        src, dst = job.src, job.dst
         outcome = TransferOutcome()
         error: str | None = None
         with self._lock:
             lane.active += 1
             if lane.active == 1:
                 lane.busy_since = time.perf_counter()
-        # a hop that reports final blocks lets the next (immediate) hop start on them early
-        ready = self._immediate.open_early(job) if lane.handler.reports_ready else None
         t0 = time.perf_counter()
         try:
-            if ready is None:
-                outcome = await lane.handler.run(src, dst)
-            else:
-                outcome = await lane.handler.run_reporting(src, dst, ready)
+            outcome = await lane.handler.run(src, dst)
             if not isinstance(outcome, TransferOutcome):
                 raise TypeError(f"handler returned {type(outcome).__name__}, not TransferOutcome")
         except asyncio.CancelledError:
@@ -157,20 +141,13 @@ class TransferEngine:
             now = time.perf_counter()
             lane.slots.release()
         self._hop_done(lane, job, outcome, error, now - t0, ended_at=now)
-        if error is None and job.next_hop + 1 < len(job.hops):
-            job.next_hop += 1
-            self._dispatch(job)
-        elif ready is None or not self._immediate.end_early(job):
-            self._finish(job)
-        else:  # the next hop's early pieces run on: the job ends when they are done
-            with self._cond:
-                self._cond.notify_all()
+        self._finish(job)
 
     def _hop_done(self, lane: Lane, job: JobProgress, outcome: TransferOutcome, error: str | None,
                   seconds: float, ended_at: float | None = None) -> None:
-        """Account one hop (one lock hold: a stats snapshot never sees its time without its
-        bytes). ``ended_at``: a loop hop's end (busy time spans overlapping hops); else an
-        immediate hop, whose ``seconds`` are its own."""
+        """Account one job's run (one lock hold: a stats snapshot never sees its time without
+        its bytes). ``ended_at``: a loop job's end (busy time spans overlapping jobs); else an
+        immediate job, whose ``seconds`` are its own."""
         with self._lock:
             if ended_at is None:
                 lane.stats.seconds += seconds
@@ -182,14 +159,12 @@ class TransferEngine:
             lane.stats.bytes += outcome.bytes
             if error is not None or outcome.failed_keys:
                 lane.stats.failed_jobs += 1
-            self.hops_done += 1
+            self.jobs_done += 1
         job.bytes += outcome.bytes
         job.seconds += seconds
-        job.hop_stats.append((lane.route, outcome.bytes, seconds))
-        job.progress.extend((lane.route, b, s) for b, s in outcome.progress)
+        job.progress.extend(outcome.progress)
         job.failed_keys.extend(outcome.failed_keys)
         job.transient_keys.extend(outcome.transient_keys)
-        job.last_route = lane.route
         job.error = error
 
     def _finish(self, job: JobProgress) -> None:
@@ -201,8 +176,7 @@ class TransferEngine:
             failed_keys=failed,
             bytes=job.bytes,
             seconds=job.seconds,
-            direction=job.last_route or route_of(job.hops[0]),
-            hops=tuple(job.hop_stats),
+            direction=job.route,
             transient_keys=tuple(dict.fromkeys(job.transient_keys)),
             progress=tuple(job.progress),
         )
@@ -235,28 +209,17 @@ class TransferEngine:
     # ---- caller side (any thread) -------------------------------------------------------------
 
     def submit(self, src: LoadStoreSpec, dst: LoadStoreSpec, *, job_id: int | None = None) -> int:
-        """Queue ``src -> dst``; returns the job id at once. Thread-safe, never blocks on I/O."""
-        return self.submit_chain([(src, dst)], job_id=job_id)
-
-    def submit_chain(
-        self, hops: Sequence[tuple[LoadStoreSpec, LoadStoreSpec]], *, job_id: int | None = None
-    ) -> int:
-        """Queue hops that run in order as one job (see the module docstring for failures).
+        """Queue ``src -> dst``; returns the job id at once. Thread-safe, never blocks on I/O.
 
         ``job_id``: the caller's id, which must not belong to a job whose result has not been
         collected yet (``ValueError``); ``None`` picks the next free number.
         """
-        hops = tuple((src, dst) for src, dst in hops)
-        if not hops:
-            raise ValueError("submit_chain needs at least one hop")
-        for src, dst in hops:
-            if not isinstance(src, LoadStoreSpec) or not isinstance(dst, LoadStoreSpec):
-                raise TypeError("hops must be (LoadStoreSpec, LoadStoreSpec) pairs")
-            if route_of((src, dst)) not in self._handlers:
-                known = ", ".join(route_name(r) for r in self._handlers)
-                raise ValueError(
-                    f"no transfer handler for {route_name(route_of((src, dst)))}; known: {known}"
-                )
+        if not isinstance(src, LoadStoreSpec) or not isinstance(dst, LoadStoreSpec):
+            raise TypeError("a job is a (LoadStoreSpec, LoadStoreSpec) pair")
+        route = (src.medium, dst.medium)
+        if route not in self._handlers:
+            known = ", ".join(route_name(r) for r in self._handlers)
+            raise ValueError(f"no transfer handler for {route_name(route)}; known: {known}")
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
@@ -271,7 +234,7 @@ class TransferEngine:
                     raise ValueError(f"job id {jid} is already in use")
             self._live.add(jid)
             self._pending += 1
-            job = JobProgress(jid, hops)
+            job = JobProgress(jid, src, dst)
             if not self._immediate.takes(job):
                 self._loop.call_soon_threadsafe(self._dispatch, job)
                 return jid
@@ -313,21 +276,14 @@ class TransferEngine:
                         raise TimeoutError(
                             f"{len(missing)} of {len(ids)} jobs unfinished after {timeout}s"
                         )
-                    if self._immediate.has_parked() or any(
-                            self._immediate.is_running(i) for i in missing):
-                        # immediate hops move only on a caller's thread: this one
+                    if any(self._immediate.is_running(i) for i in missing):
+                        # immediate jobs move only on a caller's thread: this one
                         self._cond.release()
                         try:
                             self._immediate.advance(block_on=missing)
                         finally:
                             self._cond.acquire()
                         continue
-                    if self._immediate.has_early():  # a read goes on: copy what it finished
-                        self._cond.release()
-                        try:
-                            self._immediate.advance()
-                        finally:
-                            self._cond.acquire()
                     self._cond.wait(left if left is not None and left < 0.002 else 0.002)
                 out = [self._finished.pop(i) for i in ids]
                 self._live.difference_update(ids)
@@ -341,7 +297,7 @@ class TransferEngine:
             return self._pending
 
     def stats(self) -> dict[str, DirectionStats]:
-        """A snapshot per route, keyed like ``"GPU->CPU"``; busy time includes hops running now."""
+        """A snapshot per route, keyed like ``"GPU->CPU"``; busy time includes jobs running now."""
         now = time.perf_counter()
         with self._lock:
             out = {}
@@ -352,12 +308,12 @@ class TransferEngine:
                 out[lane.name] = s
         return out
 
-    # ---- immediate hops: ordering the caller's device work, prefetch hints ------------------
+    # ---- immediate jobs: ordering the caller's device work, prefetch hints ------------------
 
     def fence(self, job_ids: Iterable[int]) -> None:
         """Order device work the caller enqueues from now on after these jobs: a stream wait
-        for a job on an immediate hop (the host goes on at once), else a host wait until the
-        job finished. Results stay collectable by ``get_finished``."""
+        for an immediate job (the host goes on at once), else a host wait until the job
+        finished. Results stay collectable by ``get_finished``."""
         ids = [int(i) for i in job_ids]
         while True:
             self._immediate.advance()
@@ -373,13 +329,13 @@ class TransferEngine:
         """``fence`` for the pages of one layer: on a handler that copies layer by layer, the
         caller's stream waits only for that layer of these jobs (vLLM's per-layer hook)."""
         rest = self._immediate.fence_layer([int(i) for i in job_ids], layer)
-        if rest:  # finished already (nothing to wait for) or not on an immediate hop yet
+        if rest:  # finished already (nothing to wait for) or not an immediate job
             self.fence(rest)
 
     def prefetch(self, src: LoadStoreSpec, to: Medium, whole: bool = False) -> bool:
         """Hint that ``src`` will probably be copied to ``to`` next (the handler may start
         reading it: ``ImmediateHandler.prefetch``; ``whole``: the copy's destination will be
-        ``LoadStoreSpec.whole``). A failure only logs: the hop itself will run in full when
+        ``LoadStoreSpec.whole``). A failure only logs: the job itself will run in full when
         submitted."""
         return self._immediate.prefetch(src, to, whole)
 
@@ -392,7 +348,7 @@ class TransferEngine:
         return self._immediate.prefetch_counts()
 
     def prefetch_min_bytes(self, src: Medium, to: Medium) -> int | None:
-        """The smallest hop ``src -> to`` worth a prefetch hint; None: none is taken."""
+        """The smallest job ``src -> to`` worth a prefetch hint; None: none is taken."""
         return self._immediate.prefetch_min_bytes(src, to)
 
     @property

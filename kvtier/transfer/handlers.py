@@ -17,7 +17,7 @@ import asyncio
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, TypeVar
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.jobs import Route, TransferOutcome, route_name
@@ -40,17 +40,6 @@ class TransferHandler(ABC):
     @abstractmethod
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
         """Move ``src`` to ``dst``; raise on failure."""
-
-    reports_ready: bool = False
-    """Whether ``run_reporting`` tells of destination blocks that are final before the hop
-    ends (the engine then starts the next hop's copies of those blocks early)."""
-
-    async def run_reporting(self, src: LoadStoreSpec, dst: LoadStoreSpec,
-                            ready: Callable[[Sequence[int]], None]) -> TransferOutcome:
-        """``run``, calling ``ready(ids)`` from any thread with destination ids (CPU slots)
-        whose blocks are final while the hop goes on. An id reported there may still be among
-        the outcome's failed keys (the engine's result then distrusts what was copied)."""
-        return await self.run(src, dst)
 
     @property
     def name(self) -> str:

@@ -5,34 +5,36 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from kvtier.manager.specs import BlockKey, Medium
+from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.transfer.handlers import TransferHandler
-from kvtier.transfer.jobs import DirectionStats, Hop, Route, route_name
+from kvtier.transfer.jobs import DirectionStats, Route, route_name
 
 
 @dataclass
 class JobProgress:
-    """One submitted job's progress through its hops and what they have added up to so far
-    (becomes a :class:`~kvtier.transfer.jobs.JobResult` when it ends)."""
+    """One submitted job (a source spec, a destination spec) and what it has added up to so
+    far (becomes a :class:`~kvtier.transfer.jobs.JobResult` when it ends)."""
 
     job_id: int
-    hops: tuple[Hop, ...]
-    next_hop: int = 0
+    src: LoadStoreSpec
+    dst: LoadStoreSpec
     bytes: int = 0
     seconds: float = 0.0
     failed_keys: list[BlockKey] = field(default_factory=list)
     transient_keys: list[BlockKey] = field(default_factory=list)
     error: str | None = None
-    last_route: Route | None = None
-    hop_stats: list = field(default_factory=list)  # (route, bytes, seconds) per hop run
-    progress: list = field(default_factory=list)  # (route, bytes, seconds) within hops
-    pending: object = None  # an immediate hop's handle (while :class:`ImmediateHops` runs it)
+    progress: list = field(default_factory=list)  # (bytes, seconds) while it ran
+    pending: object = None  # an immediate job's handle (while :class:`ImmediateHops` runs it)
     started: float = 0.0
+
+    @property
+    def route(self) -> Route:
+        return (self.src.medium, self.dst.medium)
 
 
 @dataclass
 class Lane:
-    """One route's queue, worker and running hops (loop-thread state, except ``stats``)."""
+    """One route's queue, worker and running jobs (loop-thread state, except ``stats``)."""
 
     route: Route
     handler: TransferHandler
@@ -42,7 +44,7 @@ class Lane:
     active: int = 0
     busy_since: float = 0.0
     worker: asyncio.Task | None = None
-    running: dict = field(default_factory=dict)  # hop task -> its job
+    running: dict = field(default_factory=dict)  # task -> its job
 
     @property
     def name(self) -> str:

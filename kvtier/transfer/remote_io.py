@@ -64,11 +64,11 @@ class CpuToRemoteHandler(TransferHandler):
 
 
 class RemoteToCpuHandler(TransferHandler):
-    """Promotion: server values (src keys) -> CPU slots (dst), every value verified. Reports
-    verified slots while it runs, so a load's copies to the GPU overlap the read."""
+    """Promotion: server values (src keys) -> CPU slots (dst), every value verified. The
+    bytes verified so far are timed while it runs (``TransferOutcome.progress``): the cost
+    model learns the tier's per-job latency apart from its bandwidth."""
 
     direction = (Medium.REMOTE, Medium.CPU)
-    reports_ready = True
 
     def __init__(self, pool: CpuBlockPool, remote: SlotRemote, *,
                  concurrency: int = READ_JOBS) -> None:
@@ -77,14 +77,6 @@ class RemoteToCpuHandler(TransferHandler):
         self.concurrency = concurrency
 
     async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
-        return await self._fetch(src, dst, None)
-
-    async def run_reporting(self, src: LoadStoreSpec, dst: LoadStoreSpec,
-                            ready: Callable[[Sequence[int]], None]) -> TransferOutcome:
-        return await self._fetch(src, dst, ready)
-
-    async def _fetch(self, src: LoadStoreSpec, dst: LoadStoreSpec,
-                     ready: Callable[[Sequence[int]], None] | None) -> TransferOutcome:
         self.check_media(src, dst)
         keys, slots = src.keys, dst.ids
         _check_promotion(self.name, self.pool, slots, keys)
@@ -97,8 +89,6 @@ class RemoteToCpuHandler(TransferHandler):
         def reported(ids: Sequence[int]) -> None:  # the I/O processes' fan-out thread
             done = (progress[-1][0] if progress else 0) + len(ids) * block_bytes
             progress.append((done, time.perf_counter() - t0))
-            if ready is not None:
-                ready(ids)
 
         r = await self.run_blocking(self.remote.fetch_slots, list(keys), list(slots), reported)
         return TransferOutcome(bytes=(len(keys) - len(r.failed)) * block_bytes,

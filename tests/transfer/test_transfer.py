@@ -191,9 +191,9 @@ def test_odd_page_sizes_copy_with_a_narrower_word(page_bytes, word):
     store, load = GpuToCpuHandler(src_view, pool), CpuToGpuHandler(dst_view, pool)
     assert store.word == word
     with TransferEngine([store, load]) as eng:
-        results = eng.wait([eng.submit_chain([(Spec.gpu([5, 2, 9, 0]), cpu(7, 1)),
-                                              (cpu(7, 1), Spec.gpu([1, 3, 4, 6]))])], SAFETY)
-    assert results[0].ok, results[0].error
+        stored = eng.wait([eng.submit(Spec.gpu([5, 2, 9, 0]), cpu(7, 1))], SAFETY)
+        results = eng.wait([eng.submit(cpu(7, 1), Spec.gpu([1, 3, 4, 6]))], SAFETY)
+    assert stored[0].ok and results[0].ok, (stored[0].error, results[0].error)
     for name in src:
         assert torch.equal(dst[name][:, [1, 3, 4, 6]], src[name][:, [5, 2, 9, 0]])
         assert not dst[name][:, [0, 2, 5, 7, 8, 9, 10, 11]].any()
@@ -228,10 +228,10 @@ def test_gpu_cpu_geometry_mismatch_rejected():
         GpuToCpuHandler(view, other)
 
 
-# ---- disk handlers and chains ------------------------------------------------------------------
+# ---- disk handlers ----------------------------------------------------------------------------
 
 
-def test_disk_chain_promote_then_load_with_a_missing_key():
+def test_disk_promote_then_load_with_a_missing_key():
     layout, k = "blocks_first", 2
     src_kv, dst_kv = make_kv(layout, fill=True, seed=3), make_kv(layout, fill=False)
     src_view, dst_view = GpuKvView(src_kv, layout), GpuKvView(dst_kv, layout)
@@ -240,18 +240,18 @@ def test_disk_chain_promote_then_load_with_a_missing_key():
     handlers = [GpuToCpuHandler(src_view, pool), CpuToGpuHandler(dst_view, pool),
                 CpuToDiskHandler(pool, fs), DiskToCpuHandler(pool, fs), DiskDropHandler(fs)]
     with TransferEngine(handlers) as eng:
-        r = eng.wait([eng.submit_chain([(Spec.gpu(range(8)), cpu(0, 1, 2, 3)),
-                                        (cpu(0, 1, 2, 3), Spec.disk(keys))])], SAFETY)[0]
+        assert eng.wait([eng.submit(Spec.gpu(range(8)), cpu(0, 1, 2, 3))], SAFETY)[0].ok
+        r = eng.wait([eng.submit(cpu(0, 1, 2, 3), Spec.disk(keys))], SAFETY)[0]
         assert r.ok and set(fs.data) == set(keys)
         assert r.direction == (Medium.CPU, Medium.DISK)
         for s in range(4):
             pool.slot(s).zero_()  # the blocks now live on disk only
         del fs.data[keys[1]]
-        chain = [(Spec.disk(keys), cpu(7, 5, 9, 6)), (cpu(7, 5, 9, 6), Spec.gpu(range(4, 12)))]
-        [r] = eng.wait([eng.submit_chain(chain)], SAFETY)
-        assert not r.ok and r.error is None
-        assert r.failed_keys == (keys[1],)
-        assert r.direction == (Medium.CPU, Medium.GPU)  # the load hop still ran
+        [r] = eng.wait([eng.submit(Spec.disk(keys), cpu(7, 5, 9, 6))], SAFETY)
+        assert not r.ok and r.error is None  # the promotion: one block missing
+        assert r.failed_keys == (keys[1],) and r.direction == (Medium.DISK, Medium.CPU)
+        [r] = eng.wait([eng.submit(cpu(7, 5, 9, 6), Spec.gpu(range(4, 12)))], SAFETY)
+        assert r.ok and r.direction == (Medium.CPU, Medium.GPU)  # then the load
         stats = eng.stats()
     for name in src_kv:
         for i in (0, 2, 3):
@@ -300,18 +300,6 @@ def test_disk_write_failure_and_drop():
     assert not r_bad.ok and "ValueError" in r_bad.error
 
 
-def test_chain_stops_at_a_raising_hop():
-    a = FakeHandler((Medium.DISK, Medium.CPU))
-    b = FakeHandler((Medium.CPU, Medium.GPU))
-    with TransferEngine([a, b]) as eng:
-        bad = eng.submit_chain([(Spec(Medium.DISK, ids=(666,)), cpu(1)), (cpu(5), Spec.gpu([1]))])
-        good = eng.submit_chain([(Spec(Medium.DISK, ids=(1,)), cpu(1)), (cpu(6), Spec.gpu([1]))])
-        r_bad, r_good = eng.wait([bad, good], SAFETY)
-    assert not r_bad.ok and "boom" in r_bad.error and r_bad.direction == (Medium.DISK, Medium.CPU)
-    assert r_good.ok and r_good.bytes == 20
-    assert b.started == [6]  # the second hop of the failed chain never ran
-
-
 # ---- engine behaviour ---------------------------------------------------------------------------
 
 
@@ -338,10 +326,8 @@ def test_unknown_route_rejected_at_submit():
     with TransferEngine([FakeHandler((Medium.GPU, Medium.CPU))]) as eng:
         with pytest.raises(ValueError, match="CPU->DISK"):
             eng.submit(cpu(1), Spec.disk([b"k"]))
-        with pytest.raises(ValueError):  # the second hop's route is unknown: nothing is queued
-            eng.submit_chain([(Spec.gpu([1]), cpu(1)), (cpu(1), Spec.disk([b"k"]))])
-        with pytest.raises(ValueError):
-            eng.submit_chain([])
+        with pytest.raises(TypeError):  # a job is a spec pair
+            eng.submit((Spec.gpu([1]), cpu(1)), Spec.disk([b"k"]))
         assert eng.pending() == 0 and eng.get_finished() == []
     with pytest.raises(ValueError):
         TransferEngine([FakeHandler((Medium.GPU, Medium.CPU)), FakeHandler((Medium.GPU, Medium.CPU))])
@@ -504,8 +490,9 @@ def test_cpu_disk_round_trip_with_the_real_disk_store(tmp_path):
         handlers = [GpuToCpuHandler(view, pool), CpuToDiskHandler(pool, ds),
                     DiskToCpuHandler(pool, ds), DiskDropHandler(ds)]
         with TransferEngine(handlers) as eng:
-            [r] = eng.wait([eng.submit_chain([(Spec.gpu(range(6)), cpu(*range(6))),
-                                              (cpu(*range(6)), Spec.disk(keys))])], SAFETY)
+            [r] = eng.wait([eng.submit(Spec.gpu(range(6)), cpu(*range(6)))], SAFETY)
+            assert r.ok, r.error
+            [r] = eng.wait([eng.submit(cpu(*range(6)), Spec.disk(keys))], SAFETY)
             assert r.ok, r.error
             originals = [bytes(pool.slot(s).numpy()) for s in range(6)]
             [r] = eng.wait([eng.submit(Spec.disk([keys[2]]), Spec.drop([]))], SAFETY)

@@ -77,7 +77,7 @@ def test_an_immediate_hop_starts_on_the_submitting_thread_and_finishes_when_poll
         (r,) = engine.get_finished()
     assert r.job_id == job and r.ok and r.bytes == 2
     assert r.seconds == 0.5  # the device's own timing, not the wall time
-    assert r.hops == (((Medium.CPU, Medium.GPU), 2, 0.5),)
+    assert r.direction == (Medium.CPU, Medium.GPU)
     assert engine.stats()["CPU->GPU"].jobs == 1
 
 
@@ -104,29 +104,29 @@ def test_fence_waits_on_the_device_not_on_the_host():
     assert dev.fenced == [(3,)]
 
 
-def test_a_chain_parks_after_its_loop_hop_until_the_caller_starts_the_device_hop():
+def test_a_loop_job_and_a_device_job_run_side_by_side():
+    """A loop job (a disk read) waiting on its handler holds up no device job: each is one
+    spec pair on its own route."""
     dev, disk = ScriptedDevice(), SlowLoopHop()
     with TransferEngine([dev, disk]) as engine:
-        job = engine.submit_chain([(LoadStoreSpec.disk([b"k"]), LoadStoreSpec.cpu([0])),
-                                   cpu_to_gpu([0], [9])])
-        assert dev.started == [] and engine.get_finished() == []
+        read = engine.submit(LoadStoreSpec.disk([b"k"]), LoadStoreSpec.cpu([0]))
+        load = engine.submit(*cpu_to_gpu([1], [9]))
+        assert dev.started == [((9,), threading.current_thread().name)]
+        dev.done.add((9,))
+        (r,) = engine.wait([load], timeout=10)
+        assert r.ok and engine.pending() == 1  # the read still runs
         disk.gate.set()
-        # the device hop starts only on a caller's thread (here: inside wait), never the loop's
-        (r,) = engine.wait([job], timeout=10)
-    assert dev.started == [((9,), threading.current_thread().name)]
-    assert r.ok and r.bytes == 8
-    assert [h[0] for h in r.hops] == [(Medium.DISK, Medium.CPU), (Medium.CPU, Medium.GPU)]
+        (r,) = engine.wait([read], timeout=10)
+    assert r.ok and r.bytes == 7 and r.direction == (Medium.DISK, Medium.CPU)
 
 
 def test_fence_on_a_loop_job_waits_on_the_host_and_leaves_the_result_collectable():
     dev, disk = ScriptedDevice(), SlowLoopHop()
     with TransferEngine([dev, disk]) as engine:
-        job = engine.submit_chain([(LoadStoreSpec.disk([b"k"]), LoadStoreSpec.cpu([0])),
-                                   cpu_to_gpu([0], [4])])
+        job = engine.submit(LoadStoreSpec.disk([b"k"]), LoadStoreSpec.cpu([0]))
         threading.Timer(0.05, disk.gate.set).start()
-        engine.fence([job])  # host-waits for the disk hop, then orders the device hop
-        assert dev.fenced == [(4,)]
-        dev.done.add((4,))
+        engine.fence([job])  # host-waits for the disk job: nothing of it is on a device
+        assert dev.fenced == [] and engine.pending() == 0
         assert [r.job_id for r in engine.get_finished()] == [job]
 
 

@@ -91,12 +91,12 @@ class WorkerStatsTaker:
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self._before = runtime.engine.stats()
-        self._hops = runtime.engine.hops_done
+        self._hops = runtime.engine.jobs_done
         self._respawns = 0
 
     def take(self) -> KVTierStats | None:
         engine = self.runtime.engine
-        done = engine.hops_done  # read before the snapshot: a hop in between is seen next time
+        done = engine.jobs_done  # read before the snapshot: a job in between is seen next time
         if done == self._hops:
             return None
         self._hops = done

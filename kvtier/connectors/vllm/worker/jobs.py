@@ -245,7 +245,6 @@ class WorkerJobs:
         self._load_hops.extend((src.value, n, sec) for src, n, sec in out.measured)
         if self._tl.enabled:
             self._tl.mark("worker", "load_done", job=r.job_id, req=job.req_id, sync=job.sync,
-                          hops=[(f"{a.value}->{b.value}", n, round(sec * 1e3, 3))
-                                for (a, b), n, sec in r.hops])
+                          bytes=r.bytes, copy_ms=round(r.seconds * 1e3, 3))
         if not job.sync:  # a synchronous load's request is running already
             self._recving.add(job.req_id)
