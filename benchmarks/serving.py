@@ -191,7 +191,8 @@ def one_rate(server: Server, a, config: str, pool: Pool, rate: float, i: int) ->
 def setup(a, config: str) -> dict:
     out = {"pool": a.pool, "working_set_bytes": a.ws_bytes, "cpu_bytes": a.cpu_bytes,
            "gpu_kv_bytes": a.gpu_kv_bytes, "kv_bytes_per_token": a.token_bytes,
-           "workload": a.workload.describe(), "gpu": a.device, "duration_s": a.duration_s,
+           "workload": a.workload.describe(), "gpu": getattr(a, "device", "?"),
+           "duration_s": a.duration_s,
            "min_requests": a.min_requests, "drain_s": a.drain_s,
            "max_num_seqs": a.max_num_seqs, "block_size": a.block_size, "slos_ms": a.slos,
            "tensor_parallel_size": a.tensor_parallel_size,
