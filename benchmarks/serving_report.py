@@ -26,11 +26,11 @@ def report(data: dict) -> str:
              "(`usage.prompt_tokens_details.cached_tokens`) and the prompt tokens each cache "
              "tier supplied (vLLM's `/metrics` deltas; kvtier's own count in brackets).", ""]
     for label, run in data["runs"].items():
-        lines += run_section(label, run)
+        lines += run_section(label, run, data["device"])
     return "\n".join(lines) + "\n"
 
 
-def run_section(label: str, run: dict) -> list[str]:
+def run_section(label: str, run: dict, device: str = "?") -> list[str]:
     configs = run["configs"]
     lines = [f"## {label}", ""]
     commands = []
@@ -42,7 +42,7 @@ def run_section(label: str, run: dict) -> list[str]:
     first = next(iter(configs.values()), None)
     slo = None
     if first is not None:
-        lines += [sizing(configs), ""]
+        lines += [sizing(configs, device), ""]
         slo = f"{first['setup']['slos_ms'][0]:g}"
         lines += [f"| config | rate | sent | req/s | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | "
                   f"ITL p99 | goodput@{slo}ms | met | working set | cached | hit tokens GPU | "
@@ -57,29 +57,46 @@ def run_section(label: str, run: dict) -> list[str]:
     return lines + [""]
 
 
-def sizing(configs: dict) -> str:
+def sizing(configs: dict, device: str = "?") -> str:
     """The first configuration's sizes (one command gives all the same), kvtier_disk's disk,
     and a note for any configuration sized otherwise (an earlier command of the label)."""
     s = next(iter(configs.values()))["setup"]
-    w, ws = s["workload"], s["working_set_bytes"]
-    out = (f"Working set {size(ws)} ({s['pool']} conversations: first prompt "
-           f"{w['first']} tokens, +{w['user']} user and {w['answer']} generated tokens per turn, "
-           f"{w['turns']} turns; {s['kv_bytes_per_token']} KV bytes per token). GPU KV "
-           f"{size(s['gpu_kv_bytes'])} (the working set is {ws / s['gpu_kv_bytes']:.1f}x). "
+    ws = s["working_set_bytes"]
+    tokens = s["gpu_kv_bytes"] / s["kv_bytes_per_token"]
+    out = (f"{workload_text(s)}. vLLM {s.get('vllm', '? (not recorded)')} on "
+           f"{s.get('gpu', device)}. Working set {size(ws)} ({s['pool']} conversations; "
+           f"{s['kv_bytes_per_token']} KV bytes per token). GPU KV {size(s['gpu_kv_bytes'])}, "
+           f"{tokens:.0f} tokens (the working set is {ws / s['gpu_kv_bytes']:.1f}x). "
            f"CPU bytes of every connector {size(s['cpu_bytes'])} (the working set is "
            f"{ws / s['cpu_bytes']:.2f}x).")
     disk = configs.get("kvtier_disk")
     if disk is not None:
         out += (f" kvtier_disk's disk tier {size(disk['setup']['disk_bytes'])} on "
                 f"{disk['setup'].get('disk_fs', '?')}.")
-    out += (f" Each rate: {s['duration_s']:g} s of arrivals, then up to {s['drain_s']:g} s "
-            f"before unfinished requests are cut; vLLM max_num_seqs {s['max_num_seqs']}, "
-            f"block {s['block_size']} tokens, seed {s['seed']}.")
-    keys = [k for k in s if k != "disk_bytes"]
+    least = (f" (at least {s['min_requests']} requests' arrivals)"
+             if s.get("min_requests") else "")
+    out += (f" Each rate: {s['duration_s']:g} s of arrivals{least}, then up to "
+            f"{s['drain_s']:g} s before unfinished requests are cut; vLLM max_num_seqs "
+            f"{s['max_num_seqs']}, block {s['block_size']} tokens, seed {s['seed']}.")
+    keys = [k for k in s if k not in ("disk_bytes", "vllm")]
     odd = [n for n, c in configs.items() if any(c["setup"].get(k) != s[k] for k in keys)]
     if odd:
         out += f" **Sized otherwise (see the .json): {', '.join(odd)}.**"
+    versions = {c["setup"].get("vllm") for c in configs.values()}
+    if len(versions) > 1:
+        out += (" **vLLM releases differ: " + ", ".join(
+            f"{n} {c['setup'].get('vllm', '?')}" for n, c in configs.items()) + ".**")
     return out
+
+
+def workload_text(s: dict) -> str:
+    """The workload and its parameters: a preset's own sentence, or the synthetic shape's
+    lengths (results written before presets carry no name)."""
+    w = s["workload"]
+    if w.get("summary"):
+        return "Workload " + w["summary"]
+    return (f"Workload `synthetic`: first prompt {w['first']} tokens, +{w['user']} user and "
+            f"{w['answer']} generated tokens per turn, {w['turns']} turns")
 
 
 def row(name: str, rate: str, r: dict, slo: str, token_bytes: int) -> str:

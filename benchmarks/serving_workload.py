@@ -16,6 +16,9 @@ set would grow with R instead).
   from the start. Token ids are
   random, seeded by the conversation's serial number: every configuration gets the same
   conversations.
+* **What a conversation sends** comes from its workload: ``Shape`` (fixed lengths, the
+  default) or a published preset (``serving_presets.py``: lengths drawn per conversation and
+  turn, a prefix every conversation shares). The ``Pool`` asks the workload, never assumes.
 * **Arrivals** are a Poisson process of ``rate`` requests per second (seeded): each arrival is
   the next turn of an idle conversation (one whose previous turn has finished), picked at
   random, so the time a conversation waits between turns (its user's think time) is random
@@ -34,12 +37,22 @@ from vllm_e2e_engine import tokens
 ANSWERS = 1000  # seed offset of the made-up answers of a conversation started part-way
 
 
+def seed_of(seed: int, serial: int, stream: int) -> int:
+    """The seed of one draw of conversation ``serial``: ``stream`` is its turn (a user turn's
+    tokens), ``ANSWERS + turn`` (a made-up answer) or a workload's own stream above those."""
+    return (seed * 1_000_003 + serial) * 1009 + stream
+
+
 @dataclass(frozen=True)
 class Shape:
+    """The default workload: every conversation alike, no prefix shared between them."""
     first: int  # turn 0's prompt tokens
     user: int  # new user tokens per later turn
     answer: int  # tokens the server generates per turn (max_tokens, ignore_eos)
     turns: int  # turns before a conversation retires
+
+    name = "synthetic"
+    shared = 0  # tokens every conversation's first prompt starts with
 
     def prompt_len(self, turn: int) -> int:
         return self.first + turn * (self.answer + self.user)
@@ -53,6 +66,29 @@ class Shape:
         before turn 0), averaged over the turns it can be at: the pool's working set per
         conversation in steady state, where every turn is equally likely."""
         return sum(self.prompt_len(k) + self.answer for k in range(self.turns - 1)) / self.turns
+
+    def working_set_tokens(self, pool: int) -> float:
+        return pool * self.mean_held()
+
+    def turn_range(self) -> tuple[int, int]:
+        return self.turns, self.turns
+
+    def turns_of(self, serial: int, seed: int) -> int:
+        return self.turns
+
+    def first_prompt(self, serial: int, seed: int, vocab: int) -> list[int]:
+        return tokens(self.first, seed=seed_of(seed, serial, 0), vocab=vocab)
+
+    def user_tokens(self, serial: int, turn: int, seed: int, vocab: int) -> list[int]:
+        return tokens(self.user, seed=seed_of(seed, serial, turn), vocab=vocab)
+
+    def answer_len(self, serial: int, turn: int, seed: int) -> int:
+        return self.answer
+
+    def describe(self) -> dict:
+        """The parameters a result records (the report reads these keys)."""
+        return {"name": self.name, "first": self.first, "user": self.user,
+                "answer": self.answer, "turns": self.turns}
 
 
 def arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
@@ -70,6 +106,7 @@ def arrivals(rate: float, duration_s: float, seed: int) -> list[float]:
 @dataclass
 class Conversation:
     serial: int  # which conversation: its tokens' seed
+    turns: int  # its turns before it retires (the workload draws them per conversation)
     turn: int = 0  # the turn it sends next
     history: list[int] = field(default_factory=list)  # last prompt + answer (empty at turn 0)
     busy: bool = False
@@ -80,33 +117,39 @@ class Pool:
     takes back the server's answer (``fail``: a turn without one: the conversation retires).
     Thread-safe; ``take`` waits while every conversation is busy."""
 
-    def __init__(self, size: int, shape: Shape, vocab: int, seed: int) -> None:
+    def __init__(self, size: int, workload, vocab: int, seed: int) -> None:
         if size < 1:
             raise ValueError(f"the pool needs at least one conversation, got {size}")
-        self.shape, self.vocab, self.seed = shape, vocab, seed
-        if not 2 <= shape.turns < ANSWERS:
+        self.workload, self.vocab, self.seed = workload, vocab, seed
+        low, high = workload.turn_range()
+        if not (2 <= low and high < ANSWERS):
             raise ValueError(f"2 to {ANSWERS - 1} turns (one turn reuses nothing), got "
-                             f"{shape.turns}")
+                             f"{low}-{high}")
         # started at every turn alike, so the pool holds its steady-state mean context at once
-        self.convs = [Conversation(i, turn=i % shape.turns) for i in range(size)]
+        self.convs = []
+        for i in range(size):
+            turns = workload.turns_of(i, seed)
+            self.convs.append(Conversation(i, turns, turn=i % turns))
         self._next_serial = size
         self._cond = threading.Condition()
 
     def prompt(self, conv: Conversation) -> list[int]:
         if conv.history:
             return conv.history + self._user(conv.serial, conv.turn)
-        out = tokens(self.shape.first, seed=self._seed(conv.serial, 0), vocab=self.vocab)
+        w = self.workload
+        out = w.first_prompt(conv.serial, self.seed, self.vocab)
         for k in range(1, conv.turn + 1):  # a conversation the pool starts part-way: its past
-            out += tokens(self.shape.answer, seed=self._seed(conv.serial, ANSWERS + k),
-                          vocab=self.vocab)  # answers are made up
+            n = w.answer_len(conv.serial, k - 1, self.seed)  # answers are made up
+            out += tokens(n, seed=seed_of(self.seed, conv.serial, ANSWERS + k), vocab=self.vocab)
             out += self._user(conv.serial, k)
         return out
 
-    def _user(self, serial: int, turn: int) -> list[int]:
-        return tokens(self.shape.user, seed=self._seed(serial, turn), vocab=self.vocab)
+    def answer_len(self, conv: Conversation) -> int:
+        """max_tokens of ``conv``'s next turn (the server generates exactly that many)."""
+        return self.workload.answer_len(conv.serial, conv.turn, self.seed)
 
-    def _seed(self, serial: int, turn: int) -> int:
-        return (self.seed * 1_000_003 + serial) * 1009 + turn
+    def _user(self, serial: int, turn: int) -> list[int]:
+        return self.workload.user_tokens(serial, turn, self.seed, self.vocab)
 
     def take(self, rng: random.Random, timeout: float | None = None
              ) -> tuple[Conversation, list[int]] | None:
@@ -134,7 +177,7 @@ class Pool:
     def finish(self, conv: Conversation, prompt: list[int], answer: list[int]) -> None:
         with self._cond:
             conv.history, conv.turn = prompt + answer, conv.turn + 1
-            if conv.turn >= self.shape.turns:
+            if conv.turn >= conv.turns:
                 self._retire(conv)
             conv.busy = False
             self._cond.notify()
@@ -148,8 +191,12 @@ class Pool:
     def _retire(self, conv: Conversation) -> None:
         conv.serial, self._next_serial = self._next_serial, self._next_serial + 1
         conv.turn, conv.history = 0, []
+        conv.turns = self.workload.turns_of(conv.serial, self.seed)
 
     def live_tokens(self) -> int:
-        """Tokens the pool's conversations hold for their next turns (the working set)."""
+        """Tokens the pool's conversations hold for their next turns (the working set): a
+        prefix every conversation shares counts once, as the caches hold it once."""
+        shared = self.workload.shared
         with self._cond:
-            return sum(len(c.history) for c in self.convs)
+            held = [len(c.history) for c in self.convs if c.history]
+        return sum(held) - shared * max(len(held) - 1, 0)

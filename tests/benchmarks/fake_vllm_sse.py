@@ -72,6 +72,8 @@ class Handler(BaseHTTPRequestHandler):
                 f"{float(s.cached_tokens)}\n"
                 f'vllm:prompt_tokens_cached_by_source_total{{{labels},source="disk"}} 0.0\n')
             self._send(200, text.encode(), "text/plain; version=0.0.4")
+        elif self.path == "/version":  # vLLM's: the release it runs
+            self._send(200, json.dumps({"version": "0.0.fake"}).encode(), "application/json")
         elif self.path == "/prompts":
             with s.lock:
                 body = json.dumps(s.prompts).encode()
