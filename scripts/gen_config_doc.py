@@ -57,8 +57,9 @@ SECTIONS = {
 }
 
 MEANINGS = {
-    "block_tokens": "Tokens per kvtier block; a multiple of vLLM's `--block-size` "
-                    "(equal to it for hybrid models).",
+    "block_tokens": "Tokens per kvtier block. Left out, vLLM's connector takes vLLM's "
+                    "block size (`--block-size`; 64 by default on vLLM 0.34, 16 before); set, "
+                    "it must be a multiple of it (equal to it for hybrid models).",
     "gil_switch_interval_ms": "Python's GIL switch interval while kvtier runs in the process "
                               "(0 leaves Python's 5 ms); restored when kvtier closes. Short, so "
                               "kvtier's threads get the GIL soon beside vLLM's busy engine loop.",
@@ -178,6 +179,11 @@ NOT_A_DEFAULT = {
 }
 """Keys set only so that the probe config loads; their loaded value is the probe's, not a
 default, so the page says this instead."""
+
+CONTEXT_DEFAULTS = {
+    "block_tokens": "vLLM's block size (`16` outside vLLM)",
+}
+"""Keys whose default depends on where kvtier runs; the loaded value is only one of them."""
 
 EXCLUSIVE = {
     "tiers.remote.nodes": "tiers.remote.url",
@@ -318,8 +324,8 @@ def render() -> str:
                   "| key | meaning | default | allowed | environment |",
                   "|---|---|---|---|---|"]
         for key in leaves:
-            default = (NOT_A_DEFAULT[key] if key in NOT_A_DEFAULT
-                       else _show(_attribute(loaded, key), allowed[key]))
+            default = (NOT_A_DEFAULT.get(key) or CONTEXT_DEFAULTS.get(key)
+                       or _show(_attribute(loaded, key), allowed[key]))
             env = f"`{env_of[key]}`" if key in env_of else ""
             lines.append(f"| `{key}` | {_cell(MEANINGS[key])} | {default} | "
                          f"{_cell(allowed[key])} | {env} |")

@@ -211,6 +211,7 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class KvtierConfig:
+    # tokens per block; under vLLM's connector, unset means vLLM's block size (given())
     block_tokens: int = 16
     # Python's GIL switch interval while kvtier runs in the process (0: leave it):
     # see kvtier/runtime/gil.py
@@ -225,6 +226,11 @@ class KvtierConfig:
     cost: CostConfig | None = None
     source: str = "<defaults>"
     origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)
+
+    def given(self, key: str) -> bool:
+        """Whether ``key`` was set (file, inline config or ``KVTIER_*``), not left at its
+        default: vLLM's connector takes ``block_tokens`` from the engine unless it was set."""
+        return key in self.origins
 
     def _error(self, key: str, problem: str, allowed: str) -> ConfigError:
         file, line, label = self.origins.get(key, (self.source, None, key))

@@ -1,4 +1,4 @@
-"""``KVTierConnector``: kvtier as a vLLM 0.32 / 0.33 KV connector (``KVConnectorBase_V1``).
+"""``KVTierConnector``: kvtier as a vLLM 0.32-0.34 KV connector (``KVConnectorBase_V1``).
 
 Load it with ``kv_connector="KVTierConnector"``, ``kv_connector_module_path=
 "kvtier.connectors.vllm"``, ``kv_role="kv_both"`` and ``kv_connector_extra_config=
@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connectors.vllm.compat import load_failures, sleep
+from kvtier.connectors.vllm.compat import declarations, load_failures, sleep
 from kvtier.connectors.vllm.compat.version import SUPPORTED_VLLM, check_version
 from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.connectors.vllm.scheduler.side import SchedulerSide
@@ -111,6 +111,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
         return True  # CPU and disk tiers survive; GPU copies pause (compat.sleep)
+
+    # vLLM 0.34's declarations (inert on 0.32 / 0.33; the reasons: compat/declarations.py)
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any = None) -> Any:
+        return declarations.kv_cache_access()  # IN_PROCESS: the extensible KV cache stays on
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any = None) -> bool:
+        return declarations.LOOKAHEAD_BLOCK_HASHES
+
+    def may_load_async(self, request: "Request") -> bool:
+        return declarations.may_load_async(request)
 
     # ================================================================== scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -284,6 +285,22 @@ def _hybrid_groups(groups: list, windows: list[int | None]) -> tuple[GroupInfo, 
                  for s, w in zip(specs, windows))
 
 
+def block_tokens(config: KvtierConfig, block_size: int, hash_block_size: int) -> int:
+    """Tokens per kvtier block: vLLM's block size unless the config sets ``block_tokens``
+    (vLLM 0.34's default block size is 64, earlier releases' 16: kvtier follows whichever
+    the engine runs, so no ``--block-size`` has to match a config). A set value must be a
+    whole number of vLLM blocks and hash blocks; one that is not is refused in one line."""
+    unit = math.lcm(block_size, hash_block_size)
+    if not config.given("block_tokens"):
+        return unit
+    bt = config.block_tokens
+    if bt % unit:
+        raise ConnectorSetupError(
+            f"kvtier: block_tokens={bt} must be a multiple of vLLM's block size {unit}, "
+            "or be unset")
+    return bt
+
+
 def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
     kvt = vllm_config.kv_transfer_config
     extra = kvt.kv_connector_extra_config if kvt is not None else None
@@ -313,14 +330,9 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
                  "prefill_context_parallel_size"):
         if int(getattr(pc, name, 1) or 1) > 1:
             raise ConnectorSetupError(f"kvtier does not support {name} > 1 yet")
-    bt = config.block_tokens
-    if bt % block_size or bt % hash_block_size:
-        raise ConnectorSetupError(
-            f"kvtier block_tokens={bt} must be a multiple of vLLM's block size {block_size}"
-            + (f" and hash block size {hash_block_size}" if hash_block_size != block_size else "")
-            + f"; set block_tokens: {max(block_size, hash_block_size)} in the kvtier config "
-            f"(or KVTIER_BLOCK_TOKENS={max(block_size, hash_block_size)})"
-        )
+    bt = block_tokens(config, block_size, hash_block_size)
+    if bt != config.block_tokens:  # the manager (cost model, admission) reads the config's
+        config = replace(config, block_tokens=bt)
     if any(w is not None for w in windows) and bt != block_size:
         raise ConnectorSetupError(
             f"kvtier: a sliding-window model needs block_tokens equal to vLLM's block size "

@@ -26,7 +26,7 @@ def test_the_expected_vllm_is_loaded_and_supported():
         assert vllm.__version__ == want, vllm.__file__
     assert version.is_supported(vllm.__version__)
     assert version.release("0.33.0") == (0, 33) and version.release("x") == (0, 0)
-    assert not version.is_supported("0.31.2")
+    assert not version.is_supported("0.31.2") and version.is_supported("0.34.0")
 
 
 def _so():
@@ -143,3 +143,48 @@ def test_pending_block_frees_while_a_finished_requests_stores_run(model_dir):
     assert not rig.connector.has_pending_block_frees()
     assert rig.connector.requires_kv_delivery is False
     rig.close()
+
+
+def _kvt(**extra):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="KVTierConnector",
+                            kv_connector_module_path="kvtier.connectors.vllm",
+                            kv_role="kv_both", kv_connector_extra_config=dict(extra))
+
+
+def test_kv_cache_access_is_in_process_where_vllm_asks():
+    """vLLM 0.34 asks how the workers reach the KV cache before it picks the extensible KV
+    cache's allocation; kvtier copies in-process (any allocation, so the cache stays
+    extensible). 0.32 / 0.33 have no such question and the answer is None there."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvtier.connectors.vllm.connector import KVTierConnector
+
+    kvt = _kvt()
+    if not hasattr(KVConnectorBase_V1, "kv_cache_access"):
+        assert KVTierConnector.kv_cache_access(kvt) is None
+        return
+    from vllm.config.kv_transfer import KVCacheAccess
+
+    assert KVConnectorFactory.get_connector_class(kvt) is KVTierConnector
+    access = KVConnectorFactory.kv_cache_access(kvt)  # what vLLM's config resolution calls
+    assert access == KVCacheAccess.IN_PROCESS and not access.needs_single_chunk()
+    assert KVCacheAccess.LEGACY_IPC not in access  # would turn the extensible cache off
+
+
+def test_no_lookahead_hashes_and_no_async_load_announced_ahead_of_the_lookup():
+    """kvtier's events carry a block's own tokens (lookahead hashes would need more), and
+    it never announces an asynchronous load before its lookup; vLLM's base class would say
+    True for a P/D ``do_remote_prefill`` request, kvtier says False for every request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvtier.connectors.vllm.connector import KVTierConnector
+
+    kvt = _kvt()
+    assert KVTierConnector.supports_lookahead_block_hashes(kvt) is False
+    req = SimpleNamespace(kv_transfer_params={"do_remote_prefill": True}, request_id="r")
+    if hasattr(KVConnectorBase_V1, "may_load_async"):
+        assert KVConnectorBase_V1.may_load_async(None, req) is True  # the default we override
+    assert KVTierConnector.may_load_async(None, req) is False

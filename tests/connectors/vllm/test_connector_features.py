@@ -218,7 +218,7 @@ def test_sliding_window_group_loads_only_blocks_inside_the_window(model_dir):
 
 
 def test_refuses_block_tokens_not_a_multiple_of_vllm_block(model_dir):
-    with pytest.raises(ConnectorSetupError, match="block_tokens: 16"):
+    with pytest.raises(ConnectorSetupError, match="multiple of vLLM's block size 16"):
         make_rig(model_dir, kvtier_config(cpu_blocks=8, block_tokens=8))
 
 

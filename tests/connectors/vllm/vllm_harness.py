@@ -26,7 +26,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import count
 from typing import Any
 
@@ -70,6 +70,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+# vLLM 0.34 dropped ModelRunnerOutput.req_id_to_index (it derives it from req_ids)
+RUNNER_OUTPUT_HAS_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 
 EOS_TOKEN_ID = 2
 VOCAB = 1000
@@ -373,9 +376,11 @@ class EngineLoop:
             # the whole known sequence is computed (not for a partial prefill chunk).
             done = req.num_computed_tokens >= len(ids)
             sampled.append([next_token(ids)] if done else [])
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                 pooler_output=None, kv_connector_output=kv_out)
+        index = ({"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+                 if RUNNER_OUTPUT_HAS_INDEX else {})  # vLLM 0.34 derives it from req_ids
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=None,
+                                 prompt_logprobs_dict={}, pooler_output=None,
+                                 kv_connector_output=kv_out, **index)
 
     def step(self) -> StepRecord:
         so = self.scheduler.schedule()

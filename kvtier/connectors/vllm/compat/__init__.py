@@ -1,4 +1,4 @@
-"""What differs between the vLLM releases kvtier supports (0.32, 0.33), behind small adapters.
+"""What differs between the vLLM releases kvtier supports (0.32-0.34), behind small adapters.
 
 Each module answers one question the same way on both releases, so the connector itself holds
 no version checks:
@@ -13,6 +13,8 @@ no version checks:
 * :mod:`.sleep` — the worker's sleep/wake hooks (0.33 calls them; 0.32 never does).
 * :mod:`.load_failures` — how a failed load reaches vLLM: engine block ids with one KV cache
   group, the request (``failed_recving``) with several, where vLLM raises on block ids.
+* :mod:`.declarations` — what vLLM 0.34 asks a connector to declare (``kv_cache_access``,
+  ``may_load_async``, ``supports_lookahead_block_hashes``), inert on 0.32 / 0.33.
 
 What 0.33 changes that needs no adapter here, and why:
 
@@ -28,4 +30,14 @@ What 0.33 changes that needs no adapter here, and why:
 * ``get_loaded_kv_cache_group_ids`` keeps vLLM's default (the prefix-cacheable groups: all a
   hash-addressed store holds); ``requires_kv_delivery`` is False (a cache);
   ``has_pending_block_frees`` is True while a finished request's blocks wait for its stores.
+
+What 0.34 changes that needs no adapter here, and why:
+
+* The default block size is 64 (was 16): ``block_tokens`` left out of the kvtier config is
+  vLLM's block size (``settings.block_tokens``), so no ``--block-size`` has to match.
+* The extensible KV cache (``--enable-extensible-kv-cache``, on by default): vLLM builds the
+  worker's connector after the final commit and hands it views over the committed blocks;
+  kvtier declares ``IN_PROCESS`` access (:mod:`.declarations`) and its sleep check compares
+  virtual addresses, which a recommit keeps.
+* ``touch()`` left vLLM's offload manager and its policies; kvtier never called them.
 """

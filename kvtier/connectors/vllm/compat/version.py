@@ -1,6 +1,6 @@
 """Which vLLM is loaded, and the releases kvtier is tested with.
 
-The connector API kvtier needs is the same on 0.32 and 0.33 apart from what the sibling
+The connector API kvtier needs is the same on 0.32, 0.33 and 0.34 apart from what the sibling
 adapters cover; an untested release gets a warning, not a refusal (its API may well fit).
 """
 
@@ -10,7 +10,7 @@ import logging
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ("0.32", "0.33")
+SUPPORTED_VLLM = ("0.32", "0.33", "0.34")
 
 
 def vllm_version() -> str:
