@@ -159,8 +159,9 @@ EXTRA_MEANINGS = {
     "kvtier": "The same keys inline, as a mapping. Give `config` or `kvtier`, not both; "
               "neither means the defaults.",
     "sync_load_budget_bytes": "CPU hits up to this many bytes per engine step (per rank) load "
-                              "inside the step that computes their request; larger ones, and "
-                              "every disk or shared-tier hit, load asynchronously. Bytes or a "
+                              "inside the step that computes their request; larger ones load "
+                              "asynchronously (disk and shared-tier hits are promoted into CPU "
+                              "memory first, then load as CPU hits). Bytes or a "
                               "size such as `\"2GiB\"`; 0 loads every hit asynchronously. "
                               f"Default {format_size(DEFAULT_SYNC_LOAD_BUDGET)}.",
     "whole_tail_layer_bytes": "A hit that reaches the prompt's last token is loaded whole (the "
@@ -168,6 +169,10 @@ EXTRA_MEANINGS = {
                               "layer; a larger one stops a block short, so the forward can "
                               "follow the copy layer by layer. Bytes or a size. Default "
                               f"{format_size(DEFAULT_WHOLE_TAIL_LAYER_BYTES)}.",
+    "same_thread_fast_path": "With TP 1 (vLLM's uni-process executor), the scheduler starts a "
+                             "CPU hit's copy at its lookup and hands the load to the worker "
+                             "as soon as it is planned; `false` leaves it to the worker's "
+                             "first hook of the step. `true` or `false`; default `true`.",
 }
 
 NOT_A_DEFAULT = {

@@ -61,6 +61,12 @@ class OffloadingManager(ABC):
         """Pin the (looked-up) ``keys``, READY in CPU memory, for one CPU -> GPU copy; may
         cover a shorter prefix than asked."""
 
+    def peek_cpu_slots(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
+        """The CPU slots of the leading ``keys`` READY in CPU memory, pinning nothing: what a
+        ``prepare_load`` right now would pin (a hint to start reading them early). Default:
+        none (no early copies)."""
+        return ()
+
     @abstractmethod
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` as recently used (eviction order)."""

@@ -315,6 +315,9 @@ class TieredOffloadingManager(OffloadingManager):
         self.events.emit(BlockAccessed(Medium.CPU, tuple(got)))
         return LoadPlan(tuple(got), tuple(slots), sources)
 
+    def peek_cpu_slots(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
+        return tuple(self.cpu.ready_handles(keys))
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         rest = self.cpu.access(keys)
         if rest and self.disk is not None:

@@ -37,7 +37,7 @@ from kvtier.connectors.vllm.compat.version import SUPPORTED_VLLM, check_version
 from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.connectors.vllm.scheduler.side import SchedulerSide
 from kvtier.connectors.vllm.group_keys import hybrid_notice
-from kvtier.connectors.vllm.handoff import handoff_for
+from kvtier.connectors.vllm.fast_path import handoff_for
 from kvtier.connectors.vllm.logs import share_vllm_logging
 from kvtier.connectors.vllm.settings import HMA_FLAG, derive_settings, describe
 from kvtier.connectors.vllm.stats import KVTierStats

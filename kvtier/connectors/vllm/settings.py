@@ -32,7 +32,8 @@ from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger(__name__)
 
-EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes", "whole_tail_layer_bytes")
+EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes", "whole_tail_layer_bytes",
+              "same_thread_fast_path")
 DEFAULT_SYNC_LOAD_BUDGET = 4 << 30
 """Per engine step, CPU hits up to this many bytes (per rank) load inside the step that
 computes their request (see ``scheduler/side.py``); 4 GiB covers a 32k-token Llama-8B prefix."""
@@ -77,10 +78,11 @@ class ConnectorSettings:
     identity: str  # what the disk fingerprint binds blocks to (model, dtype, hashing, ...)
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
     whole_tail_layer_bytes: int = DEFAULT_WHOLE_TAIL_LAYER_BYTES  # per layer of the hit
+    same_thread_fast_path: bool = True  # TP 1: the scheduler starts copies early (fast_path)
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
-    engine_id: str = ""  # vLLM's engine id: a worker in the scheduler's process (handoff.py)
+    engine_id: str = ""  # vLLM's engine id: a worker in the scheduler's process (fast_path)
     state_layers: tuple[str, ...] = ()  # layers of Mamba/SSM state groups (state_groups.py)
     # vLLM zeroes the new blocks of a synchronous hit in the worker after the connector's
     # load was enqueued (Mamba or mixed-precision caches): hits must load asynchronously
@@ -179,6 +181,17 @@ def sync_load_budget(extra: Mapping[str, Any] | None) -> int:
     return _extra_bytes(extra, "sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET)
 
 
+def same_thread_fast_path(extra: Mapping[str, Any] | None) -> bool:
+    """``kv_connector_extra_config.same_thread_fast_path``: with TP 1, the scheduler side
+    starts a CPU hit's copy at the lookup and submits it when planned (:mod:`fast_path`);
+    false: the worker submits it at its first hook of the step. Default true."""
+    value = (extra or {}).get("same_thread_fast_path", True)
+    if not isinstance(value, bool):
+        raise ConnectorSetupError("kv_connector_extra_config.same_thread_fast_path must be "
+                                  f"true or false, got {value!r}")
+    return value
+
+
 def whole_tail_layer_bytes(extra: Mapping[str, Any] | None) -> int:
     """``kv_connector_extra_config.whole_tail_layer_bytes``: bytes per layer of a hit up to
     which its last block is loaded whole (``DEFAULT_WHOLE_TAIL_LAYER_BYTES``); 0: never."""
@@ -194,7 +207,7 @@ def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
         raise ConnectorSetupError(
             f"kv_connector_extra_config: unknown key(s) {unknown}; kvtier reads "
             f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline), "
-            f"and 'sync_load_budget_bytes', 'whole_tail_layer_bytes'"
+            f"and 'sync_load_budget_bytes', 'whole_tail_layer_bytes', 'same_thread_fast_path'"
         )
     if "config" in extra and "kvtier" in extra:
         raise ConnectorSetupError(
@@ -368,6 +381,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         + (f";groups={'/'.join(g.kind for g in hybrid)}" if len(groups) > 1 else ""),
         sync_load_budget_bytes=sync_load_budget(extra),
         whole_tail_layer_bytes=whole_tail_layer_bytes(extra),
+        same_thread_fast_path=same_thread_fast_path(extra),
         vllm_kv_events=kv_events_enabled(vllm_config),
         groups=hybrid,
         replicated_kv=type(spec).__name__ == "MLAAttentionSpec",

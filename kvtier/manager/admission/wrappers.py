@@ -43,6 +43,9 @@ class ManagerWrapper(OffloadingManager):
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         return self.inner.prepare_load(keys)
 
+    def peek_cpu_slots(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
+        return self.inner.peek_cpu_slots(keys)
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         self.inner.touch(keys)
 

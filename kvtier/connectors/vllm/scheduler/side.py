@@ -50,14 +50,13 @@ import logging
 import time
 from typing import Any, Iterable
 
-from kvtier.connectors.vllm.handoff import WorkerHandoff
+from kvtier.connectors.vllm.fast_path import FastPath, WorkerHandoff
 from kvtier.connectors.vllm.compat.hints import request_hints
 from kvtier.tiers.disk.catalog.inventory import restored_keys
 from kvtier.tiers.remote.presence import open_remote_directory
 from kvtier.connectors.vllm.scheduler.vllm_events import VllmEventConverter
 from kvtier.connectors.vllm.group_keys import GroupKeyMap
 from kvtier.connectors.vllm.scheduler.hit_claim import claim
-from kvtier.connectors.vllm.scheduler.hit_prefetch import HitPrefetch
 from kvtier.connectors.vllm.recompute import RecomputeEstimate
 from kvtier.connectors.vllm.scheduler.ledger import HandedJob, JobLedger
 from kvtier.connectors.vllm.scheduler.observability import SchedulerObservability
@@ -86,7 +85,8 @@ log = logging.getLogger(__name__)
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, handoff: WorkerHandoff) -> None:
         self.settings = settings
-        self.handoff = handoff  # a worker in this thread takes synchronous loads when planned
+        # TP 1: the worker of this engine in this thread starts a CPU hit's copy early
+        self.fast = FastPath(handoff, settings.same_thread_fast_path)
         bb = settings.block_bytes
         disk_keys, partial_keys = restored_keys(settings.disk_paths(),
                                                 settings.disk_geometries())
@@ -115,7 +115,6 @@ class SchedulerSide:
         self._step_untaint: list[str] = []
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
-        self._prefetch = HitPrefetch(handoff)
         self._recompute = RecomputeEstimate()
         # hit_claim's bound on a hit whose last block is loaded whole
         self._whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
@@ -162,7 +161,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ loads
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         began = time.perf_counter() if self._tl.enabled else 0.0  # the marks' "ms"
-        self._prefetch.drop()  # one lookup -> plan pass at a time (hit_prefetch)
+        self.fast.drop()  # one lookup -> plan pass at a time (fast_path)
         t = self.track(request)
         if t.load_job is not None:  # our previous load of it has not settled yet
             return None, False
@@ -211,8 +210,8 @@ class SchedulerSide:
                        and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
         if t.sync_load:
             self._step_sync_bytes += nbytes
-            if per == 1:  # its copy may start now, while vLLM allocates (hit_prefetch)
-                self._prefetch.start(self.manager, keys[:hits], nbytes, whole=claimed == room)
+            if per == 1:  # its copy may start now, while vLLM allocates (fast_path)
+                self.fast.prefetch(self.manager, keys[:hits], nbytes, whole=claimed == room)
         if self._tl.enabled:
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
                           sync=t.sync_load, ms=ms_since(began))
@@ -267,11 +266,9 @@ class SchedulerSide:
             cpu_slots=tuple(plan.cpu_slots), gpu_ids=tuple(gpu_ids),
             unloaded_gpu_ids=tuple(unloaded), sync=sync, whole=whole,
         ))
-        if sync:  # a worker in this thread starts it now (handoff.py)
-            worker = self.handoff.worker_here()
-            if worker is not None:
-                worker.submit_ahead(self._step_loads[-1], tuple(self.stores.reading(gpu_ids)))
-        self._prefetch.drop()  # used by the load submitted ahead, if its slots matched
+        if sync:  # a worker in this thread starts it now (fast_path)
+            self.fast.submit(self._step_loads[-1], tuple(self.stores.reading(gpu_ids)))
+        self.fast.drop()  # used by the load submitted ahead, if its slots matched
         t.load_job = job_id
         t.load_first_index = start
         if self._tl.enabled:
@@ -317,7 +314,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ per step
     def build_meta(self, so: Any) -> KVTierConnectorMetadata:
         began = time.perf_counter() if self._tl.enabled else 0.0
-        self._prefetch.drop()
+        self.fast.drop()
         written = self.stores.written_blocks(so, self._step_loads)
         flush = self.stores.reading(written)
         stores = []

@@ -2,7 +2,7 @@
 
 Per step (vLLM's model runner calls these in this order):
 
-0. (``submit_ahead``, from the scheduler in this same thread, :mod:`..handoff`): a
+0. (``submit_ahead``, from the scheduler in this same thread, :mod:`..fast_path`): a
    synchronous load is submitted when planned, before vLLM prepares the step.
 1. ``handle_preemptions(meta)``: before the forward, fence the store jobs the scheduler
    flagged (their source blocks are rewritten this step): on CUDA the forward's stream waits
@@ -47,7 +47,7 @@ from typing import Any, Mapping
 
 import torch
 
-from kvtier.connectors.vllm.handoff import WorkerHandoff
+from kvtier.connectors.vllm.fast_path import WorkerHandoff
 from kvtier.connectors.vllm.worker.forward_timer import ForwardTimer
 from kvtier.connectors.vllm.worker.kv_view import engine_view
 from kvtier.connectors.vllm.worker.layer_fences import LayerFences
