@@ -100,6 +100,8 @@ def measure(policy: str, resident: int, batches: int, disk_lag: int | None = Non
         t3 = time.perf_counter()
         m.touch(hits)
         t4 = time.perf_counter()
+        # the CPU run loads now; hits held on disk only are promoted by the lookup (background
+        # transfers, settled with the demotions below) and load from CPU memory once there
         live = hits[: m.lookup(hits).num_hits]
         lp = m.prepare_load(live)
         m.complete_load(lp.keys)

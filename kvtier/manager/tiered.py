@@ -243,8 +243,7 @@ class TieredOffloadingManager(OffloadingManager):
                     break
                 remote_keys.append(key), remote_slots.append(entry.slot)
         now = self._clock()
-        if disk_keys:
-            self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_keys)))
+        if disk_keys:  # (their BlockAccessed(DISK) comes with the load: prepare_load)
             t = self.background.queue(LoadStoreSpec.disk(disk_keys),
                                       LoadStoreSpec.cpu(disk_slots), disk_keys)
             self._promotions[t.id] = now
@@ -303,16 +302,21 @@ class TieredOffloadingManager(OffloadingManager):
         # Last-to-first, so the prefix's first block ends up the most recent: it is needed
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
         self.cpu.policy.access_at(got[::-1], slots[::-1])
+        # hits are counted, and announced (BlockAccessed), by the tier each came from, as
+        # ``hit_blocks``: an events consumer's hit counts agree with the stats
         if sources:
-            disk_hits = sum(1 for m in sources if m is Medium.DISK)
+            cpu_hits = [k for k, m in zip(got, sources) if m is Medium.CPU]
+            disk_hits = [k for k, m in zip(got, sources) if m is Medium.DISK]
             remote_hits = [k for k, m in zip(got, sources) if m is Medium.REMOTE]
-            self.stats.hit_blocks["CPU"] += len(got) - disk_hits - len(remote_hits)
-            self.stats.hit_blocks["DISK"] += disk_hits
+            self.stats.hit_blocks["CPU"] += len(cpu_hits)
+            self.stats.hit_blocks["DISK"] += len(disk_hits)
+            self.events.emit(BlockAccessed(Medium.CPU, tuple(cpu_hits)))
+            self.events.emit(BlockAccessed(Medium.DISK, tuple(disk_hits)))
             if remote_hits:
                 self.remote_tier.count_hits(remote_hits)
         else:
             self.stats.hit_blocks["CPU"] += len(got)
-        self.events.emit(BlockAccessed(Medium.CPU, tuple(got)))
+            self.events.emit(BlockAccessed(Medium.CPU, tuple(got)))
         return LoadPlan(tuple(got), tuple(slots), sources)
 
     def peek_cpu_slots(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
@@ -330,10 +334,17 @@ class TieredOffloadingManager(OffloadingManager):
         # a failed key: the caller reports only keys whose tier could not be read).
         self.stats.protocol_errors += len(self.cpu.unpin_ready(keys))
         failed = set(failed)
+        forgotten: list[BlockKey] = []
         for key in failed:
             entry = self.cpu.get(key)
-            if entry is not None and entry.readers == 0 and entry.state is BlockState.READY:
+            # a demotion handed out still reads the slot (``flushing`` is its pin): freeing it
+            # let the next store overwrite it and the demotion wrote that block's bytes to
+            # disk under this key (issue 14.1)
+            if (entry is not None and entry.readers == 0 and not entry.flushing
+                    and entry.state is BlockState.READY):
                 self.cpu.remove(key)
+                forgotten.append(key)
+        self.events.emit(BlockRemoved(Medium.CPU, tuple(forgotten)))  # it was announced
         self.stats.failed_loads += len(failed)
         self.stats.failed_loads_transient += len(failed.intersection(transient))
         self.writeback.plan(completion=True)

@@ -13,6 +13,7 @@ import pytest
 from kvtier.manager.cost import LoadBandwidth, LoadCostModel
 from kvtier.manager.specs import Medium
 from kvtier.manager.tiered import TieredOffloadingManager
+from support.promotions import settle_promotions
 
 GB = 1e9
 BLOCK_TOKENS = 16
@@ -173,13 +174,24 @@ def test_manager_lookup_skips_hits_slower_than_recompute():
     assert m.stats.skipped_slower_than_recompute["DISK"] == 4
 
 
+def promoted(m, keys) -> tuple:
+    """The keys of the promotions ``m`` queued (settled as read), in order."""
+    return tuple(key for t in settle_promotions(m) for key in t.keys)
+
+
 def test_manager_lookup_loads_from_a_fast_disk_and_without_a_model():
     m = manager(disk_gbps=10)
-    assert m.lookup([b"c1", b"c2", b"d1", b"d2"]).tiers == (CPU, CPU, DISK, DISK)
+    res = m.lookup([b"c1", b"c2", b"d1", b"d2"])  # worth loading: the disk hits are promoted
+    assert res.tiers == (CPU, CPU) and res.pending
     assert m.stats.skipped_slower_than_recompute == {"CPU": 0, "DISK": 0}
+    assert promoted(m, [b"d1", b"d2"]) == (b"d1", b"d2")
+    assert m.lookup([b"c1", b"c2", b"d1", b"d2"], sighting=False).tiers == (CPU,) * 4
     plain = TieredOffloadingManager(cpu_blocks=4, disk_blocks=4, initial_disk_keys=[b"d1"])
     plain.record_load(DISK, 1, 1.0)  # no model: ignored
-    assert plain.lookup([b"d1"]).tiers == (DISK,)
+    res = plain.lookup([b"d1"])
+    assert res.tiers == () and res.pending
+    assert promoted(plain, [b"d1"]) == (b"d1",)
+    assert plain.lookup([b"d1"], sighting=False).tiers == (CPU,)
 
 
 def test_measured_recompute_turns_cost_aware_loading_on():
@@ -187,8 +199,11 @@ def test_measured_recompute_turns_cost_aware_loading_on():
     switch cost-aware loading on: a disk measured slower than recomputing is skipped."""
     from kvtier.connectors.vllm.recompute import RecomputeEstimate
 
-    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8, initial_disk_keys=[b"d1", b"d2"])
-    assert m.cost is None and m.lookup([b"d1", b"d2"]).num_hits == 2
+    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8,
+                                initial_disk_keys=[b"d1", b"d2", b"d3", b"d4"])
+    assert m.cost is None and m.lookup([b"d1", b"d2"]).pending  # no model: promoted
+    assert promoted(m, [b"d1", b"d2"]) == (b"d1", b"d2")
+    assert m.lookup([b"d1", b"d2"], sighting=False).num_hits == 2
     est = RecomputeEstimate()
     assert est.add(512, 0.01) is None  # too small a step to say anything
     per_token = est.add(8192, 0.265)
@@ -197,10 +212,15 @@ def test_measured_recompute_turns_cost_aware_loading_on():
     assert m.cost is not None
     m.record_load(DISK, 1 << 30, (1 << 30) / (1.5 * GB))
     m.cost.probe_every = 0
-    assert m.lookup([b"d1", b"d2"]).num_hits == 0
+    res = m.lookup([b"d3", b"d4"])  # slower than recompute: a miss, nothing promoted
+    assert res.num_hits == 0 and not res.pending and promoted(m, [b"d3", b"d4"]) == ()
+    assert m.stats.skipped_slower_than_recompute["DISK"] == 2
     # a faster engine (or a slower one) moves the break-even: here recompute costs 40x more
     m.measured_recompute(per_token * 40, BLOCK_TOKENS, BLOCK_BYTES)
-    assert m.lookup([b"d1", b"d2"]).num_hits == 2
+    assert m.lookup([b"d3", b"d4"]).pending
+    assert promoted(m, [b"d3", b"d4"]) == (b"d3", b"d4")
+    assert m.lookup([b"d3", b"d4"], sighting=False).num_hits == 2
+    assert m.pins() == 0
 
 
 def test_a_configured_recompute_time_is_not_overridden_by_measurements():
@@ -226,15 +246,19 @@ def test_loads_timed_before_the_first_recompute_measurement_are_not_forgotten():
     """A fresh instance's first hits come before any large forward is timed: the loads they
     timed teach the model once it exists. In real vLLM the first REMOTE promotion was slow,
     was forgotten, and the next REMOTE hit loaded at the optimistic prior."""
-    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8, initial_disk_keys=[b"d1", b"d2"])
+    m = TieredOffloadingManager(cpu_blocks=8, disk_blocks=8,
+                                initial_disk_keys=[b"d1", b"d2", b"d3", b"d4"])
     m.record_load(DISK, 1 << 30, (1 << 30) / (1.5 * GB))  # before the model: kept
     m.record_promotion(DISK, 1 << 30, 2.0)
-    assert m.cost is None and m.lookup([b"d1", b"d2"]).num_hits == 2
+    assert m.cost is None and m.lookup([b"d1", b"d2"]).pending  # no model: promoted
+    assert promoted(m, [b"d1", b"d2"]) == (b"d1", b"d2")
+    assert m.lookup([b"d1", b"d2"], sighting=False).num_hits == 2
     m.measured_recompute(RECOMPUTE_S_PER_TOKEN, BLOCK_TOKENS, BLOCK_BYTES)
     m.cost.probe_every = 0
     assert m.cost.bandwidth[DISK].bytes_per_s == pytest.approx(1.5 * GB)
     assert m.cost.bandwidth[DISK].fixed_samples == 1
-    assert m.lookup([b"d1", b"d2"]).num_hits == 0  # slower than recompute, as measured
+    res = m.lookup([b"d3", b"d4"])  # slower than recompute, as measured
+    assert res.num_hits == 0 and not res.pending and promoted(m, [b"d3", b"d4"]) == ()
 
 
 REMOTE = Medium.REMOTE

@@ -18,7 +18,7 @@ from kvtier.manager.events import BlockRemoved, BlockStored
 from kvtier.manager.specs import Medium, RequestContext
 from kvtier.manager.index.tier_index import BlockState
 from kvtier.manager.tiered import TieredOffloadingManager
-from support.plan_hops import disk_hop
+from support.promotions import is_promotion, lookup_promoted, settle_promotions
 
 
 def k(i: int) -> bytes:
@@ -45,7 +45,8 @@ def test_store_then_lookup_and_load_from_cpu():
     m.complete_store(plan.keys)
     assert m.lookup(keys + [k(9)]).tiers == (Medium.CPU,) * 3
     load = m.prepare_load(keys)
-    assert load.cpu_slots == plan.cpu_slots and not any(load.from_disk)
+    assert load.cpu_slots == plan.cpu_slots and load.sources == ()
+    assert load.src.medium is Medium.CPU and load.src.ids == plan.cpu_slots
     assert m.pins() == 3
     m.complete_load(load.keys)
     assert m.pins() == 0
@@ -94,15 +95,23 @@ def test_demotion_to_disk_then_promotion_on_hit():
     plan = store(m, [k(2), k(3)])  # both old blocks are clean now: evicted, kept on disk
     assert set(plan.evicted[Medium.CPU]) == {k(0), k(1)}
     run_background(m)
-    assert m.lookup([k(0), k(1)]).tiers == (Medium.DISK, Medium.DISK)
+    found = m.lookup([k(0), k(1)])  # on disk only: promoted first, "not yet"
+    assert found.tiers == () and found.pending
+    assert m.prepare_load([k(0)]).keys == ()  # nothing READY in CPU memory yet
+    [promotion] = m.take_background_transfers()
+    assert is_promotion(promotion)
+    assert promotion.src.keys == (k(0), k(1)) and promotion.dst.medium is Medium.CPU
+    assert m.cpu.entries[k(0)].promoted and m.disk.entries[k(0)].readers == 1
+    m.complete_background(promotion.id, True)
+    assert m.lookup([k(0)], sighting=False).tiers == (Medium.CPU,)
     load = m.prepare_load([k(0)])
-    assert load.from_disk == (True,)
-    src, dst = disk_hop(load)
-    assert src.keys == (k(0),) and dst.ids == load.cpu_slots
+    assert load.keys == (k(0),) and load.sources == (Medium.DISK,)
+    assert load.cpu_slots == promotion.dst.ids[:1]  # the slot the promotion filled
     m.complete_load(load.keys)
-    assert m.lookup([k(0)]).tiers == (Medium.CPU,)
+    assert m.lookup([k(0)]).tiers == (Medium.CPU,) and k(0) in m.disk
+    assert m.stats.hit_blocks["DISK"] == 1
     run_background(m)
-    assert m.pins() == 0
+    assert m.pins() == 0 and m.stats.protocol_errors == 0
 
 
 def test_failed_disk_load_forgets_the_block():
@@ -111,10 +120,13 @@ def test_failed_disk_load_forgets_the_block():
     run_background(m)
     store(m, [k(1)])
     run_background(m)
-    load = m.prepare_load([k(0)])
-    assert load.from_disk == (True,)
-    m.complete_load(load.keys, failed=[k(0)])
-    assert m.lookup([k(0)]).num_hits == 0 and k(0) not in m.disk
+    assert m.lookup([k(0)]).pending
+    [promotion] = settle_promotions(m, failed=[k(0)])  # its record is corrupt
+    assert promotion.keys == (k(0),)
+    assert k(0) not in m.cpu and k(0) not in m.disk  # slot freed, disk block forgotten
+    found = m.lookup([k(0)])
+    assert found.num_hits == 0 and not found.pending
+    assert m.stats.failed_loads == 1
     removed = [e for e in m.take_events() if isinstance(e, BlockRemoved) and e.medium is Medium.DISK]
     assert removed and removed[-1].keys == (k(0),)
     run_background(m)  # its DROP: deleted on every rank
@@ -135,10 +147,22 @@ def test_failed_demotion_drops_instead_of_retrying():
 def test_disk_restored_from_index_and_capacity_enforced():
     keys = [k(i) for i in range(6)]
     m = TieredOffloadingManager(cpu_blocks=2, disk_blocks=4, initial_disk_keys=keys)
-    assert m.lookup(keys).num_hits == 0  # the two oldest were over capacity
-    assert m.lookup(keys[2:]).tiers == (Medium.DISK,) * 4
+    found = m.lookup(keys)  # the two oldest were over capacity: a miss at once
+    assert found.num_hits == 0 and not found.pending
+    assert [key in m.disk for key in keys] == [False, False, True, True, True, True]
     drops = m.take_background_transfers()
     assert drops[0].dst.medium is Medium.DROP and set(drops[0].keys) == {k(0), k(1)}
+    assert all(not is_promotion(t) for t in drops)
+    found = m.lookup(keys[2:])  # restored blocks are hits: promoted as far as CPU room goes
+    assert found.pending and found.tiers == ()
+    [promotion] = m.take_background_transfers()
+    assert is_promotion(promotion) and promotion.keys == (k(2), k(3))
+    assert m.stats.load_truncated_no_space == 1
+    m.complete_background(promotion.id, True)
+    assert m.lookup(keys[2:], sighting=False).tiers == (Medium.CPU,) * 2
+    for t in drops:
+        m.complete_background(t.id, True)
+    assert m.pins() == 0 and m.stats.protocol_errors == 0
 
 
 def test_protocol_errors_are_counted_not_fatal():
@@ -189,6 +213,8 @@ class ManagerMachine(RuleBasedStateMachine):
         plan = self.m.prepare_store(keys)
         assert set(plan.keys) <= set(keys)
         in_flight = {s for p in self.stores for s in p.cpu_slots} | {s for p in self.loads for s in p.cpu_slots}
+        in_flight |= {s for t in self.m.background.pending.values() if is_promotion(t)
+                      for s in t.dst.ids}
         assert not set(plan.cpu_slots) & in_flight, "slot of an in-flight op handed out again"
         self.stores.append(plan)
 
@@ -203,37 +229,60 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(keys=keys)
     def load(self, keys):
+        """A lookup answers the run READY in CPU memory; blocks on disk after it are promoted
+        (background transfers, run by ``background``) and the lookup answers "not yet"."""
         hits = self.m.lookup(keys)
+        assert all(t is Medium.CPU for t in hits.tiers)
+        if hits.pending:  # a block after the CPU run is being promoted
+            assert any(key in self.m.cpu and self.m.cpu.entries[key].promoted
+                       for key in keys[hits.num_hits:])
         plan = self.m.prepare_load(keys[: hits.num_hits])
-        assert plan.keys == tuple(keys[: len(plan.keys)])
-        for key, slot, from_disk in zip(plan.keys, plan.cpu_slots, plan.from_disk):
-            if not from_disk:
-                assert self.slot_data.get(slot) == key, "CPU hit points at wrong bytes"
+        assert plan.keys == tuple(keys[: hits.num_hits])
+        for key, slot in zip(plan.keys, plan.cpu_slots):
+            assert self.slot_data.get(slot) == key, "CPU hit points at wrong bytes"
         self.loads.append(plan)
 
     @precondition(lambda self: self.loads)
     @rule(i=st.integers(0, 100), corrupt=st.booleans(), hop_error=st.booleans())
     def complete_load(self, i, corrupt, hop_error):
-        """``corrupt``: disk hits fail (bad record). ``hop_error``: a hop raised, so the whole
-        job fails, CPU hits included (their CPU bytes are untouched)."""
+        """``corrupt``: the load reports its first key unreadable (the manager forgets it once
+        nothing reads it). ``hop_error``: the CPU -> GPU copy raised; that fails no key (the
+        CPU bytes are untouched) and every block stays loadable."""
         plan = self.loads.pop(i % len(self.loads))
-        failed = list(plan.keys) if hop_error else []
-        for key, slot, from_disk in zip(plan.keys, plan.cpu_slots, plan.from_disk):
-            if from_disk:
-                if hop_error:
-                    self.disk_data.pop(key, None)  # treated as bad: the manager forgets it
-                elif corrupt:
-                    failed.append(key)
-                    self.disk_data.pop(key, None)
-                else:
-                    assert self.disk_data.get(key) == key, "disk hit points at wrong bytes"
-                    self.slot_data[slot] = key
-            assert from_disk or self.slot_data.get(slot) == key
+        failed = list(plan.keys[:1]) if corrupt and not hop_error else []
+        for key, slot in zip(plan.keys, plan.cpu_slots):
+            assert self.slot_data.get(slot) == key, "a pinned slot was overwritten"
         self.m.complete_load(plan.keys, failed)
+        for key in plan.keys:
+            e = self.m.cpu.entries.get(key)
+            if key in failed:
+                assert e is None or e.readers > 0 or e.flushing, "failed key kept unread"
+            else:
+                assert e is not None and e.state is BlockState.READY, "intact CPU block lost"
 
-    @rule(ok=st.booleans())
-    def background(self, ok):
+    @rule(ok=st.booleans(), corrupt=st.booleans())
+    def background(self, ok, corrupt):
+        """Demotions, deletions and promotions. A promotion that raised (``not ok``) fails
+        every key; ``corrupt``: its first key's record is bad."""
         for t in self.m.take_background_transfers():
+            if is_promotion(t):
+                failed = list(t.keys[:1]) if corrupt else []
+                for key, slot in zip(t.keys, t.dst.ids):
+                    entry = self.m.cpu.entries.get(key)
+                    assert entry is not None and entry.promoted and entry.slot == slot
+                    assert self.m.disk.entries[key].readers > 0, "promoted block unpinned"
+                    if not ok or key in failed:
+                        self.disk_data.pop(key, None)  # forgotten by the manager
+                    else:
+                        assert self.disk_data.get(key) == key, "promotion reads wrong bytes"
+                        self.slot_data[slot] = key
+                self.m.complete_background(t.id, ok, failed)
+                for key in t.keys:
+                    if not ok or key in failed:
+                        assert key not in self.m.cpu and key not in self.m.disk
+                    else:
+                        assert self.m.cpu.is_ready(key)
+                continue
             if t.dst.medium is Medium.DISK:
                 for key, slot in zip(t.keys, t.src.ids):
                     assert self.slot_data.get(slot) == key, "flush reads wrong slot"
@@ -264,6 +313,20 @@ class ManagerMachine(RuleBasedStateMachine):
             if e.state is BlockState.READY and not any(key in t.keys for t in m.background.ready):
                 assert key in self.disk_data or key in m.writeback.pending_drops or self._pending_flush(key)
 
+    @invariant()
+    def promotions_reserve_a_slot_and_pin_the_disk(self):
+        m = self.m
+        promoting = {key: t for t in m.background.pending.values() if is_promotion(t)
+                     for key in t.keys}
+        for key in m.cpu.keys():
+            e = m.cpu.entries[key]
+            if e.promoted:
+                assert key in promoting, "promoted block without a promotion in flight"
+                assert e.state is not BlockState.READY
+                assert m.disk.entries[key].readers > 0, "promoted block's disk copy unpinned"
+        for key, t in promoting.items():
+            assert m.cpu.entries[key].slot == t.dst.ids[t.keys.index(key)]
+
     def _pending_flush(self, key):
         return any(t.dst.medium is Medium.DISK and key in t.keys for t in self.m.background.pending.values())
 
@@ -271,7 +334,7 @@ class ManagerMachine(RuleBasedStateMachine):
         for plan in self.stores:
             self.m.complete_store(plan.keys, False)
         for plan in self.loads:
-            self.m.complete_load(plan.keys, [k for k, d in zip(plan.keys, plan.from_disk) if d])
+            self.m.complete_load(plan.keys)
         while True:
             pending = self.m.take_background_transfers()
             if not pending:

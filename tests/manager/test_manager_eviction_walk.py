@@ -14,6 +14,7 @@ import pytest
 
 from kvtier.manager.specs import Medium
 from kvtier.manager.tiered import TieredOffloadingManager
+from support.promotions import is_promotion
 
 
 def k(i: int) -> bytes:
@@ -106,7 +107,10 @@ def test_demoting_blocks_are_never_evicted_and_clean_ones_go_first():
     m.complete_background(demotion.id, True)
     plan = m.prepare_store([k(102)])  # now clean: the coldest goes, its copy is on disk
     assert plan.evicted[Medium.CPU] == (k(0),)
-    assert m.lookup([k(0)]).tiers == (Medium.DISK,)
+    assert k(0) not in m.cpu and m.disk.is_ready(k(0))  # still a hit: on disk
+    res = m.lookup([k(0)])  # promoted back from its disk copy
+    assert res.pending and res.tiers == ()
+    assert any(is_promotion(t) and t.keys == (k(0),) for t in m.take_background_transfers())
     assert m.stats.evicted_unwritten == 2
 
 
@@ -123,7 +127,10 @@ def test_a_clean_block_goes_before_a_colder_dirty_one():
     m.touch([k(1), k(0)])  # clean blocks are now the warmest: order 2..7, 1, 0
     plan = m.prepare_store([k(100)])
     assert plan.evicted[Medium.CPU] == (k(1),)
-    assert m.lookup([k(1)]).tiers == (Medium.DISK,) and m.stats.evicted_unwritten == 0
+    assert k(1) not in m.cpu and m.disk.is_ready(k(1)) and m.stats.evicted_unwritten == 0
+    res = m.lookup([k(1)])  # a hit still: promoted back from its disk copy
+    assert res.pending and res.tiers == ()
+    assert any(is_promotion(t) and t.keys == (k(1),) for t in m.take_background_transfers())
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -178,7 +185,7 @@ def test_a_store_bigger_than_the_flush_reserve_is_written_back_whole():
 
 
 def test_a_disk_hit_makes_room_in_one_eviction():
-    """A load promoting many blocks from disk evicts for all of them at once: one walk and
+    """A lookup promoting many blocks from disk evicts for all of them at once: one walk and
     one CPU removal event, not one per block."""
     cpu = 64
     m = TieredOffloadingManager(cpu_blocks=cpu, disk_blocks=8 * cpu, flush_reserve=cpu)
@@ -188,14 +195,25 @@ def test_a_disk_hit_makes_room_in_one_eviction():
         m.complete_store(plan.keys)
         for t in m.take_background_transfers():
             m.complete_background(t.id, True)
-    assert m.lookup(old).tiers == (Medium.DISK,) * cpu
+    assert all(m.disk.is_ready(key) and key not in m.cpu for key in old)
     m.take_events()
-    plan = m.prepare_load(old[:48])
-    assert plan.from_disk == (True,) * 48
+    res = m.lookup(old[:48])
+    assert res.pending and res.tiers == ()
+    [promotion] = m.take_background_transfers()
+    assert is_promotion(promotion) and promotion.keys == tuple(old[:48])
+    assert len(set(promotion.dst.ids)) == 48
     removed = [e for e in m.take_events()
                if type(e).__name__ == "BlockRemoved" and e.medium is Medium.CPU]
     assert len(removed) == 1 and len(removed[0].keys) == 48
+    m.complete_background(promotion.id, True)
+    assert m.lookup(old[:48], sighting=False).tiers == (Medium.CPU,) * 48
+    plan = m.prepare_load(old[:48])
+    assert plan.keys == tuple(old[:48]) and plan.cpu_slots == promotion.dst.ids
+    assert plan.sources == (Medium.DISK,) * 48
     m.complete_load(plan.keys)
+    for t in m.take_background_transfers():
+        m.complete_background(t.id, True)
+    assert m.pins() == 0 and m.stats.protocol_errors == 0
 
 
 class HeldRemotely:
@@ -234,15 +252,21 @@ def test_a_remote_hit_makes_room_for_its_promotions_in_one_walk():
     m.take_events()
     walk = CountingWalk(m.cpu.policy)
     keys = [k(100_000 + i) for i in range(hit)]
-    assert m.lookup(keys).tiers == (Medium.REMOTE,) * hit
-    plan = m.prepare_load(keys)
-    assert plan.from_remote == (True,) * hit and len(set(plan.cpu_slots)) == hit
+    res = m.lookup(keys)  # the lookup promotes the whole hit: "not yet"
+    assert res.pending and res.tiers == ()
+    [promotion] = m.take_background_transfers()
+    assert is_promotion(promotion) and promotion.src.medium is Medium.REMOTE
+    assert promotion.keys == tuple(keys) and len(set(promotion.dst.ids)) == hit
     assert walk.calls <= hit + 256 + 1, walk.calls  # one walk: the victims and the pins once
     removed = [e for e in m.take_events() if type(e).__name__ == "BlockRemoved"]
     assert len(removed) == 1 and len(removed[0].keys) == hit  # one eviction, one event
     pinned = {key for t in writes for key in t.keys}
     assert not pinned & set(removed[0].keys)  # blocks being written were never evicted
-    m.complete_load(keys)
+    m.complete_background(promotion.id, True)
+    assert m.lookup(keys, sighting=False).tiers == (Medium.CPU,) * hit
+    plan = m.prepare_load(keys)
+    assert plan.sources == (Medium.REMOTE,) * hit and plan.cpu_slots == promotion.dst.ids
+    m.complete_load(plan.keys)
     while writes:  # the server takes every write: the backlog drains, every pin is released
         for t in writes:
             m.complete_background(t.id, True)

@@ -4,12 +4,13 @@ The old ``complete_load(keys, failed)`` dropped a failed CPU hit at once. With t
 CPU -> DISK demotion already handed out (taken, not yet run), the slot went back to the free
 list, the next store wrote another block into it, and the demotion then copied that block's
 bytes to disk under the first key, with a valid checksum: a later disk hit served wrong bytes.
-The same held for a second load still reading the slot. A CPU hit's only hop (CPU -> GPU) reads
-the slot and never writes it, so the block stays resident after a failed load.
+The same held for a second load still reading the slot. A load (one CPU -> GPU copy) reads the
+slot and never writes it, so the block stays resident after a failed load.
 
 The first test runs the exact sequence through the real manager, CPU pool, disk store and
-transfer engine (the reliability rig's stack), failing the load by a real hop error; the others
-pin down the manager's side with a byte model.
+transfer engine (the reliability rig's stack), failing the load by a real copy error; the
+others pin down the manager's side, including a failed promotion (DISK -> CPU, the read that
+writes the slot), which does free it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from reliability.rig import StackRig
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
-from support.plan_hops import disk_hop
+from kvtier.runtime.load_job import load_outcome
+from support.promotions import settle_promotions
 
 
 @pytest.fixture
@@ -49,30 +51,39 @@ def _store(rig: StackRig, k: bytes) -> None:
     rig.free_gpu.append(b)
 
 
-def _load(rig: StackRig, k: bytes, gpu_id: int) -> tuple[bool, bool]:
-    """Load ``k`` into engine block ``gpu_id`` the way the rig does; (job ok, bytes right)."""
+def _load(rig: StackRig, k: bytes, gpu_id: int, report_failed: bool = False
+          ) -> tuple[bool, bool]:
+    """Load ``k`` into engine block ``gpu_id`` as the connector does: lookup until no longer
+    "not yet" (a disk hit is promoted into CPU memory by the rig's pump meanwhile), then one
+    CPU -> GPU job read with ``load_outcome``; (job ok, bytes right). ``report_failed``: a
+    caller that reports the keys of a failed copy as failed anyway (the harshest caller the
+    contract allows)."""
+    assert rig.lookup([k]) == 1
     plan = rig.manager.prepare_load([k])
-    assert plan.keys == (k,)
-    hops = [disk_hop(plan)] if disk_hop(plan) is not None else []
-    hops.append((LoadStoreSpec.cpu(plan.cpu_slots), LoadStoreSpec.gpu([gpu_id])))
-    [res] = rig.engine.wait([rig.engine.submit_chain(hops)], timeout=30)
-    failed = set(plan.keys) if res.error is not None else set(res.failed_keys)
-    right = not failed and rig._gpu_holds(k, gpu_id)
+    assert plan.keys == (k,) and plan.src == LoadStoreSpec.cpu(plan.cpu_slots)
+    [res] = rig.engine.wait([rig.engine.submit(plan.src, LoadStoreSpec.gpu([gpu_id]))],
+                            timeout=30)
+    out = load_outcome(res, [gpu_id])
+    right = not out.untrusted_gpu_ids and rig._gpu_holds(k, gpu_id)
+    failed = plan.keys if report_failed and out.untrusted_gpu_ids else ()
     rig.manager.complete_load(plan.keys, failed)
-    return res.ok and not failed, right
+    return res.ok and not out.untrusted_gpu_ids, right
 
 
-def test_failed_cpu_hit_load_does_not_let_a_queued_demotion_write_another_blocks_bytes(rig):
+@pytest.mark.parametrize("report_failed", [False, True])
+def test_failed_cpu_hit_load_does_not_let_a_queued_demotion_write_another_blocks_bytes(
+        rig, report_failed):
     m = rig.manager
     a, b, c = key(1), key(2), key(3)
     _store(rig, a)
     [demotion] = m.take_background_transfers()  # A's CPU -> DISK copy: taken, not yet run
     assert demotion.keys == (a,) and demotion.dst.medium is Medium.DISK
 
-    # A CPU hit of A whose CPU -> GPU hop errors (engine block id out of range: the hop raises,
-    # as a CUDA error would); the job fails every key, as connectors and the rig do.
-    ok, _ = _load(rig, a, gpu_id=10_000)
+    # A CPU hit of A whose CPU -> GPU copy errors (engine block id out of range: the copy
+    # raises, as a CUDA error would): no engine block of it is trusted.
+    ok, _ = _load(rig, a, gpu_id=10_000, report_failed=report_failed)
     assert not ok
+    assert a in m.cpu  # the demotion still reads A's slot
 
     _store(rig, b)  # old code: B lands in A's freed slot
     [res] = rig.engine.wait([rig.engine.submit(demotion.src, demotion.dst)], timeout=30)
@@ -86,11 +97,17 @@ def test_failed_cpu_hit_load_does_not_let_a_queued_demotion_write_another_blocks
         m.complete_background(t.id, r.ok)
     _store(rig, c)
     rig.drain()
-    assert m.lookup([a]).tiers in ((Medium.DISK,), (Medium.CPU,))
-    ok, right = _load(rig, a, gpu_id=rig.free_gpu[0])
+    if a not in m.cpu:  # on disk only: the lookup promotes it (the rig runs the read)
+        assert a in m.disk
+        promoted = rig.c.promoted_blocks
+        ok, right = _load(rig, a, gpu_id=rig.free_gpu[0])
+        assert rig.c.promoted_blocks == promoted + 1
+    else:
+        ok, right = _load(rig, a, gpu_id=rig.free_gpu[0])
     assert ok and right, "a load of A served bytes that are not A's"
     rig.drain()
     assert m.pins() == 0 and m.stats.protocol_errors == 0
+    assert rig.c.failed_load_blocks == 0
 
 
 def test_failed_cpu_hit_keeps_the_block_and_releases_only_its_own_pin():
@@ -117,8 +134,9 @@ def test_failed_cpu_hit_keeps_the_block_and_releases_only_its_own_pin():
     assert m.pins() == 0 and m.stats.protocol_errors == 0 and m.stats.failed_loads == 1
 
 
-def test_failed_promotion_still_frees_its_slot():
-    """A failed DISK -> CPU hop left the CPU slot half written: that block must go (and the
+@pytest.mark.parametrize("how", ["failed_key", "read_raised"])
+def test_failed_promotion_still_frees_its_slot(how):
+    """A failed DISK -> CPU read left the CPU slot half written: that block must go (and the
     disk copy is treated as bad), unlike a CPU hit."""
     m = TieredOffloadingManager(cpu_blocks=1, disk_blocks=4, flush_reserve=1)
     plan = m.prepare_store([b"A"])
@@ -129,12 +147,20 @@ def test_failed_promotion_still_frees_its_slot():
     m.complete_store(plan.keys)
     for t in m.take_background_transfers():
         m.complete_background(t.id, True)
-    load = m.prepare_load([b"A"])
-    assert load.from_disk == (True,)
-    m.complete_load(load.keys, failed=load.keys)
+    found = m.lookup([b"A"])
+    assert found.pending and found.tiers == ()
+    assert b"A" in m.cpu and m.cpu.free_count == 0  # B made room for A's promotion
+    if how == "failed_key":
+        [promotion] = settle_promotions(m, failed=[b"A"])
+    else:
+        [promotion] = settle_promotions(m, ok=False)
+    assert promotion.keys == (b"A",) and promotion.src.medium is Medium.DISK
     assert b"A" not in m.cpu and b"A" not in m.disk and m.cpu.free_count == 1
+    assert m.stats.failed_loads == 1
     drops = m.take_background_transfers()  # the record is deleted on every rank
     assert [(t.dst.medium, t.keys) for t in drops] == [(Medium.DROP, (b"A",))]
     for t in drops:
         m.complete_background(t.id, True)
-    assert m.pins() == 0
+    found = m.lookup([b"A"])
+    assert found.tiers == () and not found.pending
+    assert m.pins() == 0 and m.stats.protocol_errors == 0

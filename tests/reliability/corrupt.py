@@ -113,7 +113,8 @@ def load_after_damage(rig: StackRig, keys: list[bytes], corrupt) -> CorruptionOu
     victim, other = keys[1], keys[2]
     on_disk_only = keys[: N_KEYS - 4]
     problems = []
-    if rig.manager.lookup(on_disk_only).tiers != (Medium.DISK,) * len(on_disk_only):
+    m = rig.manager
+    if not all(k not in m.cpu and m.disk.is_ready(k) for k in on_disk_only):
         problems.append("setup: blocks not on disk only")
     victim_seg = rig.store._index.get(victim).segment
     survivors = [k for k in on_disk_only if rig.store._index.get(k).segment != victim_seg]
@@ -122,9 +123,16 @@ def load_after_damage(rig: StackRig, keys: list[bytes], corrupt) -> CorruptionOu
     rig.events.clear()
 
     corrupt(rig.store, victim, other)
-    if rig.load_blocks([victim]) != 1:
-        problems.append("victim was not offered for loading")
+    promoted = rig.c.promoted_blocks
+    # the lookup promotes the victim (DISK -> CPU, a background read the rig runs): the read
+    # finds the damage, the promotion fails the key, and the lookup then misses
+    if rig.load_blocks([victim]) != 0:
+        problems.append("the damaged victim was loaded")
     rig.drain()
+    if rig.c.failed_load_blocks == 0 and rig.c.promoted_blocks == promoted:
+        problems.append("victim was not offered for loading (never promoted)")
+    if rig.c.promoted_blocks != promoted:
+        problems.append("the damaged victim was promoted into CPU memory")
 
     c = rig.c
     if c.failed_load_blocks != 1:

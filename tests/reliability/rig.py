@@ -183,7 +183,8 @@ class StackRig:
                     self.manager.record_load(medium, nbytes, seconds)
                 self.c.failed_load_blocks += len(out.failed)
                 self.c.promoted_blocks += len(op.keys) - len(out.failed)
-                self.manager.complete_background(op.bg_id, res.ok, out.failed, out.transient)
+                self.manager.complete_background(op.bg_id, res.error is None, out.failed,
+                                                 out.transient)  # failed keys alone: a partial read
             else:
                 if not res.ok:
                     self.c.failed_jobs[f"bg->{op.dst.value}"] += 1

@@ -4,8 +4,9 @@ nothing raises.
 
 Blocks are first pushed to disk only (demoted, then evicted from CPU); one of them is damaged
 behind the store's back (reliability.corrupt); then the rig loads it the way the connector
-would (DISK -> CPU -> "GPU" in one chained job). The blocks outside the damaged segment must
-still load byte-exact.
+would: the lookup promotes it (a DISK -> CPU background read, which reports the damaged key
+as failed) and misses; nothing damaged reaches the "GPU". The blocks outside the damaged
+segment must still load byte-exact (promoted, then one CPU -> "GPU" job each).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.disk import DiskStore, host
 from kvtier.tiers.disk.record import HEADER_BYTES
-from support.plan_hops import disk_hop  # noqa: E402
+from support.promotions import is_promotion  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "replica_child.py"
 HANG_S = 300
@@ -350,9 +350,23 @@ def test_replicated_capacity_is_the_configured_capacity_and_restart_reads_rank0(
         assert st.num_blocks == DISK_BLOCKS and st.logical_bytes == capacity  # full, one copy
         on_disk = set(rts[0].store.keys_by_age())
         assert on_disk == set(manager.tier(Medium.DISK).entries)
-        plan = manager.prepare_load(sorted(on_disk)[:2])
-        assert plan.from_disk == (True, True) and run(*disk_hop(plan))
+        hit = sorted(on_disk)[:2]
+        assert not any(k in manager.tier(Medium.CPU) for k in hit)  # on disk only
+        found = manager.lookup(hit)  # promoted from the one copy rank 0 wrote
+        assert found.pending and found.tiers == ()
+        [promotion] = manager.take_background_transfers()
+        assert is_promotion(promotion) and promotion.src == LoadStoreSpec.disk(hit)
+        assert run(promotion.src, promotion.dst)  # every rank reads it
+        for rt in rts:
+            assert [bytes(rt.pool.slot(s).numpy()) for s in promotion.dst.ids] == \
+                [pattern(k) for k in hit]
+        manager.complete_background(promotion.id, True)
+        assert manager.lookup(hit, sighting=False).tiers == (Medium.CPU, Medium.CPU)
+        plan = manager.prepare_load(hit)
+        assert plan.keys == tuple(hit) and plan.sources == (Medium.DISK, Medium.DISK)
+        assert plan.cpu_slots == promotion.dst.ids
         manager.complete_load(plan.keys, ())
+        assert manager.pins() == 0 and manager.stats.protocol_errors == 0
     finally:
         for rt in rts:
             rt.close()

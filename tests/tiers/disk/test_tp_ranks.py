@@ -30,7 +30,7 @@ from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.transfer import TransferEngine
 from kvtier.transfer.disk_io import CpuToDiskHandler, DiskDropHandler, DiskToCpuHandler
-from support.plan_hops import disk_hop  # noqa: E402
+from support.promotions import is_promotion  # noqa: E402
 
 PAGE = 1024
 LAYERS = 2
@@ -101,9 +101,12 @@ class Ranks:
             todo = self.manager.take_background_transfers()
             if not todo:
                 return
-            for t in todo:
-                ok, _ = self.run(t.src, t.dst)
-                self.manager.complete_background(t.id, ok)
+            for t in todo:  # a promotion reports the keys it could not read, as workers do
+                ok, failed, transient = self.run_reads(t.src, t.dst)
+                if is_promotion(t):
+                    self.manager.complete_background(t.id, ok, failed, transient)
+                else:
+                    self.manager.complete_background(t.id, ok)
 
     def store(self, keys: list[bytes]) -> None:
         plan = self.manager.prepare_store(keys)
@@ -144,13 +147,25 @@ def test_demotion_failing_on_one_rank_is_deleted_on_every_rank(ranks):
 
 
 def disk_only_block(rs: Ranks) -> bytes:
-    """A block held by the disk tier only (its next load is a DISK -> CPU promotion)."""
+    """A block held by the disk tier only (its next lookup promotes it: DISK -> CPU)."""
     keys = [k(i) for i in range(4)]
     rs.store(keys)
     rs.store([k(i) for i in range(10, 14)])  # pushes the first blocks out of CPU
-    on_disk_only = [key for key in keys if rs.manager.lookup([key]).tiers == (Medium.DISK,)]
+    cpu = rs.manager.tier(Medium.CPU)
+    on_disk_only = [key for key in keys if key not in cpu and key in rs.disk_index()]
     assert on_disk_only
     return on_disk_only[0]
+
+
+def promote(rs: Ranks, victim: bytes):
+    """The lookup that promotes ``victim``, and its read run on every rank; (promotion, ok,
+    failed, transient), not yet settled."""
+    found = rs.manager.lookup([victim])
+    assert found.pending and found.tiers == ()
+    [promotion] = rs.manager.take_background_transfers()
+    assert is_promotion(promotion) and promotion.keys == (victim,)
+    assert promotion.src == LoadStoreSpec.disk([victim])
+    return (promotion, *rs.run_reads(promotion.src, promotion.dst))
 
 
 def fill_disk(rs: Ranks, start: int) -> None:
@@ -166,12 +181,13 @@ def test_record_corrupt_on_one_rank_is_deleted_on_every_rank(tmp_path):
     try:
         victim = disk_only_block(rs)
         flip_payload(rs.ranks[0].store, victim, None)
-        plan = rs.manager.prepare_load([victim])
-        assert plan.from_disk == (True,)
-        ok, failed, transient = rs.run_reads(*disk_hop(plan))
+        promotion, ok, failed, transient = promote(rs, victim)
         assert failed == {victim} and not transient  # rank 0 found it bad; rank 1 read it
-        rs.manager.complete_load(plan.keys, failed, transient)
+        rs.manager.complete_background(promotion.id, ok, failed, transient)
         rs.background()
+        found = rs.manager.lookup([victim])
+        assert found.num_hits == 0 and not found.pending
+        assert victim not in rs.manager.tier(Medium.CPU)  # its slot was freed
         assert victim not in rs.disk_index() | rs.on_disk(0) | rs.on_disk(1)
         assert rs.manager.stats.failed_loads == 1 and rs.manager.stats.failed_loads_transient == 0
         assert rs.ranks[0].store.stats().checksum_failures == 1
@@ -199,14 +215,13 @@ def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(tmp_path):
             raise OSError(errno.EIO, "Input/output error (injected on rank 1)")
 
         files.pread = eio
-        plan = rs.manager.prepare_load([victim])
-        assert plan.from_disk == (True,)
-        ok, failed, transient = rs.run_reads(*disk_hop(plan))
+        promotion, ok, failed, transient = promote(rs, victim)
         files.pread = real_pread
         assert failed == transient == {victim}
         assert rs.ranks[1].store.contains(victim)  # kept by the store: the read failed, not it
-        rs.manager.complete_load(plan.keys, failed, transient)
+        rs.manager.complete_background(promotion.id, ok, failed, transient)
         rs.background()
+        assert victim not in rs.manager.tier(Medium.CPU)  # its slot was freed
         assert victim not in rs.disk_index() | rs.on_disk(0) | rs.on_disk(1)
         assert rs.manager.stats.failed_loads == rs.manager.stats.failed_loads_transient == 1
         st = rs.ranks[1].store.stats()
