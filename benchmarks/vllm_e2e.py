@@ -247,6 +247,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny model on vLLM's CPU engine (no GPU): checks the harness runs")
     p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--workdir", default=None,
+                   help="scratch for the children (models, stats, the timeline; --cpu-smoke's "
+                        "disk tiers); default: fixed names under /tmp")
     p.add_argument("--timeout", type=float, default=560.0, help="per configuration, seconds")
     p.add_argument("--vllm-marks", action="store_true",
                    help="kvtier's timeline also marks vLLM's own step phases (diagnostics/vllm_marks.py)")
@@ -271,7 +274,9 @@ def main(argv=None) -> int:
         import torch
 
         gpu = torch.cuda.get_device_name(0)
-    tl_path = os.path.join("/tmp", f"kvtier-timeline-{os.getpid()}.jsonl")
+    scratch = a.workdir or "/tmp"
+    tl_path = (os.path.join(a.workdir, "timeline.jsonl") if a.workdir
+               else os.path.join("/tmp", f"kvtier-timeline-{os.getpid()}.jsonl"))
     results: dict = {"gpu": gpu, "shapes": {}, "new_tokens": a.new_tokens}
     for shape in shapes:
         res: dict = {"ttft": {}, "trace": {}, "errors": {}}
@@ -302,7 +307,9 @@ def main(argv=None) -> int:
             if a.cpu_smoke:
                 args += ["--block-size", "32", "--cpu-bytes", str(64 << 20),
                          "--disk-cpu-bytes", str(8 << 20), "--disk-bytes", str(256 << 20),
-                         "--disk-dir", f"/tmp/kvtier-e2e-smoke-{os.getpid()}-{conn}"]
+                         "--disk-dir", os.path.join(scratch, f"kvtier-e2e-smoke-{os.getpid()}-{conn}")]
+            if a.workdir:
+                args += ["--workdir", os.path.join(a.workdir, "child")]
             if conn == "check":
                 args[args.index("--lengths") + 1] = lengths.split(",")[0] + "," + lengths.split(",")[-1] \
                     if not a.cpu_smoke else lengths

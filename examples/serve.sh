@@ -7,7 +7,10 @@
 # `--block-size 32` and set VLLM_CPU_KVCACHE_SPACE (GiB for vLLM's own KV cache), e.g.
 #   VLLM_CPU_KVCACHE_SPACE=4 examples/serve.sh --kvtier-config my.yaml MODEL --block-size 32
 # PYTHON names the interpreter that has vLLM and kvtier (default: python3 on PATH).
-# Then `kvtier stats --url http://127.0.0.1:9400/metrics` shows the hits per tier.
+# Where a hit comes from: start it with VLLM_SERVER_DEV_MODE=1, then in another terminal
+#   python examples/serve_hit.py     # a prompt twice, vLLM's prefix cache reset in between:
+#                                    # cached tokens, and kvtier's hit blocks per tier
+# `kvtier stats --url http://127.0.0.1:9400/metrics` shows every tier's counters.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 CONFIG=$HERE/kvtier.yaml

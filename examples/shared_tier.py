@@ -5,7 +5,7 @@ first computes a prompt; kvtier stores its blocks in the CPU tier and writes the
 shared tier. The second starts afterwards, has never seen the prompt, and loads it from the
 shared tier ("REMOTE") instead of computing it.
 
-    valkey-server --port 6379 --bind 127.0.0.1 --save ''   # or redis-server; any empty server
+    valkey-server --port 6379 --bind 127.0.0.1 --save '' --dir /tmp  # or redis-server
     python examples/shared_tier.py --url redis://127.0.0.1:6379
 
 The model is vllm_offline.py's tiny random-weight Llama (nothing is downloaded); both instances

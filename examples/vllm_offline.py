@@ -75,7 +75,7 @@ def write_tiny_model(path: str, seed: int = 0) -> str:
 
 def kvtier_settings(snapshot: str, disk: str | None) -> dict:
     """What ``--kv-transfer-config``'s ``kv_connector_extra_config`` carries: kvtier's YAML as
-    a dict (or ``{"config_path": "kvtier.yaml"}``)."""
+    a dict (or ``{"config": "kvtier.yaml"}``)."""
     tiers: dict = {"cpu": {"capacity": "64MiB"}}
     if disk:
         tiers["disk"] = {"path": disk, "capacity": "256MiB"}

@@ -1,9 +1,11 @@
 """Write docs/cli.md from the ``kvtier`` command's own ``--help`` texts.
 
 Every flag is documented where it is defined (click's option help); this page is that text for
-every command, rendered at 80 columns as a terminal would, so the docs list exactly the flags
-the command accepts. ``--check`` (run by tests/docs) fails when the page differs from what the
-code gives.
+every command, exactly as ``kvtier <command> --help`` prints it on an 80-column terminal: the
+command itself runs, in its own process with ``COLUMNS=80`` (click lays help out 2 columns
+narrower, and no wider on a wider terminal; click's test runner would force other widths), so
+the docs list exactly the flags the command accepts, line for line.
+``--check`` (run by tests/docs) fails when the page differs from what the code gives.
 
 Run: ``python scripts/gen_cli_doc.py [--check]``.
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import click
+import os
+import subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,27 +35,30 @@ INTRO = """\
 checks that this file is what the script writes. -->
 
 `kvtier` is installed with the package. Every error (a bad option, config, trace or directory)
-is one line on stderr, `kvtier: error: ...`, with exit status 2 and no traceback. Only
+is one line on stderr, `kvtier: error: ...`, with exit status 2 and no traceback; on a
+terminal a long one is wrapped to 80 columns. Only
 `kvtier bench` imports torch; the other commands and `--help` start fast. What the benchmark
 prints and how to read it: [benchmarks](benchmarks.md); `kvtier stats` and `kvtier events`:
 [events and metrics](events-and-metrics.md).
 """
 
 
-def _help(command: click.Command, path: str, parent: click.Context | None) -> str:
-    ctx = click.Context(command, info_name=path.split()[-1], parent=parent,
-                        terminal_width=WIDTH, max_content_width=WIDTH)
-    return command.get_help(ctx)
+def help_text(*args: str) -> str:
+    """What ``kvtier <args> --help`` prints on a terminal ``WIDTH`` columns wide."""
+    env = {**os.environ, "COLUMNS": str(WIDTH),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args, "--help"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"kvtier {' '.join(args)} --help exited {out.returncode}: "
+                           f"{out.stderr}")
+    return out.stdout
 
 
 def render() -> str:
-    root = click.Context(cli, info_name="kvtier", terminal_width=WIDTH, max_content_width=WIDTH,
-                         **cli.context_settings)
-    parts = [INTRO, "## `kvtier`", "", "```", cli.get_help(root), "```", ""]
+    parts = [INTRO, "## `kvtier`", "", "```", help_text().rstrip("\n"), "```", ""]
     for name in sorted(cli.commands):
-        command = cli.commands[name]
-        parts += [f"## `kvtier {name}`", "", "```", _help(command, f"kvtier {name}", root),
-                  "```", ""]
+        parts += [f"## `kvtier {name}`", "", "```", help_text(name).rstrip("\n"), "```", ""]
     return "\n".join(parts)
 
 

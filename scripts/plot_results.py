@@ -44,7 +44,7 @@ SERIES = (
 in the same engine with kvtier told to stay out, present in every run."""
 
 POLICIES = ("lru", "arc", "lru+reuse_gate", "belady")
-POLICY_LABELS = {"lru+reuse_gate": "lru+reuse_gate (default)", "belady": "Belady (offline optimum)"}
+POLICY_LABELS = {"lru+reuse_gate": "lru+reuse_gate (recommended)", "belady": "Belady (offline optimum)"}
 
 MISSING_MATPLOTLIB = ("plot_results: matplotlib is not installed; install it with "
                       "pip install 'kvtier[plots]' (or pip install matplotlib)")

@@ -20,10 +20,11 @@ from rich.table import Table
 from kvtier.bench.compare import DEFAULT_POLICIES
 from kvtier.bench.trace import load_trace
 from kvtier.bench.trace_gen import SHAPES, generate
-from kvtier.cli import compare_table
+from kvtier.cli import compare_table, terminal
 from kvtier.cli.errors import EXIT_USAGE, user_errors
 from kvtier.cli.inputs import load_config_file, regular_file
 from kvtier.cli.progress import progress
+from kvtier.cli.terminal import echo_error
 from kvtier.config import format_size, load_config
 
 DEFAULT_BLOCK_KIB = 64
@@ -169,7 +170,7 @@ def run_shared_bench(config, trace, trace_name: str, block_bytes: int, gpu_block
 
 
 def _fail(message: str) -> None:
-    click.echo("kvtier: error: " + " ".join(message.split()), err=True)
+    echo_error(message)
     sys.exit(EXIT_USAGE)
 
 
@@ -291,6 +292,6 @@ def bench(ctx, trace_path, shape, seed, n_requests, do_compare, capacity_blocks,
     if as_json:
         click.echo(json.dumps(report, default=str))
     else:
-        print_report(report, Console())
+        print_report(report, terminal.console())
     if report["wrong_blocks"]:
         sys.exit(1)

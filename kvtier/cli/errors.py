@@ -5,9 +5,8 @@ from __future__ import annotations
 import functools
 import sys
 
-import click
-
 from kvtier.bench.trace import TraceError
+from kvtier.cli.terminal import echo_error
 from kvtier.config import ConfigError
 from kvtier.tiers.disk import DiskLayoutMismatch, DiskStoreBusy, NotADiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
@@ -25,7 +24,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except USER_ERRORS as exc:
-            click.echo(f"kvtier: error: {exc}", err=True)
+            echo_error(str(exc))
             sys.exit(EXIT_USAGE)
 
     return wrapper

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import click
 import zmq
 
+from kvtier.cli import terminal
 from kvtier.cli.errors import user_errors
+from kvtier.cli.terminal import echo_error, echo_stderr
 from kvtier.cli.inputs import load_config_file, read_snapshot_file
 from kvtier.config import ConfigError
 from kvtier.observe.events import (
@@ -24,6 +27,8 @@ from kvtier.observe.events import (
 )
 
 SHOW_HASHES = 4
+EXIT_NO_ANSWER = 1
+HASH_CHARS = 8  # enough to tell blocks apart at a glance; --json has them whole
 
 
 def _hash(h) -> str | int:
@@ -57,41 +62,53 @@ def item_to_dict(item: Delivery | Gap) -> dict:
             "access": [event_to_dict(e) for e in b.access]}
 
 
-def _short(hashes) -> str:
-    shown = [str(_hash(h))[:12] for h in hashes[:SHOW_HASHES]]
-    more = f" +{len(hashes) - SHOW_HASHES}" if len(hashes) > SHOW_HASHES else ""
-    return " ".join(shown) + more
+def _with_hashes(prefix: str, hashes, suffix: str, width: int) -> str:
+    """``prefix[h1 h2 +N]suffix`` in at most ``width`` columns: as many leading hashes as fit
+    (up to ``SHOW_HASHES``), then the count of the others; cut at ``width`` if even one does
+    not fit."""
+    short = [str(_hash(h))[:HASH_CHARS] for h in hashes[:SHOW_HASHES]]
+    line = ""
+    for shown in range(len(short), -1, -1):
+        more = [f"+{len(hashes) - shown}"] if len(hashes) > shown else []
+        line = f"{prefix}[{' '.join(short[:shown] + more)}]{suffix}"
+        if len(line) <= width:
+            return line
+    return line[:width]
 
 
-def item_lines(item: Delivery | Gap) -> list[str]:
+def item_lines(item: Delivery | Gap, width: int = terminal.MAX_COLUMNS) -> list[str]:
+    """One line per event, each at most ``width`` columns: hashes shortened, a parent hash
+    and the block size left to ``--json``, which prints every field whole."""
     if isinstance(item, Gap):
         upto = f"..{item.resumed_at - 1}" if item.resumed_at > item.expected + 1 else ""
-        return [f"GAP: batch {item.expected}{upto} lost ({item.reason})"]
+        return [f"GAP: batch {item.expected}{upto} lost ({item.reason})"[:width]]
     b = item.batch
     when = datetime.fromtimestamp(b.ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
     head = f"#{item.seq} {when}" + (" (replay)" if item.replayed else "")
     lines = []
     for ev in b.events:
         if isinstance(ev, AllBlocksCleared):
-            lines.append(f"{head} cleared all blocks")
+            lines.append(f"{head} cleared all blocks"[:width])
         elif isinstance(ev, BlockStored):
             tokens = f"{len(ev.token_ids)} tokens" if ev.token_ids else "no tokens"
-            parent = "" if ev.parent_block_hash is None else f" parent {str(_hash(ev.parent_block_hash))[:12]}"
-            lines.append(f"{head} stored  {ev.medium:<7} {len(ev.block_hashes):>4} blocks "
-                         f"[{_short(ev.block_hashes)}]{parent} {tokens} (block {ev.block_size})")
+            lines.append(_with_hashes(
+                f"{head} stored  {ev.medium or '-':<7} {len(ev.block_hashes):>4} blocks ",
+                ev.block_hashes, f" {tokens}", width))
         elif isinstance(ev, BlockRemoved):
-            lines.append(f"{head} removed {ev.medium:<7} {len(ev.block_hashes):>4} blocks "
-                         f"[{_short(ev.block_hashes)}]")
+            lines.append(_with_hashes(
+                f"{head} removed {ev.medium or '-':<7} {len(ev.block_hashes):>4} blocks ",
+                ev.block_hashes, "", width))
     for ev in b.access:
-        lines.append(f"{head} hit     {ev.medium:<7} {len(ev.block_hashes):>4} blocks "
-                     f"[{_short(ev.block_hashes)}] {ev.num_tokens} tokens")
-    return lines or [f"{head} (empty batch)"]
+        lines.append(_with_hashes(
+            f"{head} hit     {ev.medium or '-':<7} {len(ev.block_hashes):>4} blocks ",
+            ev.block_hashes, f" {ev.num_tokens} tokens", width))
+    return lines or [f"{head} (empty batch)"[:width]]
 
 
 def endpoints_from_config(path: Path) -> tuple[str, str | None, str]:
     """The event endpoints of the instance ``path`` configures: the bound ones its stats
     snapshot records when it runs (needed for any-port endpoints), else the configured ones."""
-    config = load_config_file(path)
+    config = load_config_file(path, create_dirs=False)
     if config.events is None:
         raise ConfigError("the config has no events section (the event stream is off)",
                           file=str(path), key="events", allowed="events: {endpoint: ...}")
@@ -132,12 +149,17 @@ def connect_problem(endpoint: str) -> str | None:
 @click.option("--count", type=click.IntRange(min=1), help="Exit after this many batches.")
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True),
               help="Exit after this many seconds without a batch.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True,
+              help="Exit with status 1 if nothing answers at the endpoint in this many seconds.")
 @user_errors
-def events(endpoint, replay_endpoint, topic, config_path, from_seq, as_json, count, idle_timeout):
+def events(endpoint, replay_endpoint, topic, config_path, from_seq, as_json, count, idle_timeout,
+           timeout):
     """Tail the KV events of a running instance (vLLM's format; kvtier's access events too).
 
     Sequence numbers are checked: holes are filled from the replay endpoint when given, and
-    a lost stretch is printed as a GAP line.
+    a lost stretch is printed as a GAP line. Until the instance answers, stderr says it is
+    waiting; if nothing answers within --timeout, the command fails (status 1).
     """
     config_topic = ""
     if config_path is not None:
@@ -154,15 +176,30 @@ def events(endpoint, replay_endpoint, topic, config_path, from_seq, as_json, cou
             raise click.UsageError(f"cannot connect to {option} {value!r}: {problem}")
     try:
         sub = EventSubscriber(endpoint, replay_endpoint=replay_endpoint,
-                              topic=config_topic if topic is None else topic, start_seq=from_seq)
+                              topic=config_topic if topic is None else topic, start_seq=from_seq,
+                              watch_connection=True)
     except zmq.ZMQError as exc:
         where = endpoint if replay_endpoint is None else f"{endpoint} or {replay_endpoint}"
         raise click.UsageError(f"cannot connect to {where}: {exc}") from None
     seen = 0
-    last = time.monotonic()
+    last = started = time.monotonic()
+    width = terminal.columns()
+    answered = said_waiting = False
     try:
         while count is None or seen < count:
             items = sub.poll(0.25)
+            if not answered:
+                answered = bool(items) or sub.connected()
+            if not answered:
+                if not said_waiting:
+                    said_waiting = True
+                    echo_stderr(f"kvtier: waiting for an instance at {endpoint} (up to "
+                                f"{timeout:g} s)")
+                if time.monotonic() - started >= timeout:
+                    echo_error(f"nothing answers at {endpoint} after {timeout:g} s: is the "
+                               "instance running, with its event stream on?")
+                    sys.exit(EXIT_NO_ANSWER)
+                continue
             if not items:
                 if idle_timeout is not None and time.monotonic() - last >= idle_timeout:
                     break
@@ -172,7 +209,7 @@ def events(endpoint, replay_endpoint, topic, config_path, from_seq, as_json, cou
                 if as_json:
                     click.echo(json.dumps(item_to_dict(item)))
                 else:
-                    for line in item_lines(item):
+                    for line in item_lines(item, width):
                         click.echo(line)
                 seen += isinstance(item, Delivery)
                 if count is not None and seen >= count:

@@ -70,9 +70,11 @@ def read_snapshot_file(path: Path | None) -> dict | None:
     return read_snapshot(path)
 
 
-def load_config_file(path: Path, option: str = "--config") -> KvtierConfig:
+def load_config_file(path: Path, option: str = "--config", *,
+                     create_dirs: bool = True) -> KvtierConfig:
     """The config at ``path``, after the checks above (a regular, non-empty file of at most
-    ``MAX_CONFIG_BYTES``)."""
+    ``MAX_CONFIG_BYTES``). ``create_dirs=False`` for a command that only reads what it names
+    (``stats``, ``events``): nothing is created."""
     regular_file(path, option, MAX_CONFIG_BYTES)
     try:
         with open(path, "rb") as fh:
@@ -84,4 +86,4 @@ def load_config_file(path: Path, option: str = "--config") -> KvtierConfig:
     if not _holds_settings(raw.decode("utf-8", errors="replace")):
         raise ConfigError(f"{option} {str(path)!r} holds no settings (empty, or only "
                           "comments); give at least one, e.g. tiers.cpu.capacity")
-    return load_config(path)
+    return load_config(path, create_dirs=create_dirs)

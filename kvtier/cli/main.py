@@ -12,13 +12,14 @@ import click
 from kvtier.cli.bench_cmd import bench
 from kvtier.cli.events_cmd import events
 from kvtier.cli.stats_cmd import stats
+from kvtier.cli.terminal import echo_error
 
 
 class KvtierGroup(click.Group):
     """One error style for every error: click's usage errors ("Usage: ... Error: ...", four
     lines) are printed like kvtier's own, ``kvtier: error: <what> (see '<command> --help')``,
-    one line on stderr, status 2 (``user_errors`` prints config, trace and disk errors the same
-    way)."""
+    one line on stderr (wrapped to 80 columns at a terminal: ``terminal.py``), status 2
+    (``user_errors`` prints config, trace and disk errors the same way)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -41,7 +42,7 @@ def report(exc: click.ClickException) -> int:
     message = exc.format_message()
     if isinstance(exc, click.UsageError) and ctx is not None:
         message += f" (see '{ctx.command_path} --help')"
-    click.echo(f"kvtier: error: {message}", err=True)
+    echo_error(message)
     return exc.exit_code
 
 

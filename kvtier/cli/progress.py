@@ -13,8 +13,9 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtier.cli import terminal
 
 PLAIN_EVERY_S = 10.0
 
@@ -26,7 +27,7 @@ Update = Callable[[int, str], None]
 def progress(total: int, unit: str) -> Iterator[Update]:
     if sys.stderr.isatty():
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=Console(stderr=True),
+                      TimeElapsedColumn(), console=terminal.console(stderr=True),
                       transient=True) as bar:
             task = bar.add_task(unit, total=total)
             yield lambda done, what: bar.update(task, completed=done,

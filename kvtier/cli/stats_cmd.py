@@ -21,6 +21,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.cli import terminal
 from kvtier.cli.errors import user_errors
 from kvtier.cli.inputs import load_config_file, read_snapshot_file
 from kvtier.config import ConfigError, format_size
@@ -143,14 +144,19 @@ def scrape_within(url: str, timeout: float) -> dict:
     return result["stats"]
 
 
-def _disk_tier(disk_dir: Path, config) -> dict:
-    if not disk_dir.is_dir():
-        raise ConfigError(f"no such directory: {disk_dir}", file=str(disk_dir), key="--dir",
-                          allowed="a kvtier disk-tier directory")
+def _disk_tier(disk_dir: Path, config, named_by: str) -> dict:
+    """What the disk tier at ``disk_dir`` holds, read-only. ``named_by``: ``--dir``, or the
+    config's ``tiers.disk.path``, which need not exist yet: an instance creates it when it
+    starts, so before that the tier is shown absent (``exists: false``)."""
     tier: dict = {"path": str(disk_dir)}
     if config is not None and config.disk is not None:
         tier["capacity_bytes"] = config.disk.capacity
-    if not any(disk_dir.iterdir()):  # configured, never used yet (loading the config made it)
+    if named_by != "--dir" and not os.path.lexists(disk_dir):
+        return {**tier, "exists": False}
+    if not disk_dir.is_dir():
+        raise ConfigError(f"no such directory: {disk_dir}", file=str(disk_dir), key=named_by,
+                          allowed="a kvtier disk-tier directory")
+    if not any(disk_dir.iterdir()):  # created, never written to yet
         return {**tier, "blocks": 0, "used_bytes": 0}
     d = DiskStore.read_stats(disk_dir)
     return {
@@ -181,9 +187,10 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
                               "unreadable or malformed)",
                               key="--snapshot", allowed="a kvtier-stats.json file")
         return summarize({"tiers": {}, "instance": _instance_from_snapshot(snap)})
-    config = load_config_file(config_path) if config_path else None
+    config = load_config_file(config_path, create_dirs=False) if config_path else None
+    named_by = "--dir"
     if disk_dir is None and config is not None and config.disk is not None:
-        disk_dir = config.disk.path
+        disk_dir, named_by = config.disk.path, "tiers.disk.path"
     out: dict = {"tiers": {}, "instance": None}
     if config is not None:
         out["tiers"]["CPU"] = {"capacity_bytes": config.cpu.capacity, "eviction": config.cpu.eviction}
@@ -192,7 +199,7 @@ def collect_stats(config_path: Path | None, disk_dir: Path | None, url: str | No
         out["tiers"]["REMOTE"] = {"capacity_bytes": r.capacity, "capacity_is": "advisory",
                                   "server": r.url or ",".join(r.nodes)}
     if disk_dir is not None:
-        out["tiers"]["DISK"] = _disk_tier(Path(disk_dir), config)
+        out["tiers"]["DISK"] = _disk_tier(Path(disk_dir), config, named_by)
     snap_path = config.snapshot_path() if config is not None else None
     if snap_path is None and disk_dir is not None:
         snap_path = Path(disk_dir) / STATS_FILE_NAME
@@ -246,6 +253,9 @@ def _tiers_table(data: dict) -> tuple[Table, list[str]]:
             _pct(tier.get("token_hit_rate")),
             f"{ratio:.3f}" if _is_number(ratio) else "-",
         )
+        if tier.get("exists") is False:
+            ages.append(f"{name}: {tier['path']} does not exist yet (no instance has "
+                        "started with this config)")
         if tier.get("oldest") or tier.get("newest"):
             ages.append(f"{name}: oldest entry {tier.get('oldest') or '-'}, "
                         f"newest {tier.get('newest') or '-'}")
@@ -361,7 +371,7 @@ def stats(ctx, config_path, disk_dir, url, timeout, snapshot_path, as_json, watc
     if config_path is None and disk_dir is None and url is None and snapshot_path is None:
         raise click.UsageError("give --config FILE, --dir DISK_DIR, --url URL or --snapshot FILE")
     refuse_unused_options(ctx)
-    console = Console()
+    console = terminal.console()
     shown = 0
     try:
         while True:

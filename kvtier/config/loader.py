@@ -73,6 +73,8 @@ from kvtier.config.sizes import format_size
 class _Builder(_Reader):
     """Builds the frozen config objects from the collected values."""
 
+    create_dirs = True  # False: a reader of the config (kvtier stats) creates nothing
+
     def writable_dir(self, key: str, path: Path) -> Path:
         item = self.items[key]
         try:
@@ -135,8 +137,8 @@ class _Builder(_Reader):
         events = self.build_events() if "events" in self.items else None
         metrics = self.build_metrics() if "metrics" in self.items else None
         cost = self.build_cost() if "cost" in self.items else None
-        if disk is not None:  # last: only a config that is valid in full creates anything
-            self.writable_dir("tiers.disk.path", disk.path)
+        if disk is not None and self.create_dirs:  # last: only a config that is valid in
+            self.writable_dir("tiers.disk.path", disk.path)  # full creates anything
         origins = {
             key: ("<env>", None, item.env) if item.env else (self.source, item.line, key)
             for key, item in self.items.items()
@@ -273,10 +275,14 @@ def load_config(
     text: str | None = None,
     data: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
+    create_dirs: bool = True,
 ) -> KvtierConfig:
     """Validated config from a YAML file, YAML text, a parsed dict (vLLM's
     ``kv_connector_extra_config``) or defaults, with ``KVTIER_*`` overrides from ``env``
-    (``os.environ`` by default). Raises ``ConfigError`` for the first problem found."""
+    (``os.environ`` by default). Raises ``ConfigError`` for the first problem found.
+
+    ``create_dirs``: create the disk tier's directory (and check it is writable), as a config
+    that will run does; False for a command that only reads what the config names."""
     if sum(x is not None for x in (path, text, data)) > 1:
         raise TypeError("load_config takes at most one of path, text and data")
     root: _Item | None = None
@@ -300,6 +306,7 @@ def load_config(
     else:
         source = "<defaults>"
     reader = _Builder(source, base_dir)
+    reader.create_dirs = create_dirs
     if root is not None:
         reader.collect("", root)
     reader.apply_env(os.environ if env is None else env)

@@ -66,6 +66,8 @@ def serve(sock: socket.socket, store: DiskStore, io: SlotIO) -> None:
         while True:
             try:
                 request = wire.read_request(sock)
+            except ConnectionError:  # the worker went away mid-frame: as between frames
+                return
             except wire.WireError as exc:  # a damaged stream cannot be resynchronised
                 log.error("kvtier disk process: dropping a connection: %s", exc)
                 return
@@ -83,6 +85,15 @@ def serve(sock: socket.socket, store: DiskStore, io: SlotIO) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Serve until the worker goes away; its going (a closed or reset socket, even before the
+    first reply) is a normal end, status 0, no traceback."""
+    try:
+        return _serve_all(argv)
+    except ConnectionError:
+        return 0
+
+
+def _serve_all(argv: list[str]) -> int:
     spec = json.loads(argv[1])
     logging.basicConfig(level=spec.get("log_level", logging.WARNING), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [kvtier disk process] %(message)s")

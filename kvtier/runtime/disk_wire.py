@@ -34,6 +34,11 @@ class WireError(OSError):
     """The other side closed the connection or sent a frame that does not parse."""
 
 
+class ConnectionClosed(WireError, ConnectionError):
+    """The other side closed its end (it exited). A ``ConnectionError`` like a reset or a
+    broken pipe, so an I/O process treats all three alike: its worker is gone, it ends."""
+
+
 def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     """``n`` bytes; ``deadline`` (``time.monotonic()``): TimeoutError once it passes, however
     the bytes trickle in (a per-``recv`` timeout would restart with every byte)."""
@@ -48,7 +53,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
             sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise WireError("the disk I/O connection closed")
+            raise ConnectionClosed("the disk I/O connection closed")
         got += k
     return buf
 
@@ -88,10 +93,11 @@ def encode_request(op: int, slots: Sequence[int] = (), keys: Sequence[bytes] = (
 
 
 def read_request(sock: socket.socket) -> tuple[int, list[int], list[bytes]] | None:
-    """(op, slots, keys), or None when the worker closed the connection between frames."""
+    """(op, slots, keys), or None when the worker closed (or reset) the connection between
+    frames; ``ConnectionError`` when it went away inside one."""
     try:
         head = recv_exact(sock, _REQUEST.size)
-    except WireError:
+    except ConnectionError:
         return None
     op, count, length = _REQUEST.unpack(head)
     if op not in OPS or length > MAX_PAYLOAD:

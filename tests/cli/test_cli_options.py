@@ -169,8 +169,25 @@ def test_progress_stays_quiet_off_a_terminal_for_a_short_run():
 
 # -- stats on a config whose disk tier was never used ----------------------------------------------
 
-def test_stats_on_a_fresh_config_shows_an_empty_disk_tier(tmp_path):
+def test_stats_on_a_fresh_config_creates_nothing_and_shows_the_disk_tier_absent(tmp_path):
+    """``stats`` only reads: a disk path no instance has created yet stays absent (it once
+    made the whole tree, mode 0700), and the output says so."""
     cfg = tmp_path / "kvtier.yaml"
+    path = tmp_path / "not" / "there" / "disk"
+    cfg.write_text(f"tiers:\n  disk: {{path: {path}, capacity: 1GiB}}\n")
+    res = invoke("stats", "--json", "--config", str(cfg))
+    assert res.exit_code == 0, res.output
+    disk = json.loads(res.stdout)["tiers"]["DISK"]
+    assert disk == {"path": str(path), "capacity_bytes": 1 << 30, "exists": False}
+    text = invoke("stats", "--config", str(cfg))
+    assert text.exit_code == 0, text.output
+    assert "does not exist yet" in " ".join(text.stdout.split())
+    assert not (tmp_path / "not").exists()
+
+
+def test_stats_on_a_created_but_unused_disk_tier_shows_it_empty(tmp_path):
+    cfg = tmp_path / "kvtier.yaml"
+    (tmp_path / "disk").mkdir()
     cfg.write_text(f"tiers:\n  disk: {{path: {tmp_path / 'disk'}, capacity: 1GiB}}\n")
     res = invoke("stats", "--json", "--config", str(cfg))
     assert res.exit_code == 0, res.output

@@ -5,7 +5,10 @@ the page fails here."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from kvtier.cli.main import cli
@@ -39,3 +42,17 @@ def test_every_flag_of_every_command_is_on_the_page():
             for flag in param.opts:
                 assert re.search(rf"(^|[\s,]){re.escape(flag)}\b", sections[name]), \
                     f"kvtier {name} {flag}"
+
+
+def test_each_section_is_what_the_installed_command_prints_on_an_80_column_terminal():
+    """Not click's help rendered some other way: the real process, as a user runs it (a
+    terminal of 80 columns or wider; click's help is never laid out wider)."""
+    page = PAGE.read_text()
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
+    for args in ([], ["bench"], ["stats"], ["events"]):
+        out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args, "--help"],
+                             capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        title = "## `" + " ".join(["kvtier", *args]) + "`"
+        assert f"{title}\n\n```\n{out.stdout}```\n" in page, args
+        assert max(map(len, out.stdout.splitlines())) <= 80

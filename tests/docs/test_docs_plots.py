@@ -72,7 +72,7 @@ def test_draws_both_charts_or_says_what_is_missing(tmp_path):
         return
     assert run.returncode == 0, run.stderr
     for name, title in (("ttft_vs_prompt.svg", "First turn"),
-                        ("hit_rate_vs_capacity.svg", "lru+reuse_gate (default)")):
+                        ("hit_rate_vs_capacity.svg", "lru+reuse_gate (recommended)")):
         svg = (tmp_path / name).read_text()
         ET.fromstring(svg)  # well-formed
         assert title in svg

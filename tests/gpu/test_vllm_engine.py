@@ -33,7 +33,7 @@ def test_kvtier_hits_in_real_vllm_hold_vllms_bytes_and_outputs(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_e2e_child.py"),
            "--shape", "1b", "--connector", "check", "--lengths", "1024,4096",
            "--cpu-bytes", str(4 << 30), "--gpu-kv-bytes", str(4 << 30),
-           "--workdir", str(tmp_path)]
+           "--workdir", str(tmp_path), "--disk-dir", str(tmp_path / "disk")]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, f"no result (exit {p.returncode}):\n{p.stderr[-4000:]}"

@@ -19,12 +19,20 @@ from kvtier.manager.specs import Medium
 from kvtier.tiers.disk.catalog.index import IndexWriter
 
 N_KEYS = 12
-MARKER = Path("/tmp/kvtier-reliability-pwned")
+
+
+def marker(store) -> Path:
+    """The file an unpickled ``_Marker`` would create: beside this test's own store, so
+    concurrent runs never see each other's."""
+    return store.root.parent / "kvtier-reliability-pwned"
 
 
 class _Marker:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
     def __reduce__(self):  # unpickling would create a file; nothing may ever unpickle this
-        return (open, (str(MARKER), "w"))
+        return (open, (str(self.path), "w"))
 
 
 def _seg(store, seg: int) -> Path:
@@ -79,7 +87,7 @@ def delete_segment(store, victim, other):
 
 def garbage_index_value(store, victim, other):
     with IndexWriter(store._index) as w:
-        w.txn.put(victim, pickle.dumps(_Marker()), db=store._index.blocks)
+        w.txn.put(victim, pickle.dumps(_Marker(marker(store))), db=store._index.blocks)
 
 
 CORRUPTIONS = [flip_payload, flip_header, truncate_segment, overwrite_with_other_record,
@@ -149,7 +157,7 @@ def load_after_damage(rig: StackRig, keys: list[bytes], corrupt) -> CorruptionOu
     st = rig.store.stats()
     if st.checksum_failures + st.read_errors != before + 1:
         problems.append("the damage was not counted exactly once")
-    if MARKER.exists():
+    if marker(rig.store).exists():
         problems.append("a crafted payload was unpickled")
     for k in survivors:
         rig.load_blocks([k])

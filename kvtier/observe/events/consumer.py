@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.observe.events.wire import (
     END_SEQ,
@@ -52,19 +53,25 @@ Item = Delivery | Gap
 
 class EventSubscriber:
     """``start_seq``: the first sequence number wanted (0 = the whole buffered history; the
-    last seen + 1 after a reconnect; None = whatever the live stream brings next)."""
+    last seen + 1 after a reconnect; None = whatever the live stream brings next).
+    ``watch_connection``: keep track of whether a publisher answered (``connected``)."""
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
-                 start_seq: int | None = 0, context: zmq.Context | None = None) -> None:
+                 start_seq: int | None = 0, context: zmq.Context | None = None,
+                 watch_connection: bool = False) -> None:
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._topic = topic.encode()
         self._sub = self._ctx.socket(zmq.SUB)
         self._replay: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._connected = False
         try:
             self._sub.setsockopt(zmq.LINGER, 0)
             self._sub.setsockopt(zmq.RCVHWM, SUB_HWM)
             self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            if watch_connection:  # before connecting: its event must not be missed
+                self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED)
             self._sub.connect(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.DEALER)
@@ -121,7 +128,19 @@ class EventSubscriber:
         out, self._out = self._out, []
         return out
 
+    def connected(self) -> bool:
+        """Whether a publisher has answered at the endpoint (``watch_connection`` only). A ZMQ
+        connect to an address where nothing listens succeeds and retries in silence, so
+        without this nothing tells an absent instance from a quiet one."""
+        while (not self._connected and self._monitor is not None
+               and self._monitor.poll(0, zmq.POLLIN)):
+            self._connected = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_CONNECTED
+        return self._connected
+
     def close(self) -> None:
+        if self._monitor is not None:
+            self._sub.disable_monitor()
+            self._monitor.close(linger=0)
         self._sub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)

@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def test_cpu_smoke_produces_hits_and_passes_its_checks(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_e2e.py"), "--cpu-smoke",
-           "--connectors", "none,kvtier,kvtier_disk_cold,check", "--out-dir", str(tmp_path), "--timeout", "400"]
+           "--connectors", "none,kvtier,kvtier_disk_cold,check", "--out-dir", str(tmp_path), "--timeout", "400",
+           "--workdir", str(tmp_path / "work")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (path,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
@@ -61,7 +62,7 @@ def test_cpu_smoke_replays_a_trace_window_and_reports_hits_per_tier(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_e2e.py"), "--cpu-smoke",
            "--connectors", "none,kvtier,kvtier_disk", "--lengths", "", "--trace", str(trace),
            "--trace-offset", "2", "--trace-requests", "8", "--trace-speedup", "5",
-           "--out-dir", str(out), "--timeout", "400"]
+           "--out-dir", str(out), "--timeout", "400", "--workdir", str(tmp_path / "work")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (path,) = [f for f in os.listdir(out) if f.endswith(".json")]
@@ -88,7 +89,7 @@ def test_cpu_smoke_next_turns_load_the_stored_prompt_and_compute_the_new_tokens(
     and vLLM computes the rest (per-layer fences: not a one-token forward)."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "vllm_e2e.py"), "--cpu-smoke",
            "--connectors", "none,kvtier", "--new-tokens", "8", "--out-dir", str(tmp_path),
-           "--timeout", "400"]
+           "--timeout", "400", "--workdir", str(tmp_path / "work")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (path,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
