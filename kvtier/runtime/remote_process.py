@@ -33,6 +33,7 @@ from kvtier.config.remote import RemoteTierConfig
 from kvtier.runtime import disk_wire as wire
 from kvtier.runtime.child_process import CHILD_CWD, child_environment, isolated_command
 from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.remote import failures
 from kvtier.tiers.remote.block_io import BlockIOStats, FetchResult
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.keys import RemoteKeys
@@ -111,6 +112,7 @@ class RemoteIOProcesses:
         self.health = RemoteHealth(cfg.probe_interval_s)
         self.respawns = 0
         self._secrets = json.dumps(secrets.to_wire()).encode()
+        self._redact = secrets.redact  # a child's error text may quote a server
         self._spec = {"config": asdict(cfg), "num_slots": pool.num_slots,
                       "block_bytes": self.block_bytes, "pool_fd": pool.shared_fd,
                       "keys": {"namespace": keys.namespace, "rank": keys.rank,
@@ -179,7 +181,8 @@ class RemoteIOProcesses:
         child.retry_at = time.monotonic() + self.respawn_after_s
         with self._stats_lock:
             self._stats.errors += 1
-            self._stats.last_error = f"I/O process {pid}: {why}"[:300]
+            self._stats.last_error = self._redact(f"I/O process {pid}: {why}")[:300]
+        why = self._redact(why)
         log.error("kvtier: shared-tier I/O process %s lost (%s); its blocks miss until a new "
                   "one starts in %g s", pid, why, self.respawn_after_s)
 
@@ -194,15 +197,33 @@ class RemoteIOProcesses:
         if status != wire.OK:
             with self._stats_lock:
                 self._stats.errors += 1
-                self._stats.last_error = bytes(payload)[:300].decode("utf-8", "replace")
+                self._stats.last_error = self._redact(
+                    bytes(payload).decode("utf-8", "replace"))[:300]
             return None
         try:
             reply = json.loads(bytes(payload))
         except ValueError:
             return None
-        with self._stats_lock:
-            self._stats.add(reply.get("stats", {}))
+        stats = reply.get("stats", {})
+        if isinstance(stats, dict):
+            if isinstance(stats.get("last_error"), str):
+                stats["last_error"] = self._redact(stats["last_error"])
+            with self._stats_lock:
+                self._stats.add(stats)
+            self._name_failures(stats)
         return reply
+
+    def _name_failures(self, stats: dict) -> None:
+        """TLS, AUTH and unlisted-node refusals, named in this process's log once (the
+        children count them; eight children logging each would say it eight times)."""
+        for field, what in (("tls_errors", "tls"), ("auth_errors", "auth"),
+                            ("unlisted_refused", "unlisted node")):
+            if stats.get(field):
+                message = stats.get("last_error") or what
+                if what == "unlisted node":
+                    message = ("a Cluster node outside tiers.remote.nodes was sent nothing "
+                               "(its keys miss); list it, or set allow_unlisted_nodes")
+                failures.log_once(log, what, message)
 
     def _fan_out(self, children: list[_Child], op: int,
                  parts: list[tuple[list[int], list[bytes]]],
