@@ -5,6 +5,7 @@ refuse); every connection and command is recorded. Threads only, stopped by ``cl
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from typing import Callable
 
@@ -25,8 +26,9 @@ def _read_command(f) -> list[bytes] | None:
 
 
 class FakeResp:
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer, tls: ssl.SSLContext | None = None) -> None:
         self.answer = answer
+        self.tls = tls  # a server-side context: connections are TLS (handshake per thread)
         self.commands: list[list[bytes]] = []
         self.connections = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -52,6 +54,12 @@ class FakeResp:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        if self.tls is not None:
+            try:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            except (OSError, ssl.SSLError):
+                conn.close()
+                return
         with conn, conn.makefile("rb") as f:
             try:
                 while True:
