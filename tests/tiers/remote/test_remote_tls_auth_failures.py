@@ -111,3 +111,21 @@ def test_a_wrong_password_is_named_counted_and_logged_once(valkey, caplog):
     assert io.stats.auth_errors == 1 and io.stats.tls_errors == 0
     assert "AUTH failed" in io.stats.last_error and queries.auth_errors == 3
     assert password not in caplog.text and secrets.password not in caplog.text
+
+
+def test_kvtier_stats_names_the_tls_failure():
+    import io
+
+    from rich.console import Console
+
+    from kvtier.cli.stats_cmd import print_stats
+
+    last = "127.0.0.1:1: TLS: certificate verify failed (wrong CA?): self-signed"
+    data = {"tiers": {}, "instance": {
+        "source": "http://127.0.0.1:1", "manager": {"remote_degraded": True},
+        "usage": {"REMOTE": {}},
+        "remote": {"errors": 3, "tls_errors": 3, "rejected": 0, "last_error": last}}}
+    out = io.StringIO()
+    print_stats(data, Console(file=out, width=80))
+    text = " ".join(out.getvalue().split())
+    assert "TLS errors 3" in text and "certificate verify failed (wrong CA?)" in text
