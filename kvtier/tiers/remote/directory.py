@@ -25,6 +25,7 @@ whose value's header was read and checked (``recheck``); EXISTS alone counts jun
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -32,7 +33,9 @@ from collections import OrderedDict
 from typing import Sequence
 
 from kvtier.tiers.remote.exists import PresenceQueries
-from kvtier.tiers.remote.store import RemoteStore, RemoteUnavailable
+from kvtier.tiers.remote.store import RemoteStore
+
+log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 1 << 18  # cached answers kept (LRU); each is a key and two numbers
 
@@ -121,14 +124,22 @@ class RemoteDirectory:
                 verify, self._verify_box = self._verify_box, []
                 probe, self._probe_wanted = self._probe_wanted, False
             if probe:
-                try:
-                    self.store.submit(self.store.probe())
-                except RemoteUnavailable:
-                    pass
+                self._probe()
             if keys:
                 self._ask(keys)
             if verify:
                 self._verify(verify)
+
+    def _probe(self) -> None:
+        """One PING of a degraded tier, on the asker's own connections (see
+        ``PresenceQueries.ping``); a reply ends the episode."""
+        health = self.store.health
+        if self.presence.ping():
+            if health.degraded:
+                log.warning("kvtier: remote tier reachable again")
+            health.recovered()
+        else:
+            health.failed(f"probe: {self.store.stats().last_error or 'no node answered'}")
 
     def close(self) -> None:
         """Stop the asker thread (the store is closed by its owner)."""

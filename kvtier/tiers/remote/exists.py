@@ -124,6 +124,25 @@ class PresenceQueries:
             self.nodes.deadline = None
         return out
 
+    def ping(self) -> bool:
+        """A degraded tier's probe: True when some node (one ``nodes`` lists, or one the
+        operator allowed) answers PING within the lookup deadline. Through these connections,
+        not redis-py's Cluster client, which would AUTH to whatever node the slot map names."""
+        self.nodes.deadline = time.monotonic() + self.deadline_s
+        try:
+            for node in self.nodes.primaries():
+                try:
+                    self.nodes.conn(node).call("PING")
+                    return True
+                except (OSError, RespError, ProtocolError) as exc:
+                    self.nodes.drop(node)
+                    self._note(exc, node)
+        except (ConnectionError, ValueError) as exc:  # no slot map
+            self._note(exc)
+        finally:
+            self.nodes.deadline = None
+        return False
+
     @staticmethod
     def _reply(conn) -> object:
         try:
