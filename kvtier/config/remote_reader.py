@@ -58,8 +58,8 @@ def build_remote(reader: _Reader, admissions: tuple[str, ...],
         url = reader.get_str("tiers.remote.url", None, URL_ALLOWED)
         problem = url_problem(url)
         if problem:
-            reader.fail("tiers.remote.url", items["tiers.remote.url"], f"{problem}: {redact_address(url)!r}",
-                        URL_ALLOWED)
+            reader.fail("tiers.remote.url", items["tiers.remote.url"],
+                        f"{problem}: {redact_address(url)!r}", URL_ALLOWED)
     else:
         nodes = _nodes(reader, "tiers.remote.nodes")
     namespace = reader.get_str("tiers.remote.namespace", None, NAMESPACE_ALLOWED, nullable=True)
