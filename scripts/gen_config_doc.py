@@ -123,6 +123,12 @@ MEANINGS = {
     "tiers.remote.tls_ca_file": "CA bundle that signed the servers' certificates.",
     "tiers.remote.auth_key_file": "Key of the keyed MAC every stored value carries; values "
                                   "without a valid MAC read as misses.",
+    "tiers.remote.allow_unlisted_nodes": "Whether a Cluster node the slot map names but "
+                                         "`nodes` does not list gets credentials and values; "
+                                         "null: only with TLS (host names checked). A refused "
+                                         "node's keys read as misses.",
+    "tiers.remote.lookup_deadline_s": "A presence lookup not answered within this is a miss "
+                                      "(the request recomputes rather than wait).",
     "admission.store_threshold": "Store a block after it was seen this many times.",
     "admission.offload_ratio": "Fraction of each prompt's blocks offloaded, front first.",
     "admission.max_offload_tokens": "At most this many tokens of each prompt are offloaded; "

@@ -303,8 +303,13 @@ def print_stats(data: dict, console: Console) -> None:
                      f"{m.get('remote_writes_already_held', 0)} already held)")
     r = inst.get("remote") or {}
     if r:
+        named = "".join(f", {label} {r[k]}" for k, label in (
+            ("tls_errors", "TLS errors"), ("auth_errors", "AUTH errors"),
+            ("unlisted_refused", "unlisted-node refusals")) if r.get(k))
         parts.append(f"shared tier values rejected {r.get('rejected', 0)}, "
-                     f"errors {r.get('errors', 0)}")
+                     f"errors {r.get('errors', 0)}{named}")
+        if named and r.get("last_error"):
+            parts.append(f"last shared-tier error: {r['last_error']}")
     if ev:
         parts.append(f"events: {ev.get('batches', 0)} batches, {ev.get('dropped_events', 0)} dropped")
     console.print("; ".join(parts))

@@ -16,12 +16,14 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvtier.config.redact_url import redact_address
+
 REMOTE_BACKENDS = ("redis",)
 REMOTE_KEYS = ("backend", "url", "nodes", "namespace", "connect_timeout_s", "timeout_s",
                "retries", "probe_interval_s", "compression", "zstd_level", "admission",
                "store_threshold", "capacity", "max_writes_in_flight", "lookup_ttl_s",
-               "io_processes", "connections", "username", "password_file", "password_env", "tls", "tls_ca_file",
-               "auth_key_file")
+               "io_processes", "connections", "username", "password_file", "password_env", "tls",
+               "tls_ca_file", "auth_key_file", "allow_unlisted_nodes", "lookup_deadline_s")
 URL_ALLOWED = "redis://HOST:PORT[/DB] or rediss://HOST:PORT[/DB] (Redis or Valkey)"
 NODE_ALLOWED = "a list of HOST:PORT strings (any reachable Cluster nodes)"
 NAMESPACE_ALLOWED = "1-64 characters from A-Z a-z 0-9 . _ - : (or leave it out: derived)"
@@ -56,6 +58,10 @@ class RemoteTierConfig:
     tls: bool = False  # TLS to every node (rediss:// in url says the same)
     tls_ca_file: str | None = None  # CA bundle that signed the server's certificate
     auth_key_file: str | None = None  # key of the keyed MAC every record carries (optional)
+    # a Cluster node the slot map names but nobody configured gets no AUTH and no SET unless
+    # this says so; None: allowed only with TLS (whose host-name check vouches for the node)
+    allow_unlisted_nodes: bool | None = None
+    lookup_deadline_s: float = 0.5  # a presence lookup not answered by then is a miss
 
     def __post_init__(self) -> None:
         if (self.url is None) == (not self.nodes):
@@ -71,6 +77,14 @@ class RemoteTierConfig:
     @property
     def uses_tls(self) -> bool:
         return self.tls or (self.url or "").startswith("rediss://")
+
+    @property
+    def unlisted_nodes_allowed(self) -> bool:
+        """Whether a node the slot map names, outside ``nodes``, may be sent credentials and
+        values: said so, or TLS on (the certificate's host name is checked)."""
+        if self.allow_unlisted_nodes is not None:
+            return self.allow_unlisted_nodes
+        return self.uses_tls
 
 
 def url_problem(url: str) -> str | None:
@@ -96,8 +110,13 @@ def url_problem(url: str) -> str | None:
 
 
 def node_problem(node: object) -> str | None:
+    """Why ``node`` is not a usable ``HOST:PORT``, or None; the message never repeats a
+    password written into the entry."""
     if not isinstance(node, str):
         return "must be a HOST:PORT string"
+    if "@" in node:
+        return (f"credentials in a node address ({redact_address(node)!r}): give username, "
+                "and password_file or password_env")
     host, colon, port = node.rpartition(":")
     if not colon or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         return f"{node!r} is not HOST:PORT"

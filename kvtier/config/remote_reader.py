@@ -20,6 +20,7 @@ from kvtier.config.remote import (
     node_problem,
     url_problem,
 )
+from kvtier.config.redact_url import redact_address
 
 
 def _nodes(reader: _Reader, key: str) -> tuple[str, ...]:
@@ -57,8 +58,8 @@ def build_remote(reader: _Reader, admissions: tuple[str, ...],
         url = reader.get_str("tiers.remote.url", None, URL_ALLOWED)
         problem = url_problem(url)
         if problem:
-            reader.fail("tiers.remote.url", items["tiers.remote.url"], f"{problem}: {url!r}",
-                        URL_ALLOWED)
+            reader.fail("tiers.remote.url", items["tiers.remote.url"],
+                        f"{problem}: {redact_address(url)!r}", URL_ALLOWED)
     else:
         nodes = _nodes(reader, "tiers.remote.nodes")
     namespace = reader.get_str("tiers.remote.namespace", None, NAMESPACE_ALLOWED, nullable=True)
@@ -122,4 +123,10 @@ def build_remote(reader: _Reader, admissions: tuple[str, ...],
                                    nullable=True),
         auth_key_file=reader.get_str("tiers.remote.auth_key_file", None, "a file path",
                                      nullable=True),
+        allow_unlisted_nodes=reader.get_bool("tiers.remote.allow_unlisted_nodes", None,
+                                             nullable=True),
+        # a lookup pending longer holds its request back: a miss costs a recompute, not this
+        lookup_deadline_s=reader.get_float("tiers.remote.lookup_deadline_s", 0.5,
+                                           "a number of seconds from 0.01 to 1",
+                                           lambda s: 0.01 <= s <= 1.0),
     )

@@ -24,7 +24,9 @@ The manager cannot index the shared tier (other instances write and the server e
   ``max_writes`` blocks are asked about again before their turn (``RemoteDirectory.recheck``,
   without waiting): where the store is the limit, the instance that recomputed a block the
   tier missed is often writing it while the instance that computed it first still is, and a
-  block found held by then is not written twice (``remote_writes_already_held``).
+  block found held by then is not written twice (``remote_writes_already_held``). "Held"
+  means a valid record for the key (``RemoteDirectory.known_held``), never a bare EXISTS: junk
+  planted under a key, or a record under an old MAC key, is overwritten.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class RemoteTier:
             return
         wanted: list[BlockKey] = []
         for key in keys:
-            if self.directory.known_present(key):
+            if self.directory.known_held(key):
                 self.stats.remote_writes_already_held += 1
                 continue
             if not self.admission.admit(key):
@@ -146,7 +148,7 @@ class RemoteTier:
             if entry is None:  # evicted from CPU memory (or rewritten) before its turn
                 evicted += 1
                 continue
-            if self.directory.known_present(key):  # another instance wrote it meanwhile
+            if self.directory.known_held(key):  # another instance wrote it meanwhile
                 self.stats.remote_writes_already_held += 1
                 continue
             entry.readers += 1  # pinned until the write is reported

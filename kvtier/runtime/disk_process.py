@@ -42,7 +42,7 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -283,10 +283,20 @@ class DiskProcess:
         return wire.decode_keys(payload[8:], int.from_bytes(payload[:8], "little"))
 
     def stats(self) -> DiskStats:
+        """The child's counters; while a lost child is being replaced, the last ones it
+        gave (a report or a stats scrape must not fail because a child hung: issue 48)."""
         try:
-            return DiskStats(**json.loads(bytes(self._call(wire.STATS))))
+            payload = self._call(wire.STATS)
+        except DiskProcessGone:
+            last = getattr(self, "_last_stats", None)
+            if last is None:  # gone before its first answer: nothing counted yet
+                last = DiskStats(**{f.name: 0 for f in fields(DiskStats)})
+            return last
+        try:
+            self._last_stats = DiskStats(**json.loads(bytes(payload)))  # frozen: shared
         except (ValueError, TypeError) as exc:
             raise wire.WireError(f"bad stats reply: {exc}") from exc
+        return self._last_stats
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _stop(self, *, kill: bool, timeout: float = 30.0) -> None:

@@ -33,6 +33,7 @@ from kvtier.config.remote import RemoteTierConfig
 from kvtier.runtime import disk_wire as wire
 from kvtier.runtime.child_process import CHILD_CWD, child_environment, isolated_command
 from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.remote import failures
 from kvtier.tiers.remote.block_io import BlockIOStats, FetchResult
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.keys import RemoteKeys
@@ -42,6 +43,11 @@ from kvtier.tiers.remote.store import RemoteUnavailable
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
+DEADLINE_BASE_S = 2.0  # a request's deadline: this, plus twice what its bytes take ...
+DEADLINE_SPEED_FLOOR = 50e6  # ... at the measured speed, never taken as slower than this
+# (bytes/s): a hung child is replaced within seconds, not the minutes of one socket timeout
+# per block, while a first slow measurement cannot stretch every later deadline
+SPEED_MIN_SAMPLE_BYTES = 1 << 20  # a request moving less says more about latency than speed
 RESPAWN_AFTER_S = 5.0
 MIN_BLOCKS_PER_CHILD = 8  # a smaller share costs a round trip for too few bytes; larger
 # shares keep each child's pipeline deep and leave the other children to concurrent jobs
@@ -110,7 +116,9 @@ class RemoteIOProcesses:
         self.respawn_after_s = respawn_after_s
         self.health = RemoteHealth(cfg.probe_interval_s)
         self.respawns = 0
+        self.speed_bps = 0.0  # bytes/s the children move, measured (0: not yet)
         self._secrets = json.dumps(secrets.to_wire()).encode()
+        self._redact = secrets.redact  # a child's error text may quote a server
         self._spec = {"config": asdict(cfg), "num_slots": pool.num_slots,
                       "block_bytes": self.block_bytes, "pool_fd": pool.shared_fd,
                       "keys": {"namespace": keys.namespace, "rank": keys.rank,
@@ -173,36 +181,98 @@ class RemoteIOProcesses:
             child.ready = True
         return True
 
+    def _await_starts(self, children: list[_Child]) -> None:
+        """Read the start-up frames of the children that are starting, all at once: one
+        ``start_timeout_s`` in all, not one per child (eight children each stuck in a slow
+        connect made a load wait eight times over)."""
+        starting = []
+        for child in children:
+            if child.sock is None and not self._closed and time.monotonic() >= child.retry_at:
+                self.respawns += 1
+                self._spawn(child)
+            if child.sock is not None and not child.ready:
+                starting.append(child)
+        if not starting:
+            return
+        end = time.monotonic() + self.start_timeout_s
+        with selectors.DefaultSelector() as sel:
+            for child in starting:
+                sel.register(child.sock, selectors.EVENT_READ, child)
+            while sel.get_map():
+                left = end - time.monotonic()
+                ready = sel.select(timeout=max(0.0, left)) if left > 0 else []
+                if not ready:
+                    for key in list(sel.get_map().values()):
+                        sel.unregister(key.fileobj)
+                        self._lose(key.data, "did not start in time")
+                    return
+                for key, _ in ready:
+                    sel.unregister(key.fileobj)
+                    self._ensure(key.data)  # the frame is there: read without waiting
+
     def _lose(self, child: _Child, why: str) -> None:
         pid = child.proc.pid if child.proc is not None else None
         child.stop()
         child.retry_at = time.monotonic() + self.respawn_after_s
         with self._stats_lock:
             self._stats.errors += 1
-            self._stats.last_error = f"I/O process {pid}: {why}"[:300]
+            self._stats.last_error = self._redact(f"I/O process {pid}: {why}")[:300]
+        why = self._redact(why)
         log.error("kvtier: shared-tier I/O process %s lost (%s); its blocks miss until a new "
                   "one starts in %g s", pid, why, self.respawn_after_s)
 
     def _deadline_s(self, blocks: int) -> float:
-        """A request's whole budget: connecting, then every block at the slowest pace the
-        timeouts allow, plus slack. A child that misses it is hung: it is replaced."""
-        return self.cfg.connect_timeout_s + (self.cfg.retries + 1) * self.cfg.timeout_s * (
+        """A request's whole budget: ``DEADLINE_BASE_S`` plus twice what its bytes take at
+        the tier's measured speed (at least ``DEADLINE_SPEED_FLOOR``), and never more than
+        every block at the slowest pace the socket timeouts allow. A child that misses it is
+        hung (SIGSTOPped, or a server dripping bytes): it is replaced, and its share of a
+        load fails as transient misses, which the engine recomputes."""
+        by_timeouts = self.cfg.connect_timeout_s + (self.cfg.retries + 1) * self.cfg.timeout_s * (
             2 + blocks) + 1.0
+        speed = max(self.speed_bps, DEADLINE_SPEED_FLOOR)
+        return min(by_timeouts, DEADLINE_BASE_S + 2 * blocks * self.block_bytes / speed)
+
+    def _measured(self, stats: dict, seconds: float) -> None:
+        """One answered request's speed, into the running estimate (recent requests weigh
+        most: the server's load changes)."""
+        moved = int(stats.get("get_bytes", 0) or 0) + int(stats.get("put_bytes", 0) or 0)
+        if moved < SPEED_MIN_SAMPLE_BYTES or seconds <= 0:
+            return
+        sample = moved / seconds
+        self.speed_bps = sample if not self.speed_bps else 0.8 * self.speed_bps + 0.2 * sample
 
     def _reply(self, status: int, payload: memoryview) -> dict | None:
         """A child's answer as data (its stats counted); None for an error or junk."""
         if status != wire.OK:
             with self._stats_lock:
                 self._stats.errors += 1
-                self._stats.last_error = bytes(payload)[:300].decode("utf-8", "replace")
+                self._stats.last_error = self._redact(
+                    bytes(payload).decode("utf-8", "replace"))[:300]
             return None
         try:
             reply = json.loads(bytes(payload))
         except ValueError:
             return None
-        with self._stats_lock:
-            self._stats.add(reply.get("stats", {}))
+        stats = reply.get("stats", {})
+        if isinstance(stats, dict):
+            if isinstance(stats.get("last_error"), str):
+                stats["last_error"] = self._redact(stats["last_error"])
+            with self._stats_lock:
+                self._stats.add(stats)
+            self._name_failures(stats)
         return reply
+
+    def _name_failures(self, stats: dict) -> None:
+        """TLS, AUTH and unlisted-node refusals, named in this process's log once (the
+        children count them; eight children logging each would say it eight times)."""
+        for field, what in (("tls_errors", "tls"), ("auth_errors", "auth"),
+                            ("unlisted_refused", "unlisted node")):
+            if stats.get(field):
+                message = stats.get("last_error") or what
+                if what == "unlisted node":
+                    message = ("a Cluster node outside tiers.remote.nodes was sent nothing "
+                               "(its keys miss); list it, or set allow_unlisted_nodes")
+                failures.log_once(log, what, message)
 
     def _fan_out(self, children: list[_Child], op: int,
                  parts: list[tuple[list[int], list[bytes]]],
@@ -225,13 +295,16 @@ class RemoteIOProcesses:
         released: set[int] = set()
         try:
             ends: dict[int, float] = {}  # per child: its request's deadline
+            starts: dict[int, float] = {}  # per child: when its request went out
+            self._await_starts([c for c, (_, k) in zip(children, parts)])
             for i, (child, (slots, keys)) in enumerate(zip(children, parts)):
                 if not self._ensure(child):
                     continue
                 try:
                     child.sock.settimeout(self._deadline_s(len(keys)))
                     child.sock.sendall(wire.encode_request(op, slots, keys))
-                    ends[i] = time.monotonic() + self._deadline_s(len(keys))
+                    starts[i] = time.monotonic()
+                    ends[i] = starts[i] + self._deadline_s(len(keys))
                 except OSError as exc:
                     self._lose(child, f"{type(exc).__name__}: {exc}")
             with selectors.DefaultSelector() as sel:
@@ -266,12 +339,15 @@ class RemoteIOProcesses:
                                 on_part(i, positions)
                             continue
                         replies[i] = self._reply(status, payload)
+                        if replies[i] is not None and isinstance(replies[i].get("stats"), dict):
+                            self._measured(replies[i]["stats"], time.monotonic() - starts[i])
                         more = (follow(i, replies[i]) if follow is not None
                                 and replies[i] is not None else None)
                         if more is not None:
                             try:
                                 child.sock.sendall(wire.encode_request(op, *more))
-                                ends[i] = time.monotonic() + self._deadline_s(len(more[1]))
+                                starts[i] = time.monotonic()
+                                ends[i] = starts[i] + self._deadline_s(len(more[1]))
                                 continue
                             except OSError as exc:
                                 replies[i] = None

@@ -84,6 +84,20 @@ def test_a_stopped_child_fails_the_load_within_the_deadline_and_is_replaced(pool
     assert bytes(pool.slot(9).numpy()) == b"\x06" * GEO.block_bytes
 
 
+def test_stats_answer_while_a_hung_child_is_being_replaced(pool, proc):
+    """Issue 48.6: ``kvtier bench``'s final report asks for the disk stats; with the child
+    lost and its replacement not started yet, it raised DiskProcessGone. Now the last
+    answered stats come back."""
+    pool.slot(0).fill_(5)
+    proc.put_slots([0], [key(1)])
+    before = proc.stats()
+    assert before.num_blocks == 1
+    proc.respawn_after_s = 3600.0  # the replacement is not due while the report runs
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert proc.fetch_slots([key(1)], [1])[0] == [0]  # past its deadline: lost
+    assert proc.stats() == before
+
+
 def test_a_stopped_child_fails_a_write_within_the_deadline(pool, proc):
     os.kill(proc.pid, signal.SIGSTOP)
     t0 = time.monotonic()

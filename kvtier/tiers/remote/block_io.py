@@ -26,6 +26,7 @@ from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.record import (CODEC_NONE, HEADER_BYTES, CorruptRecord, data_checksum,
                                       decode_head, encode_head)
 from kvtier.tiers.layout import LAYOUT_VERSION
+from kvtier.tiers.remote import failures
 from kvtier.tiers.remote.keys import RemoteKeys
 from kvtier.tiers.remote.nodes import Node, NodeConnections
 from kvtier.tiers.remote.resp import ProtocolError, RespError, command, command_with_value
@@ -52,6 +53,9 @@ class BlockIOStats:
     get_bytes: int = 0
     put_bytes: int = 0
     errors: int = 0  # commands lost to a connection, protocol or server error
+    tls_errors: int = 0  # of errors: TLS refused (wrong CA, other host name, no TLS there)
+    auth_errors: int = 0  # of errors: the server refused AUTH
+    unlisted_refused: int = 0  # blocks not sent to a Cluster node outside ``nodes``
     last_error: str = ""
     degraded: bool = False  # the tier is failing fast (set by whoever tracks its health)
     degradations: int = 0
@@ -122,19 +126,31 @@ class RemoteBlockIO:
         # Hashing a value (xxh3, and keyed BLAKE3 with a MAC key) runs here while the next
         # values are received: both release the GIL, so the tag costs CPU, not stream time.
         self._hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvtier-remote-hash")
-        self.nodes = NodeConnections(cfg, secrets)
+        self.nodes = NodeConnections(cfg, secrets, log_unlisted=False)
 
     def _lost(self, node: Node, exc: BaseException) -> None:
         self.stats.errors += 1
-        self.stats.last_error = f"{node[0]}:{node[1]}: {type(exc).__name__}: {exc}"[:300]
+        what = failures.kind(exc)
+        if what == "tls":
+            self.stats.tls_errors += 1
+        elif what == "auth":
+            self.stats.auth_errors += 1
+        self.stats.last_error = self.secrets.redact(
+            f"{node[0]}:{node[1]}: {failures.describe(exc)}")[:300]
         self.nodes.drop(node)
+
+    def _server_error(self, exc: BaseException) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = self.secrets.redact(str(exc))[:300]
 
     def _by_node(self, server_keys: Sequence[bytes]) -> dict[Node, list[int]]:
         try:
-            return self.nodes.by_node(server_keys)
+            groups = self.nodes.by_node(server_keys)
         except ConnectionError as exc:  # no slot map: every key is lost
             self._lost(self.nodes.seeds[0], exc)
             return {}
+        self.stats.unlisted_refused += self.nodes.take_refused()
+        return groups
 
     def warm_up(self) -> bool:
         """Connect (and authenticate) to every node before the first block needs it."""
@@ -150,7 +166,8 @@ class RemoteBlockIO:
     # ---- values ----------------------------------------------------------------------------
     def _value_parts(self, record_key: bytes, payload: memoryview) -> list:
         codec_id, stored = self.codec.encode(payload)
-        head = encode_head(record_key, codec=codec_id, layout_version=LAYOUT_VERSION, seq=0,
+        head = encode_head(record_key, codec=codec_id, layout_version=LAYOUT_VERSION,
+                           seq=self.secrets.record_seq,
                            raw_len=len(payload), stored_len=len(stored),
                            checksum=data_checksum(record_key, stored))
         parts = [head, stored]
@@ -213,8 +230,7 @@ class RemoteBlockIO:
             ok[i] = lanes[k % len(lanes)].read_reply() == "OK"
         except RespError as exc:  # OOM (maxmemory), MOVED: that block only
             refused.add(i)
-            self.stats.errors += 1
-            self.stats.last_error = str(exc)[:300]
+            self._server_error(exc)
             if exc.moved:
                 self.nodes.forget_slots()
             return
@@ -255,8 +271,7 @@ class RemoteBlockIO:
                     try:
                         got = conn.read_value_into(parts, max_other)
                     except RespError as exc:
-                        self.stats.errors += 1
-                        self.stats.last_error = str(exc)[:300]
+                        self._server_error(exc)
                         if exc.moved:
                             self.nodes.forget_slots()
                         continue

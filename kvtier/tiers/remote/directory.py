@@ -16,10 +16,16 @@ event. The directory's asker thread sends the EXISTS of every queued key in one 
 its own blocking connections (:mod:`.exists`) and files the answers; it never goes through the
 store's asyncio loop, whose per-command coroutines had to win the GIL from vLLM's busy engine
 loop step by step (a 128-block lookup took ~250 ms that way in real vLLM).
+
+A lookup is pending at most ``lookup_deadline_s``: a key asked longer ago reads "absent" (the
+request recomputes it) whatever the asker is stuck on, and the asker's own reads stop at the
+same deadline. Write-back trusts only what it can vouch for: a key this instance wrote, or one
+whose value's header was read and checked (``recheck``); EXISTS alone counts junk as held.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -27,7 +33,9 @@ from collections import OrderedDict
 from typing import Sequence
 
 from kvtier.tiers.remote.exists import PresenceQueries
-from kvtier.tiers.remote.store import RemoteStore, RemoteUnavailable
+from kvtier.tiers.remote.store import RemoteStore
+
+log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 1 << 18  # cached answers kept (LRU); each is a key and two numbers
 
@@ -56,9 +64,13 @@ class RemoteDirectory:
         self.max_entries = max_entries
         self._clock = clock
         self._lock = threading.Lock()
-        self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
-        self._asking: set[bytes] = set()
+        # key -> (held, expires, verified: a valid record was seen, not just a key)
+        self._known: OrderedDict[bytes, tuple[bool, float, bool]] = OrderedDict()
+        self._asking: dict[bytes, float] = {}  # key -> when it was asked
+        self.deadline_s = store.cfg.lookup_deadline_s
+        self.late_answers = 0  # lookups answered "absent" because the server was too slow
         self._outbox: list[bytes] = []  # asked by query(), not yet handed to the store
+        self._verify_box: list[bytes] = []  # asked by recheck(): their values' headers
         self._probe_wanted = False
         self._wake = threading.Event()
         self._closed = False
@@ -84,11 +96,15 @@ class RemoteDirectory:
                     self._known.move_to_end(key)
                     out.append(hit[0])
                 elif key in self._asking:
-                    out.append(None)
+                    if now - self._asking[key] < self.deadline_s:
+                        out.append(None)
+                    else:  # the server is too slow: a miss now beats a pending request
+                        self.late_answers += 1
+                        out.append(False)
                 elif down:
                     out.append(False)
                 else:
-                    self._asking.add(key)
+                    self._asking[key] = now
                     ask.append(key)
                     out.append(None)
             self._outbox.extend(ask)
@@ -105,14 +121,25 @@ class RemoteDirectory:
             self._wake.clear()
             with self._lock:
                 keys, self._outbox = self._outbox, []
+                verify, self._verify_box = self._verify_box, []
                 probe, self._probe_wanted = self._probe_wanted, False
             if probe:
-                try:
-                    self.store.submit(self.store.probe())
-                except RemoteUnavailable:
-                    pass
+                self._probe()
             if keys:
                 self._ask(keys)
+            if verify:
+                self._verify(verify)
+
+    def _probe(self) -> None:
+        """One PING of a degraded tier, on the asker's own connections (see
+        ``PresenceQueries.ping``); a reply ends the episode."""
+        health = self.store.health
+        if self.presence.ping():
+            if health.degraded:
+                log.warning("kvtier: remote tier reachable again")
+            health.recovered()
+        else:
+            health.failed(f"probe: {self.store.stats().last_error or 'no node answered'}")
 
     def close(self) -> None:
         """Stop the asker thread (the store is closed by its owner)."""
@@ -131,29 +158,53 @@ class RemoteDirectory:
         # held: every shard present (a failed EXISTS answers None: absent)
         self._answer(keys, [c == len(g) for c, g in zip(counts, groups)])
 
-    def _answer(self, keys: Sequence[bytes], present: Sequence[bool]) -> None:
+    def _verify(self, keys: list[bytes]) -> None:
+        """``recheck``'s question: does every shard key hold a valid record for it?"""
+        groups = [self.store.keys.shard_server_keys(k, self.shards) for k in keys]
+        flat = [sk for g in groups for sk in g]
+        try:
+            held = self.presence.records_held(flat, [self.store.keys.record_key(sk)
+                                                     for sk in flat])
+        except Exception:  # noqa: BLE001 - whatever failed, the keys are written
+            held = [False] * len(flat)
+        out, start = [], 0
+        for g in groups:
+            out.append(all(held[start:start + len(g)]))
+            start += len(g)
+        self._answer(keys, out, verified=True)
+
+    def _answer(self, keys: Sequence[bytes], present: Sequence[bool],
+                verified: bool = False) -> None:
         expires = self._clock() + self.ttl_s
         with self._lock:
             for key, p in zip(keys, present):
-                self._asking.discard(key)
-                self._known[key] = (p, expires)
+                self._asking.pop(key, None)
+                self._known[key] = (p, expires, verified and p)
                 self._known.move_to_end(key)
                 self.answered_present += p
             while len(self._known) > self.max_entries:
                 self._known.popitem(last=False)
 
     def known_present(self, key: bytes) -> bool:
-        """A fresh answer says the server holds it (write-back skips such keys)."""
+        """A fresh answer says the server holds the key (a hint: promotions verify)."""
         with self._lock:
             hit = self._known.get(key)
         return hit is not None and hit[0] and hit[1] > self._clock()
 
+    def known_held(self, key: bytes) -> bool:
+        """A fresh answer says the server holds a valid record under the key: this instance
+        wrote it, or ``recheck`` read its header. Write-back skips only such keys."""
+        with self._lock:
+            hit = self._known.get(key)
+        return hit is not None and hit[2] and hit[1] > self._clock()
+
     def recheck(self, keys: Sequence[bytes]) -> int:
         """Ask the server again about ``keys`` not known to be held, dropping a cached
-        "absent" meanwhile (those keys read "not yet" until the answer lands). For write-back:
+        answer meanwhile (those keys read "not yet" until the answer lands). For write-back:
         a block this instance recomputed because the tier missed it is often being written by
         the instance that missed it first, and a write that finds it held saves the store its
-        bytes. Never waits; returns how many keys were asked."""
+        bytes. "Held" here is a record whose header checks out for the key (``records_held``),
+        not a key that exists. Never waits; returns how many keys were asked."""
         if self.store.health.degraded:
             return 0
         now = self._clock()
@@ -163,19 +214,19 @@ class RemoteDirectory:
                 if key in self._asking:
                     continue
                 hit = self._known.get(key)
-                if hit is not None and hit[0] and hit[1] > now:
+                if hit is not None and hit[2] and hit[1] > now:
                     continue
                 self._known.pop(key, None)
-                self._asking.add(key)
+                self._asking[key] = now
                 ask.append(key)
-            self._outbox.extend(ask)
+            self._verify_box.extend(ask)
         if ask:
             self._wake.set()
         return len(ask)
 
     def learned(self, keys: Sequence[bytes], present: bool) -> None:
         """What this instance itself found out (a write landed, a read missed)."""
-        self._answer(keys, [present] * len(keys))
+        self._answer(keys, [present] * len(keys), verified=True)
 
     @property
     def degraded(self) -> bool:

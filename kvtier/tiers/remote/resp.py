@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from kvtier.tiers.remote.redact import redact
 
 READ_CHUNK = 16 << 10  # what a line read asks the kernel for: the start of a value that comes
 # with it is copied twice, so this stays small; the rest of a value lands in place
 MAX_LINE = 64 << 10  # a status, error or length line longer than this is a damaged stream
 MAX_SMALL_BULK = 16 << 20  # a bulk reply read into memory (not into a slot) is capped
+MAX_REPLY_ITEMS = 1 << 16  # elements of one (nested) array reply: a CLUSTER SLOTS of 16,384
+# single-slot ranges fits; a server flooding entries breaks the connection instead of memory
+MAX_REPLY_BYTES = 32 << 20  # bulk bytes of one array reply, all elements together
+MAX_REPLY_DEPTH = 8  # arrays in arrays (CLUSTER SLOTS nests three deep)
 JOIN_BELOW = 4 << 10  # command pieces smaller than this are joined before sending (a pipeline
 # of thousands of small commands in one buffer); larger ones (values) go out from where they are
 TLS_JOIN_BELOW = 64 << 10  # over TLS (no sendmsg) pieces up to this are joined into one write
@@ -42,6 +49,11 @@ class ProtocolError(ConnectionError):
     """The byte stream does not parse as RESP: the connection cannot be used any more."""
 
 
+class AuthFailed(RespError, ConnectionError):
+    """The server refused the connection's AUTH (wrong user or password, or no ACLs): the
+    connection is unusable, like a refused connect."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where and how to connect: a node address, credentials and TLS."""
@@ -53,6 +65,13 @@ class Endpoint:
     tls: ssl.SSLContext | None = None
     connect_timeout_s: float = 0.5
     timeout_s: float = 0.5
+
+    def secret_words(self) -> list[str]:
+        """What a server's error text must never carry on (see :mod:`.redact`)."""
+        if not self.password:
+            return []
+        return [self.password, f"{self.username} {self.password}",
+                f"'{self.username}' '{self.password}'"]
 
 
 def _command(*parts: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
@@ -110,28 +129,63 @@ def _joined_small(parts: Sequence[bytes | bytearray | memoryview],
     return out
 
 
+class DeadlinePassed(TimeoutError):
+    """A read went past the connection's ``deadline`` (a server answering too slowly)."""
+
+
 class RespConnection:
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, deadline: float | None = None) -> None:
         self.endpoint = endpoint
         self.broken = False
+        # monotonic time by which every read must be done (None: only the socket timeout);
+        # a server that drips its reply a byte per timeout_s cannot hold a caller past it
+        self.deadline = deadline
         sock = socket.create_connection((endpoint.host, endpoint.port),
-                                        timeout=endpoint.connect_timeout_s)
+                                        timeout=self._wait(endpoint.connect_timeout_s))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if endpoint.tls is not None:
                 sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
-            sock.settimeout(endpoint.timeout_s)
+            sock.settimeout(self._wait(endpoint.timeout_s))
         except BaseException:
             sock.close()
             raise
         self.sock = sock
+        self._secrets = endpoint.secret_words()
         self._buf = bytearray(READ_CHUNK + MAX_LINE)  # a line can span a compaction
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         if endpoint.password is not None:
             args = ["AUTH"] + ([endpoint.username] if endpoint.username else []) + [endpoint.password]
-            self.send([command(*args)])
-            self.read_reply()  # a refused AUTH raises RespError here
+            try:
+                self.send([command(*args)])
+                self.read_reply()
+            except RespError as exc:  # refused: the text is redacted already
+                self.close()
+                raise AuthFailed(str(exc)) from None
+            except BaseException:
+                self.close()
+                raise
+
+    def _wait(self, timeout_s: float) -> float:
+        """``timeout_s``, or less when the deadline is nearer; DeadlinePassed once past it."""
+        if self.deadline is None:
+            return timeout_s
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self.broken = True
+            raise DeadlinePassed("no complete reply before the deadline")
+        return min(timeout_s, left)
+
+    def _recv_into(self, view: memoryview) -> int:
+        if self.deadline is not None:
+            self.sock.settimeout(self._wait(self.endpoint.timeout_s))
+        return self.sock.recv_into(view)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        if deadline is None and not self.broken:
+            self.sock.settimeout(self.endpoint.timeout_s)
 
     # ---- sending ------------------------------------------------------------------------
     def send(self, commands: Sequence[Sequence[bytes | bytearray | memoryview]]) -> None:
@@ -171,7 +225,7 @@ class RespConnection:
             n = self._end - self._start
             self._buf[:n] = self._buf[self._start:self._end]
             self._start, self._end = 0, n
-        got = self.sock.recv_into(self._view[self._end:self._end + READ_CHUNK])
+        got = self._recv_into(self._view[self._end:self._end + READ_CHUNK])
         if got == 0:
             raise ConnectionError("the server closed the connection")
         self._end += got
@@ -197,7 +251,7 @@ class RespConnection:
             self._start += have
         got = have
         while got < n:
-            k = self.sock.recv_into(out[got:])
+            k = self._recv_into(out[got:])
             if k == 0:
                 raise ConnectionError("the server closed the connection mid-value")
             got += k
@@ -214,32 +268,40 @@ class RespConnection:
             raise ProtocolError("an empty reply line")
         return line[:1], line[1:]
 
+    def _error(self, text: bytes) -> RespError:
+        """An error reply as an exception whose text is safe to log: a server may echo the
+        command it refuses, AUTH's password included."""
+        return RespError(redact(text.decode("utf-8", "replace"), self._secrets))
+
     def read_reply(self) -> object:
         """The next reply as Python data (status str, int, bytes, None, list); an error reply
-        raises ``RespError``. Bulk replies here are small (capped): values go through
+        raises ``RespError``. Bulk replies here are small (capped), and so are arrays: their
+        elements and bytes together (``MAX_REPLY_*``). Values go through
         :meth:`read_value_into`."""
         try:
-            return self._reply()
+            return self._reply([MAX_REPLY_ITEMS, MAX_REPLY_BYTES], 0)
         except RespError:
             raise
         except BaseException:
             self.broken = True
             raise
 
-    def _reply(self) -> object:
+    def _reply(self, budget: list[int], depth: int) -> object:
+        """One reply; ``budget``: the elements and bulk bytes the whole reply may still use."""
         kind, rest = self._head()
         if kind == b"+":
             return rest.decode("utf-8", "replace")
         if kind == b"-":
-            raise RespError(rest.decode("utf-8", "replace"))
+            raise self._error(rest)
         if kind == b":":
             return int(rest)
         if kind == b"$":
             n = int(rest)
             if n < 0:
                 return None
-            if n > MAX_SMALL_BULK:
+            if n > min(MAX_SMALL_BULK, budget[1]):
                 raise ProtocolError(f"a {n}-byte reply where a small one was expected")
+            budget[1] -= n
             out = bytearray(n)
             self._read_into(memoryview(out))
             self._crlf()
@@ -248,7 +310,10 @@ class RespConnection:
             n = int(rest)
             if n < 0:
                 return None
-            return [self._reply() for _ in range(n)]
+            budget[0] -= n
+            if budget[0] < 0 or depth >= MAX_REPLY_DEPTH:
+                raise ProtocolError("an array reply larger or deeper than the tier expects")
+            return [self._reply(budget, depth + 1) for _ in range(n)]
         raise ProtocolError(f"unknown reply type {kind!r}")
 
     def read_integers(self, n: int) -> list[int | RespError]:
@@ -271,7 +336,7 @@ class RespConnection:
                     if line[:1] == b":":
                         out.append(int(line[1:]))
                     elif line[:1] == b"-":
-                        out.append(RespError(line[1:].decode("utf-8", "replace")))
+                        out.append(self._error(line[1:]))
                     else:
                         raise ProtocolError(f"an integer reply expected, got {line[:1]!r}")
                 self._start += sum(len(line) + 2 for line in lines)
@@ -290,7 +355,7 @@ class RespConnection:
         try:
             kind, rest = self._head()
             if kind == b"-":
-                raise RespError(rest.decode("utf-8", "replace"))
+                raise self._error(rest)
             if kind != b"$":
                 raise ProtocolError(f"a GET answered with type {kind!r}")
             n = int(rest)

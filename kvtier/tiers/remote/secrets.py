@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass, field
 
 from kvtier.config.remote import RemoteTierConfig
+from kvtier.tiers.remote.redact import redact
 
 MAC_BYTES = 32  # keyed BLAKE3's tag
 MIN_KEY_FILE_BYTES = 32
@@ -82,6 +83,27 @@ class RemoteSecrets:
             mac_key = blake3.blake3(material).digest()  # any length in, 32 bytes out
         return cls(username=cfg.username, password=password, mac_key=mac_key,
                    tls=cfg.uses_tls, tls_ca_file=cfg.tls_ca_file)
+
+    def redact(self, text: str) -> str:
+        """``text`` (a server's error, an exception) with every secret of these replaced by
+        ``***`` and any command arguments a server echoed cut off (:mod:`.redact`)."""
+        words = [self.password or "", f"{self.username} {self.password}" if self.password else ""]
+        if self.mac_key:
+            words += [self.mac_key.hex(), repr(self.mac_key)[2:-1]]
+        return redact(text, words)
+
+    @property
+    def record_seq(self) -> int:
+        """What a record's header carries in its ``seq`` field: 0 without a MAC key, else an
+        identifier of the key (not the key: a keyed hash of a constant). A value's header can
+        then be checked without its payload (write-back's "already held") and a record
+        written under an old key is told apart from one under this key."""
+        if not self.mac_key:
+            return 0
+        import blake3
+
+        tag = blake3.blake3(b"kvtier record key id", key=self.mac_key).digest()
+        return int.from_bytes(tag[:8], "little") >> 1 or 1
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if not self.tls:

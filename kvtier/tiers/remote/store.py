@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Sequence, TypeVar
 
 from kvtier.config.remote import RemoteTierConfig
+from kvtier.tiers.remote import failures
 from kvtier.tiers.remote.client import make_client
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.keys import RemoteKeys
@@ -42,6 +43,8 @@ class RemoteUnavailable(Exception):
 @dataclass
 class RemoteStats:
     errors: int = 0  # commands that failed on the connection or the server
+    tls_errors: int = 0
+    auth_errors: int = 0
     degraded: bool = False
     degradations: int = 0
     last_error: str = ""
@@ -127,10 +130,9 @@ class RemoteStore:
                                    return_exceptions=True)
         failed = [r for r in out if isinstance(r, BaseException)]
         for exc in failed:
-            self._stats.errors += 1
-            self._stats.last_error = f"{type(exc).__name__}: {exc}"[:300]
             if isinstance(exc, asyncio.CancelledError):
                 raise exc
+            self._failure(exc)
         conn = [e for e in failed if _is_connection_error(e)]
         if conn and len(conn) == len(out):
             self.health.failed(self._stats.last_error)
@@ -149,7 +151,7 @@ class RemoteStore:
         try:
             await self._one("ping")
         except Exception as exc:  # noqa: BLE001 - any failure keeps it degraded
-            self.health.failed(f"probe: {type(exc).__name__}: {exc}")
+            self.health.failed(f"probe: {self._failure(exc, count=False)}"[:300])
             self._sync_health()
             return False
         if self.health.degraded:
@@ -175,10 +177,25 @@ class RemoteStore:
         return sum(r for r in out if isinstance(r, int))
 
     # ---- accounting -------------------------------------------------------------------------
+    def _failure(self, exc: BaseException, count: bool = True) -> str:
+        """Count ``exc`` (TLS and AUTH apart, named in the log once); its redacted text."""
+        what = failures.kind(exc)
+        why = self.secrets.redact(failures.describe(exc))[:300]
+        if count:
+            self._stats.errors += 1
+            self._stats.last_error = why
+        if what == "tls":
+            self._stats.tls_errors += 1
+        elif what == "auth":
+            self._stats.auth_errors += 1
+        if what is not None:
+            failures.log_once(log, what, why)
+        return why
+
     def note_error(self, why: str) -> None:
         """A command of this tier that failed elsewhere (the presence queries' own sockets)."""
         self._stats.errors += 1
-        self._stats.last_error = why[:300]
+        self._stats.last_error = self.secrets.redact(why)[:300]
 
     def stats(self) -> RemoteStats:
         self._sync_health()

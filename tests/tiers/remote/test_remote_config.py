@@ -95,6 +95,8 @@ def test_manager_reports_the_advisory_capacity_in_blocks():
         def known_present(self, key):
             return False
 
+        known_held = known_present
+
     m = build_manager(cfg, 4096, remote=NoServer())
     assert m.usage()["REMOTE"]["capacity_blocks"] == 256
     assert m.lookup([b"a", b"b"]).num_hits == 0

@@ -13,6 +13,8 @@ import time
 
 from kvtier.config import load_config
 from kvtier.manager.factory import build_manager
+from kvtier.tiers.disk.record import data_checksum, encode_head
+from kvtier.tiers.layout import LAYOUT_VERSION
 from kvtier.tiers.remote import RemoteKeys, RemoteStore
 from kvtier.tiers.remote.directory import RemoteDirectory
 from support.valkey_fixtures import valkey  # noqa: F401 - a pytest fixture
@@ -29,6 +31,13 @@ def settled_lookup(manager, keys):
         if not found.pending or time.monotonic() > deadline:
             return found
         time.sleep(0.005)
+
+
+def record(names: RemoteKeys, block_key: bytes, payload: bytes = b"v" * 64) -> bytes:
+    """A valid record for ``block_key``, as another instance (no MAC key) writes it."""
+    rk = names.record_key(names.server_key(block_key))
+    return encode_head(rk, codec=0, layout_version=LAYOUT_VERSION, seq=0, raw_len=len(payload),
+                       stored_len=len(payload), checksum=data_checksum(rk, payload)) + payload
 
 
 def answered(directory) -> None:
@@ -52,7 +61,7 @@ def test_a_block_written_by_another_instance_since_the_lookup_is_not_written_aga
         keys = [b"blk-%d" % i for i in range(8)]
         assert settled_lookup(manager, keys).num_hits == 0  # "absent" cached for lookup_ttl_s
         for k in keys[2:4]:  # the instance that computed them first wrote them meanwhile
-            raw.set(names.server_key(k), b"another instance's value")
+            raw.set(names.server_key(k), record(names, k))
         plan = manager.prepare_store(keys)
         assert plan.keys == tuple(keys)
         manager.complete_store(keys)
@@ -71,7 +80,49 @@ def test_a_block_written_by_another_instance_since_the_lookup_is_not_written_aga
         assert m["stored_blocks"]["REMOTE"] == 6 and m["remote_writes_skipped"] == 0
         assert manager.pins() == 0  # nothing left pinned by a write that never ran
         # the other instance's values were not overwritten
-        assert raw.get(names.server_key(keys[2])) == b"another instance's value"
+        assert raw.get(names.server_key(keys[2])) == record(names, keys[2])
+    finally:
+        directory.close()
+        store.close()
+
+
+def test_junk_under_a_key_is_not_held_and_is_overwritten(valkey):
+    """A client without the MAC key (or a corrupt, truncated or foreign value) planted junk
+    under the keys: EXISTS finds them, but write-back skips a key only when its value is a
+    record for it, so the honest writer replaces the junk (before, the junk stayed and every
+    later read of those blocks missed)."""
+    server = valkey()
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "2MiB"},
+                                      "remote": {"url": server.url, "max_writes_in_flight": 2,
+                                                 "timeout_s": 1.0}}}, env={})
+    names = RemoteKeys("ns-junk", "geo")
+    other = RemoteKeys("ns-junk", "other-geometry")  # a record, but not for this geometry
+    store = RemoteStore(cfg.remote, names)
+    directory = RemoteDirectory(store)
+    manager = build_manager(cfg, BLOCK, remote=directory)
+    raw = server.client()
+    try:
+        keys = [b"blk-%d" % i for i in range(8)]
+        assert settled_lookup(manager, keys).num_hits == 0
+        raw.set(names.server_key(keys[2]), b"junk from a keyless client")
+        raw.set(names.server_key(keys[3]), record(names, keys[3])[:-10])  # truncated
+        wrong = record(other, keys[4])
+        raw.set(names.server_key(keys[4]), wrong)  # another geometry's identity
+        raw.set(names.server_key(keys[5]), record(names, keys[5]))  # a valid record: held
+        manager.prepare_store(keys)
+        manager.complete_store(keys)
+        written = []
+        for _ in range(8):
+            answered(directory)
+            batch = manager.take_background_transfers()
+            if not batch:
+                break
+            for t in batch:
+                written += list(t.keys)
+                manager.complete_background(t.id, True)
+        assert written == keys[:5] + keys[6:]
+        assert manager.stats.snapshot()["remote_writes_already_held"] == 1
+        assert manager.pins() == 0
     finally:
         directory.close()
         store.close()
