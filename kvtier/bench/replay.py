@@ -229,7 +229,9 @@ class Replay:
                     for medium, nbytes, seconds in out.measured:
                         self.manager.record_load(medium, nbytes, seconds)
                     self.result.failed_loads += len(out.failed)
-                    self.manager.complete_background(t.id, res.ok, out.failed, out.transient)
+                    # a read that reported unreadable keys is not ok, but only they failed
+                    self.manager.complete_background(t.id, res.error is None, out.failed,
+                                                     out.transient)
                 else:
                     self.manager.complete_background(t.id, res.ok)
         if self.events is not None:

@@ -1,5 +1,5 @@
 """The bench's timing of the scheduler thread's calls into kvtier (``lookup`` and
-``prepare_shared_load``): every call counted, results passed through, instances merged."""
+``prepare_load``): every call counted, results passed through, instances merged."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_replay_times_every_lookup_and_prepare_of_the_scheduler():
     trace = load_trace(limit=40)
     cfg = load_config(data={"tiers": {"cpu": {"capacity": "4MiB"}}}, env={})
     replay = Replay(cfg, 64 << 10, gpu_blocks=max(len(r.hash_ids) for r in trace) + 1)
-    counts = {"lookup": 0, "prepare_shared_load": 0}
+    counts = {"lookup": 0, "prepare_load": 0}
     for name in counts:
         original = getattr(replay.manager, name)
 
@@ -39,5 +39,5 @@ def test_replay_times_every_lookup_and_prepare_of_the_scheduler():
         calls = replay.report()["scheduler_calls"]
     finally:
         replay.close()
-    assert counts["prepare_shared_load"] > 0  # the trace reuses prefixes: loads were prepared
-    assert calls["calls"] == counts["lookup"] + counts["prepare_shared_load"]
+    assert counts["prepare_load"] > 0  # the trace reuses prefixes: loads were prepared
+    assert calls["calls"] == counts["lookup"] + counts["prepare_load"]

@@ -1,7 +1,7 @@
-"""A shared-tier load on a real GPU: REMOTE -> CPU (the I/O processes, a real Valkey) chained
-with CPU -> GPU (the CUDA handler), whose copies start on the blocks the read reports final
-before it ends (kvtier.transfer.early). The engine's blocks must land bit-exact in every load
-mode, nothing else may be written, and the copies must have started in pieces.
+"""A shared-tier hit on a real GPU, as the connector moves it: first its promotion, REMOTE ->
+CPU (the I/O processes, a real Valkey), one job, then its load, CPU -> GPU (the CUDA handler),
+one job reading the slots the promotion filled. The engine's blocks must land bit-exact in
+every load mode, nothing else may be written, and the load must copy each block once.
 
 Skipped without CUDA (CI); run on the lent GPU machine.
 """
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
 from test_cuda_transfer import (DEV, assert_untouched, load_handler,  # noqa: E402
                                     make_caches, reference_slots, run, scrambled_destination)
 from kvtier.config import load_config  # noqa: E402
-from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
+from kvtier.manager.specs import LoadStoreSpec, Medium  # noqa: E402
 from kvtier.runtime.remote_process import RemoteIOProcesses  # noqa: E402
 from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402
 from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
@@ -34,10 +34,19 @@ from support.valkey_fixtures import valkey  # noqa: E402,F401 - a pytest fixture
 BLOCKS = 128  # 256 KiB each: several of an I/O process's hash batches, so it reports early
 
 
+def _finished(engine, timeout_s: float = 60.0) -> list:
+    results, deadline = [], time.monotonic() + timeout_s
+    while not results:
+        results = engine.get_finished()
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    return results
+
+
 @pytest.mark.parametrize("whole", [True, False])
 @pytest.mark.parametrize("loads", ["rule", "layered", "staged"])
-def test_a_shared_tier_load_lands_bit_exact_with_its_copies_started_early(tmp_path, valkey,
-                                                                          loads, whole):
+def test_a_shared_tier_hit_promoted_then_loaded_lands_bit_exact(tmp_path, valkey, loads,
+                                                                 whole):
     import random
 
     if loads != "staged" and not cupy_available():
@@ -72,18 +81,18 @@ def test_a_shared_tier_load_lands_bit_exact_with_its_copies_started_early(tmp_pa
             pool.slot(s).zero_()
         dst, before = scrambled_destination(view, src_ids, 2 * BLOCKS + 8, random.Random(5), gen)
         with TransferEngine([handler, RemoteToCpuHandler(pool, io)]) as engine:
-            job = engine.submit_chain([(LoadStoreSpec.remote(keys), LoadStoreSpec.cpu(slots)),
-                                       (LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst, whole))])
-            results, deadline = [], time.monotonic() + 60
-            while not results:  # as vLLM's worker does: a get_finished per engine step
-                results = engine.get_finished()
-                assert time.monotonic() < deadline
-                time.sleep(0.0005)
-        (r,) = results
-        assert r.ok, r.error
+            promotion = engine.submit(LoadStoreSpec.remote(keys), LoadStoreSpec.cpu(slots))
+            (p,) = _finished(engine)  # as vLLM's worker does: a get_finished per engine step
+            assert p.job_id == promotion and p.ok, p.error
+            assert p.failed_keys == () and p.direction == (Medium.REMOTE, Medium.CPU)
+            assert starts == []  # the promotion never touched the GPU
+            assert all(torch.equal(pool.slot(s), pool.slot(i)) for i, s in enumerate(slots))
+            load = engine.submit(LoadStoreSpec.cpu(slots), LoadStoreSpec.gpu(dst, whole))
+            (r,) = _finished(engine)
+        assert r.job_id == load and r.ok, r.error
         torch.cuda.synchronize()
         assert torch.equal(reference_slots(view, dst, 1), want)
         assert_untouched(view, before)
-        assert sum(starts) == BLOCKS and len(starts) >= 2, starts  # pieces, each block once
+        assert sum(starts) == BLOCKS, starts  # each block copied once
     finally:
         io.close()

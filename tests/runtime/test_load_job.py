@@ -1,103 +1,88 @@
-"""One load path (``kvtier.runtime.load_job``): which keys a failed load really failed.
+"""One load path (``kvtier.runtime.load_job``): what a finished load or promotion means.
 
-A disk hit whose DISK -> CPU hop worked but whose CPU -> GPU hop raised has an intact disk
-record and an intact CPU copy: only the engine's blocks are untrusted. ``kvtier bench`` and
-the reliability rig used to fail every key of an errored job, so the manager forgot disk
-blocks that were fine (the record stayed on disk, unindexed: leaked).
+A load is one CPU -> GPU copy of READY CPU slots; blocks held on disk (or in the shared tier)
+are promoted into CPU memory first, as background transfers. A copy into the GPU that raised
+fails no key: the disk record and the CPU copy are intact, only the engine's blocks are
+untrusted. ``kvtier bench`` and the reliability rig used to fail every key of an errored job,
+so the manager forgot disk blocks that were fine (the record stayed on disk, unindexed:
+leaked). A promotion that could not read a key fails that key (the manager forgets it); one
+that raised failed every key it promoted (nothing reached the CPU slots).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from support.disk_records import record_entry, segment_path
+
 from kvtier.bench.replay import Replay, block_key
 from kvtier.bench.trace import TraceRequest
 from kvtier.config import load_config
-from kvtier.manager.specs import LoadStoreSpec, Medium
+from kvtier.manager.specs import Medium
 from kvtier.runtime import worker as worker_mod
-from kvtier.runtime.load_job import (excluded_keys, failed_load_keys, gpu_untrusted, load_hops,
-                                     load_outcome, measured_hops)
+from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, load_outcome, measured_hops,
+                                     promotion_outcome)
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.jobs import JobResult
 
 BB = 16 * 1024
 CPU_TO_GPU = (Medium.CPU, Medium.GPU)
 DISK_TO_CPU = (Medium.DISK, Medium.CPU)
+REMOTE_TO_CPU = (Medium.REMOTE, Medium.CPU)
 
 
-def result(error=None, direction=CPU_TO_GPU, failed=(), hops=()):
-    return JobResult(1, error is None and not failed, error, tuple(failed), 0, 0.0, direction,
-                     tuple(hops))
+def result(error=None, direction=CPU_TO_GPU, failed=(), nbytes=0, seconds=0.0, transient=()):
+    return JobResult(1, error is None and not failed, error, tuple(failed), nbytes, seconds,
+                     direction, transient_keys=tuple(transient))
 
 
-def test_copy_to_gpu_error_fails_no_key_but_untrusts_the_gpu():
-    r = result("boom", CPU_TO_GPU, hops=[(DISK_TO_CPU, 100, 0.1)])
-    assert failed_load_keys(r, [b"a", b"b"]) == set()
+def test_only_reads_from_below_into_the_cpu_tier_are_promotions():
+    assert is_promotion(Medium.DISK, Medium.CPU) and is_promotion(Medium.REMOTE, Medium.CPU)
+    for route in ((Medium.CPU, Medium.GPU), (Medium.GPU, Medium.CPU),
+                  (Medium.CPU, Medium.DISK), (Medium.CPU, Medium.REMOTE),
+                  (Medium.DISK, Medium.DISK)):
+        assert not is_promotion(*route), route
+
+
+def test_a_copy_to_gpu_that_raised_untrusts_every_engine_block_and_measures_nothing():
+    r = result("boom", CPU_TO_GPU, nbytes=100, seconds=0.1)
     assert gpu_untrusted(r)
     assert measured_hops(r) == []  # a failed job teaches the cost model nothing
+    out = load_outcome(r, gpu_ids=[1, 2, 3, 4], unloaded_gpu_ids=[9])
+    assert out.untrusted_gpu_ids == {1, 2, 3, 4, 9}
+    assert out.measured == ()
+    assert not hasattr(out, "failed")  # a load fails no key: the CPU copy is intact
 
 
-def test_disk_read_error_fails_every_promoted_key():
-    r = result("eio", DISK_TO_CPU)
-    assert failed_load_keys(r, [b"a", b"b"], excluded=[b"c"]) == {b"a", b"b", b"c"}
-
-
-def test_unreadable_records_fail_alone():
-    r = result(None, CPU_TO_GPU, failed=[b"b"], hops=[(DISK_TO_CPU, 10, 0.5), (CPU_TO_GPU, 0, 0.1)])
-    assert failed_load_keys(r, [b"a", b"b"]) == {b"b"}
+def test_a_load_that_worked_untrusts_only_what_no_tier_supplied_and_measures_its_copy():
+    r = result(None, CPU_TO_GPU, nbytes=30, seconds=0.1)
     assert not gpu_untrusted(r)
-    assert measured_hops(r) == [(Medium.DISK, 10, 0.5)]
+    out = load_outcome(r, gpu_ids=[1, 2, 3], unloaded_gpu_ids=[7, 8])
+    assert out.untrusted_gpu_ids == {7, 8}
+    assert out.measured == ((Medium.CPU, 30, 0.1),)
+    assert load_outcome(r, gpu_ids=[1]).untrusted_gpu_ids == frozenset()
 
 
-def test_only_joined_keys_that_a_joined_promotion_failed_are_excluded():
-    keys, joined = [b"a", b"b", b"c"], [False, True, True]
-    # b"a" failed in a promotion too, but this load reads it itself: not excluded
-    assert excluded_keys(keys, joined, [{b"a", b"b"}, set()]) == {b"b"}
-    assert excluded_keys(keys, joined, []) == frozenset()
-    assert excluded_keys(keys, (), [{b"b"}]) == frozenset()  # joined nothing
+def test_a_promotion_fails_its_unreadable_records_alone_in_key_order():
+    keys = [b"a", b"b", b"c", b"d"]
+    r = result(None, DISK_TO_CPU, failed=[b"d", b"b"], nbytes=20, seconds=0.5,
+               transient=[b"d", b"x"])  # x: not one of the failed keys
+    out = promotion_outcome(r, keys)
+    assert out.failed == (b"b", b"d") and out.transient == (b"d",)
+    assert out.measured == ((Medium.DISK, 20, 0.5),)
+    fine = promotion_outcome(result(None, DISK_TO_CPU, nbytes=40, seconds=0.2), keys)
+    assert (fine.failed, fine.transient, fine.measured) == ((), (), ((Medium.DISK, 40, 0.2),))
 
 
-def test_a_load_outcome_names_failed_keys_their_blocks_and_what_joined_loads_miss():
-    keys, from_disk = [b"a", b"b", b"c"], [True, True, False]
-    r = JobResult(1, False, None, (b"b", b"c"), 0, 0.0, CPU_TO_GPU,
-                  ((DISK_TO_CPU, 10, 0.5), (CPU_TO_GPU, 30, 0.1)), transient_keys=(b"b",))
-    out = load_outcome(r, keys, from_disk, gpu_ids=[1, 2, 3, 4, 5, 6], per_block=2,
-                       unloaded_gpu_ids=[9])
-    assert out.failed == (b"b", b"c") and out.transient == (b"b",)  # key order
-    assert out.untrusted_gpu_ids == {3, 4, 5, 6, 9}
-    assert out.promotion_failed == {b"b"}  # of the promoted keys only
-    assert out.measured == ((Medium.DISK, 10, 0.5), (Medium.CPU, 30, 0.1))
-
-
-def test_a_load_outcome_after_a_hop_raised_trusts_no_block_and_measures_nothing():
-    r = result("boom", CPU_TO_GPU, hops=[(CPU_TO_GPU, 100, 0.1)])
-    out = load_outcome(r, [b"a", b"b"], [False, False], gpu_ids=[1, 2], per_block=1,
-                       excluded=[b"b"])
-    assert out.failed == (b"b",) and out.transient == ()
-    assert out.untrusted_gpu_ids == {1, 2} and out.measured == ()
-    assert out.promotion_failed is None  # it promoted nothing: no joined load waits on it
-
-
-def test_hops_promote_then_copy_all_but_excluded():
-    hops = load_hops([b"a", b"b", b"c"], [5, 6, 7], [True, False, False],
-                     [1, 2, 3, 4, 8, 9], 2, excluded={b"b"})
-    assert hops == [(LoadStoreSpec.disk([b"a"]), LoadStoreSpec.cpu([5])),
-                    (LoadStoreSpec.cpu([5, 7]), LoadStoreSpec.gpu([1, 2, 8, 9]))]
-    assert load_hops([b"a"], [1], [False], [1], 1, excluded={b"a"}) == []
-    # nothing excluded: every key's pages, in order
-    assert load_hops([b"a", b"b"], [3, 4], [False, False], [7, 8, 9, 10], 2) == [
-        (LoadStoreSpec.cpu([3, 4]), LoadStoreSpec.gpu([7, 8, 9, 10]))]
-
-
-def test_a_whole_load_marks_its_engine_copy_whole_and_nothing_else():
-    """``whole`` (the forward waits for the whole load) reaches the copy into the engine's
-    pages, with or without exclusions; promotions into the CPU tier are not marked."""
-    for excluded in ((), {b"b"}):
-        hops = load_hops([b"a", b"b"], [3, 4], [True, False], [7, 8], 1, excluded=excluded,
-                         whole=True)
-        assert [dst.whole for _, dst in hops] == [False, True]
-        assert hops[-1][1] != LoadStoreSpec.gpu(hops[-1][1].ids)  # the flag is part of it
-    assert not load_hops([b"a"], [3], [False], [7], 1)[0][1].whole
+def test_a_promotion_whose_read_raised_fails_every_key_it_promoted():
+    keys = [b"a", b"b", b"c"]
+    for route in (DISK_TO_CPU, REMOTE_TO_CPU):
+        r = result("eio", route, failed=[b"b"], transient=[b"a", b"b", b"c"],
+                   nbytes=10, seconds=0.1)
+        out = promotion_outcome(r, keys)
+        assert out.failed == (b"a", b"b", b"c")  # nothing reached the CPU slots
+        assert out.transient == (b"a", b"b", b"c")
+        assert out.measured == ()
 
 
 class FlakyCpuToGpu(CpuToGpuHandler):
@@ -122,6 +107,15 @@ def flaky_bench(monkeypatch, tmp_path):
     rep.close()
 
 
+def settled(rep):
+    """Drain until no transfer is left: a drain's last pump may queue a demotion."""
+    for _ in range(20):
+        rep.drain()
+        if not rep._background and not rep._stores:
+            return
+    raise AssertionError("transfers kept coming")
+
+
 def request(ids):
     return TraceRequest(0.0, 512 * len(ids), 1, tuple(ids))
 
@@ -137,58 +131,96 @@ def test_bench_disk_hit_whose_gpu_copy_fails_keeps_its_disk_block(flaky_bench):
         rep.drain()
     assert rep.manager.usage()["CPU"]["capacity_blocks"] == 4
     rep.engine_cache.release(keys)
-    assert rep.manager.lookup(keys, sighting=False).tiers == (Medium.DISK,) * 4
+    disk, cpu = rep.manager.tier(Medium.DISK), rep.manager.tier(Medium.CPU)
+    assert all(disk.is_ready(k) for k in keys)
+    assert not any(cpu.is_ready(k) for k in keys)  # a disk hit: promoted, then loaded
 
     FlakyCpuToGpu.failing = True
     rep.run_request(request(a))
-    rep.drain()
+    settled(rep)
     FlakyCpuToGpu.failing = False
-    disk = rep.manager.tier(Medium.DISK)
     assert rep.result.failed_loads == 4  # recomputed: the engine's copies were not trusted
     assert rep.manager.stats.failed_loads == 0  # ... but no block was bad
     assert all(disk.is_ready(k) for k in keys), "an intact disk block was forgotten"
     assert sorted(rep.worker.store.keys_by_age()) == sorted(disk.entries), "disk record leaked"
+    assert all(cpu.is_ready(k) for k in keys), "the promotion's CPU copies were dropped"
 
     rep.engine_cache.release(keys)
     before = dict(rep.result.blocks)
     rep.run_request(request(a))  # the promotion's CPU copies were published: CPU hits
     assert rep.result.blocks["CPU"] - before["CPU"] == 4
+    assert rep.result.blocks.get("DISK", 0) == before.get("DISK", 0)
     assert rep.result.wrong_blocks == 0
 
 
+def test_bench_disk_hit_whose_record_is_unreadable_recomputes_and_forgets_it(flaky_bench):
+    """The DISK -> CPU promotion could not read one record: that key is failed and forgotten
+    (its CPU slot freed, its disk entry dropped); the blocks before it are loaded from the
+    CPU tier, the rest recomputed, nothing wrong reaches the engine."""
+    rep = flaky_bench
+    a = [1, 2, 3, 4]
+    keys = [block_key(h) for h in a]
+    rep.run_request(request(a))
+    rep.drain()
+    for first in (10, 20, 30):
+        rep.run_request(request(range(first, first + 4)))
+        rep.drain()
+    rep.engine_cache.release(keys)
+    disk = rep.manager.tier(Medium.DISK)
+    assert all(disk.is_ready(k) for k in keys)
+    entry = record_entry(rep.worker.store, keys[2])
+    with open(segment_path(rep.worker.store, entry.segment), "r+b") as f:
+        f.seek(entry.offset + entry.length - 64)
+        chunk = f.read(16)
+        f.seek(entry.offset + entry.length - 64)
+        f.write(bytes(x ^ 0xFF for x in chunk))  # its checksum no longer matches
+
+    before = dict(rep.result.blocks)
+    rep.run_request(request(a))
+    settled(rep)
+    assert rep.result.wrong_blocks == 0
+    assert rep.result.blocks.get("DISK", 0) - before.get("DISK", 0) == 2  # a[0], a[1]
+    # the unreadable record is gone (vLLM recomputed the block: it may be stored again, as a
+    # new record)
+    assert record_entry(rep.worker.store, keys[2]) != entry, "an unreadable record was kept"
+    assert rep.manager.stats.failed_loads == 1  # that record alone
+    assert all(disk.is_ready(k) for k in keys[:2] + keys[3:]), "an intact record was forgotten"
+    assert sorted(rep.worker.store.keys_by_age()) == sorted(disk.entries), "disk record leaked"
+
+
 def test_a_remote_reads_progress_points_are_samples_of_its_line():
-    """The points a shared-tier read reported on its way (bytes verified, seconds since it
-    started) feed the cost model beside the hop itself; points too small to measure a
-    bandwidth are left out, and a failed load teaches nothing."""
+    """The points a shared-tier promotion reported on its way (bytes verified, seconds since
+    it started) feed the cost model beside the read itself; points too small to measure a
+    bandwidth are left out, and a failed read teaches nothing."""
     from kvtier.manager.cost import MIN_SAMPLE_BYTES
 
-    remote = (Medium.REMOTE, Medium.CPU)
     mib = 1 << 20
-    hops = [(remote, 256 * mib, 0.0725), (CPU_TO_GPU, 256 * mib, 0.0067)]
-    progress = [(remote, 8 * mib, 0.041), (remote, 64 * mib, 0.048), (remote, 192 * mib, 0.063)]
+    progress = [(8 * mib, 0.041), (64 * mib, 0.048), (192 * mib, 0.063)]
     assert 8 * mib < MIN_SAMPLE_BYTES <= 64 * mib
-    ok = JobResult(1, True, None, (), 0, 0.0, CPU_TO_GPU, tuple(hops), progress=tuple(progress))
+    ok = JobResult(1, True, None, (), 256 * mib, 0.0725, REMOTE_TO_CPU, progress=tuple(progress))
     assert measured_hops(ok) == [(Medium.REMOTE, 256 * mib, 0.0725),
-                                 (Medium.CPU, 256 * mib, 0.0067),
                                  (Medium.REMOTE, 64 * mib, 0.048),
                                  (Medium.REMOTE, 192 * mib, 0.063)]
-    failed = JobResult(1, False, "gone", (), 0, 0.0, remote, tuple(hops[:1]),
+    assert promotion_outcome(ok, [b"a"]).measured == tuple(measured_hops(ok))
+    failed = JobResult(1, False, "gone", (), 256 * mib, 0.0725, REMOTE_TO_CPU,
                        progress=tuple(progress))
     assert measured_hops(failed) == []
+    # a load into the GPU measures its copy (the CPU tier's bandwidth) alone
+    copy = JobResult(1, True, None, (), 256 * mib, 0.0067, CPU_TO_GPU)
+    assert measured_hops(copy) == [(Medium.CPU, 256 * mib, 0.0067)]
+    assert measured_hops(JobResult(1, True, None, (), 0, 0.0, CPU_TO_GPU)) == []  # moved none
 
 
 def test_a_long_reads_progress_gives_two_samples_not_dozens():
     """A read reports dozens of points; the cost model forgets per sample, so keeping them all
     would let one job (a cold first one) outweigh the next several. Two are kept, a third and
-    two thirds of the way, beside the hop itself."""
+    two thirds of the way, beside the read itself."""
     from kvtier.runtime.load_job import PROGRESS_SAMPLES
 
-    remote = (Medium.REMOTE, Medium.CPU)
     mib = 1 << 20
-    progress = [(remote, 16 * mib * (i + 1), 0.01 * (i + 1)) for i in range(24)]
-    hops = [(remote, 384 * mib, 0.25), (CPU_TO_GPU, 384 * mib, 0.02)]
-    r = JobResult(1, True, None, (), 0, 0.0, CPU_TO_GPU, tuple(hops), progress=tuple(progress))
+    progress = [(16 * mib * (i + 1), 0.01 * (i + 1)) for i in range(24)]
+    r = JobResult(1, True, None, (), 384 * mib, 0.25, REMOTE_TO_CPU, progress=tuple(progress))
     got = measured_hops(r)
     assert PROGRESS_SAMPLES == 2
-    assert got == [(Medium.REMOTE, 384 * mib, 0.25), (Medium.CPU, 384 * mib, 0.02),
+    assert got == [(Medium.REMOTE, 384 * mib, 0.25),
                    (Medium.REMOTE, 16 * mib * 9, 0.09), (Medium.REMOTE, 16 * mib * 17, 0.17)]

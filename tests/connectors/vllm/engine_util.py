@@ -121,9 +121,12 @@ def scheduler_connector(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
-def record_loads(conn) -> list:
+def record_loads(conn, sources: list | None = None) -> list:
     """Wrap the scheduler side's load planning; the returned list fills with each planned load
-    job (which tier each block came from, how many blocks)."""
+    job (one CPU -> GPU copy: its blocks, their CPU slots). ``sources``, when given, fills
+    with the tokens of each planned load per tier they came from (``{"CPU": n, "DISK": n,
+    "REMOTE": n}``, nonzero ones: a block promoted from disk or the shared tier for the load
+    counts as that tier's), one dict per request whose load was planned, in order."""
     side = conn._sched
     loads: list = []
     original = side.plan_load
@@ -131,7 +134,10 @@ def record_loads(conn) -> list:
     def plan_load(request, blocks, n):
         before = len(side._step_loads)
         original(request, blocks, n)
-        loads.extend(side._step_loads[before:])
+        planned = side._step_loads[before:]
+        loads.extend(planned)
+        if sources is not None and planned:
+            sources.append({k: v for k, v in side.hit_sources(request).items() if v})
 
     side.plan_load = plan_load
     return loads

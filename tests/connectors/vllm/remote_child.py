@@ -40,14 +40,16 @@ def main() -> int:
         token_prompts = json.load(f)
     llm = eu.make_llm(model_dir, transfer_config(server))
     conn = eu.scheduler_connector(llm)
-    loads = eu.record_loads(conn)
+    sources: list = []  # tokens per tier of each load
+    loads = eu.record_loads(conn, sources)
     results = eu.generate(llm, token_prompts)
     eu.drain(llm)
     manager = conn._sched.manager
     out = {"results": results, "hit_blocks": dict(manager.stats.hit_blocks),
            "stored_blocks": dict(manager.stats.stored_blocks),
            "pending_lookups": manager.stats.remote_pending_lookups,
-           "remote_loads": [list(j.from_remote) for j in loads], "pins": manager.pins()}
+           "load_blocks": [len(j.keys) for j in loads], "load_sources": sources,
+           "pins": manager.pins()}
     with open(out_path, "w") as f:
         json.dump(out, f)
     llm.llm_engine.engine_core.shutdown()

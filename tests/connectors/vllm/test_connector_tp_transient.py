@@ -1,10 +1,11 @@
 """Tensor parallelism in vLLM: a read that failed transiently on one rank is deleted everywhere.
 
 Two workers (ranks), each with its own disk directory, under the real vLLM scheduler. Rank 1's
-read of one block fails with EIO. Its store keeps the record (EIO says nothing about the bytes;
-no corruption is counted), vLLM recomputes from that block, the scheduler counts the failure as
-transient, and the block's records are deleted on every rank at once: before, the index forgot
-the block while both ranks kept their records until the next start-up, over capacity.
+read of one block (its promotion into CPU memory) fails with EIO. Its store keeps the record
+(EIO says nothing about the bytes; no corruption is counted), the promotion fails the block,
+the hit ends before it and vLLM computes it, the scheduler counts the failure as transient,
+and the block's records are deleted on every rank at once: before, the index forgot the block
+while both ranks kept their records until the next start-up, over capacity.
 """
 
 from __future__ import annotations
@@ -50,8 +51,17 @@ def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(model_dir, 
         settle(rig)  # until the DROP ran
         files.pread = real_pread
         records = rig.loop.history[start:]
+        # rank 1's promotion could not read the block: it reported it failed, transiently;
+        # the hit then ends before it and vLLM computes it (the load read good CPU copies)
+        reports = [r.kv_output.kv_connector_worker_meta for r in records
+                   if r.kv_output and r.kv_output.kv_connector_worker_meta]
+        assert [k for w in reports for ks in w.failed.values() for k in ks] == [bad]
+        assert [k for w in reports for ks in w.transient.values() for k in ks] == [bad]
+        (load,) = [j for r in records for j in r.scheduler_output.kv_connector_metadata.loads]
+        assert load.keys == tuple(keys[:3])
         invalid = set().union(*(r.kv_output.invalid_block_ids for r in records if r.kv_output))
-        assert len(invalid) == 1  # the block rank 1 could not read: recomputed
+        assert invalid == set()
+        assert rig.loop.prefill[b.request_id] == (0, 3 * BS)  # recomputed from the bad block
         assert bad_checks(rig) == [] and rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
         assert m.stats.failed_loads == m.stats.failed_loads_transient == 1
         st = stores[1].stats()

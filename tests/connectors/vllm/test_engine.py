@@ -37,9 +37,10 @@ def _swap_cpu_slots(tier, a, b) -> None:
 
 
 def _disk_only(manager, keys) -> bool:
-    from kvtier.manager.specs import Medium
-
-    return manager.lookup(keys).tiers == (Medium.DISK,) * len(keys)
+    """Every key on disk and none in CPU memory, read from the tier indexes (a lookup would
+    start promoting them)."""
+    cpu, disk = manager.tier(Medium.CPU), manager.tier(Medium.DISK)
+    return all(disk.is_ready(k) and k not in cpu for k in keys)
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +57,22 @@ def runs(tmp_path_factory):
 
     llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=64))  # (b) CPU tier only
     conn = eu.scheduler_connector(llm)
-    loads = eu.record_loads(conn)
+    sources: list = []
+    loads = eu.record_loads(conn, sources)
     out["cpu_first"] = eu.generate(llm, ps)
     eu.drain(llm)
     llm.reset_prefix_cache()
     out["cpu_hit"] = eu.generate(llm, ps)
-    out["cpu_loads"] = [(j.from_disk, j.joined) for j in loads]
+    out["cpu_loads"] = [len(j.keys) for j in loads]
+    out["cpu_sources"] = list(sources)
     eu.shutdown(llm)
 
     # (c) 16-block CPU tier in front of a disk tier; fillers push the prompts' blocks out
     llm = eu.make_llm(model, eu.kvtier_transfer_config(cpu_blocks=16, disk_dir=disk))
     conn = eu.scheduler_connector(llm)
     manager = conn._sched.manager
-    loads = eu.record_loads(conn)
+    sources = []
+    loads = eu.record_loads(conn, sources)
     eu.generate(llm, ps)
     eu.drain(llm)
     keys = [k for p in ps for k in _block_keys(p, 3)]
@@ -79,10 +83,14 @@ def runs(tmp_path_factory):
         eu.drain(llm)
     out["disk_only_before"] = _disk_only(manager, keys)
     llm.reset_prefix_cache()
-    del loads[:]
+    del loads[:], sources[:]
+    disk_hits = manager.stats.hit_blocks["DISK"]
     out["disk_hit"] = eu.generate(llm, ps)
     eu.drain(llm)
-    out["disk_loads"] = [(j.from_disk, j.joined) for j in loads]
+    out["disk_loads"] = [len(j.keys) for j in loads]
+    out["disk_sources"] = list(sources)
+    out["disk_hit_blocks"] = manager.stats.hit_blocks["DISK"] - disk_hits
+    out["promoted"] = all(manager.tier(Medium.CPU).is_ready(k) for k in keys)
 
     # negative control: the CPU copies of two blocks (now promoted) swap places
     a, b = keys[1], keys[3 + 1]
@@ -121,16 +129,19 @@ def test_cpu_tier_hits_match_no_kvtier(runs):
     assert [r["cached"] for r in runs["cpu_first"]] == [0] * N_PROMPTS
     assert eu.mismatch(runs["base"], runs["cpu_first"]) is None
     assert [r["cached"] for r in runs["cpu_hit"]] == [HIT] * N_PROMPTS
-    assert len(runs["cpu_loads"]) == N_PROMPTS
-    assert not any(any(fd) for fd, _ in runs["cpu_loads"])  # all from CPU
+    assert runs["cpu_loads"] == [3] * N_PROMPTS
+    assert runs["cpu_sources"] == [{"CPU": HIT}] * N_PROMPTS  # all from CPU
     assert eu.mismatch(runs["base"], runs["cpu_hit"]) is None
 
 
 def test_disk_tier_hits_match_no_kvtier(runs):
     assert runs["disk_only_before"], "the prompts' blocks should have left the CPU tier"
     assert [r["cached"] for r in runs["disk_hit"]] == [HIT] * N_PROMPTS
-    assert len(runs["disk_loads"]) == N_PROMPTS
-    assert all(all(fd) for fd, _ in runs["disk_loads"])  # every block came from disk
+    # every block came from disk: promoted into CPU memory, then loaded from there
+    assert runs["disk_loads"] == [3] * N_PROMPTS
+    assert runs["disk_sources"] == [{"DISK": HIT}] * N_PROMPTS
+    assert runs["disk_hit_blocks"] == N_PROMPTS * 3
+    assert runs["promoted"]
     assert eu.mismatch(runs["base"], runs["disk_hit"]) is None
 
 

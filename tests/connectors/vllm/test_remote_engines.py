@@ -63,7 +63,9 @@ def test_second_engine_serves_the_first_ones_prefixes_from_the_shared_tier(tmp_p
     assert first["stored_blocks"]["REMOTE"] == N_PROMPTS * 3 == sum(held)
     assert [r["cached"] for r in second["results"]] == [HIT] * N_PROMPTS
     assert second["hit_blocks"]["REMOTE"] == N_PROMPTS * 3
-    assert all(all(r) and len(r) == 3 for r in second["remote_loads"])
+    # every block of every load was promoted from the shared tier, then copied from CPU
+    assert second["load_blocks"] == [3] * N_PROMPTS
+    assert second["load_sources"] == [{"REMOTE": HIT}] * N_PROMPTS
     assert second["pending_lookups"] > 0  # it said "not yet" instead of blocking the step
     # the timeline shows when each wait for the server's answer began and when it ended
     waits = [m for m in second["marks"] if m["ev"] == "lookup_pending"]
