@@ -182,9 +182,9 @@ DEFAULT_CAPACITY_SHARES = (0.05, 0.2, 0.5)
 
 
 def default_capacities(trace: Sequence[TraceRequest]) -> list[int]:
-    """5, 20 and 50 % of the trace's distinct blocks (two significant digits). Fixed defaults
-    (1000, 4000, 16000) held the whole bundled sample (1,984 blocks) at every size, so every
-    policy printed the same rows; shares of the trace differ on any trace."""
+    """5, 20 and 50 % of the trace's distinct blocks (two significant digits). Fixed sizes
+    can hold a small trace whole at every size, and then every policy prints the same rows;
+    shares of the trace tell policies apart on any trace."""
     distinct = len({h for r in trace for h in r.hash_ids})
     out = []
     for share in DEFAULT_CAPACITY_SHARES:

@@ -1,7 +1,7 @@
 """``kvtier bench``: replay a trace through the real manager, transfer engine and tiers.
 
 torch is imported only when a replay actually moves bytes (``kvtier.bench.replay`` is imported
-inside ``bench``): importing it costs 4-5 s, which ``--help``, ``--compare`` and every other
+inside ``bench``): importing it takes seconds, which ``--help``, ``--compare`` and every other
 command must not pay."""
 
 from __future__ import annotations

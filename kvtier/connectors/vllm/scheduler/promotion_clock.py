@@ -3,8 +3,8 @@
 Why: the cost model used to learn a disk hit's cost from the worker's DISK -> CPU hop alone
 (the seconds the read took). A request whose hit is promoted asynchronously waits longer than
 that: for engine steps to see the read finish, then for the step that loads it into the GPU.
-In real vLLM, disk hits whose reads were fast were loaded and still took longer than
-recomputing them: the hop said "fast", the request said "slower" (figures:
+So disk hits whose reads are fast get loaded and still take longer than recomputing them:
+the hop says "fast", the request says "slower" (figures:
 docs/design-measurements.md). So the scheduler times each of its own promotions from planning to settling; the
 hops keep teaching the tier's bandwidth (a wall time would fold a fixed wait into it, and a
 1k hit's wait then made 8k hits look slower than they are), and the time beyond the hops
