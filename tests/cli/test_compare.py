@@ -103,7 +103,7 @@ def test_cli_compare_json_and_table(generated_trace):
     args = ["--compare", "--trace", generated_trace("zipf", 200), "--capacity-blocks", "60,300"]
     out = run(*args, "--json", "--policies", "arc")
     assert out.exit_code == 0, out.output
-    doc = json.loads(out.output)
+    doc = json.loads(out.stdout)
     rows = {(r["capacity"], r["policy"]): r for r in doc["rows"]}
     assert set(rows) == {(c, p) for c in (60, 300) for p in ("lru", "arc", "belady", "belady-skip")}
     lru, bel = rows[(60, "lru")], rows[(60, "belady")]
@@ -120,7 +120,7 @@ def test_cli_hints_come_from_the_trace_files_continues_flags(generated_trace):
     out = run("--compare", "--trace", path, "--capacity-blocks", "1500", "--policies",
               "lru+hints", "--json")
     assert out.exit_code == 0, out.output
-    rows = {r["policy"]: r for r in json.loads(out.output)["rows"]}
+    rows = {r["policy"]: r for r in json.loads(out.stdout)["rows"]}
     in_memory = replay(generate("multiturn", 800, seed=5), 1500, "lru+hints")
     assert rows["lru+hints"]["hit_blocks"] == in_memory.hit_blocks
     assert rows["lru+hints"]["hit_blocks"] > rows["lru"]["hit_blocks"]  # the flags were read

@@ -27,7 +27,7 @@ def bench(*args: str) -> dict:
     res = CliRunner().invoke(main, ["bench", "--json", "--limit", "40", "--block-kib", "64",
                                     *args])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def test_bench_json_reports_remote_blocks(tmp_path, valkey):
