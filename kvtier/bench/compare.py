@@ -1,17 +1,16 @@
 """``kvtier bench --compare``: placement policies replayed through the real manager.
 
-``policy_sim`` drives the eviction/admission plug-ins directly; this module drives the
-``TieredOffloadingManager`` itself (CPU tier only, capacity in trace blocks) the way a connector
-does, so what it reports is what the manager would do in production (its per-tier admission,
-touch order and stop-at-the-first-refused-block rule included). No bytes move: every
-``prepare_*`` is completed at once, so a 4,000-request trace replays in about a second per
-policy and capacity.
+This module drives the ``TieredOffloadingManager`` itself (CPU tier only, capacity in trace
+blocks) the way a connector does, so what it reports is what the manager would do in
+production (its per-tier admission, touch order and stop-at-the-first-refused-block rule
+included). No bytes move: every
+``prepare_*`` is completed at once, so a long trace replays per policy and capacity without
+a GPU, disk or server.
 
 Per request (prefix semantics, one sighting per request): ``lookup`` of all the request's
 blocks, ``prepare_load`` of the hits, ``prepare_store`` of the rest while the hits are still
-pinned (as the simulator pins them), then both completions. Belady's offline optimum is computed
-in the same run as the upper bound; the table is ``policy_sim.format_table``'s, so the two tools
-print comparable rows, and a test asserts that both give the same numbers for the same spec.
+pinned, then both completions. Belady's offline optimum is computed in the same run as the
+upper bound, and an unbounded cache as the ceiling of every policy.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from kvtier.bench import policy_sim
-from kvtier.bench.policy_sim import HINTS, SimResult, gap_closed, parse_spec
+from kvtier.bench.belady import belady
+from kvtier.bench.sim_result import SimResult
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.manager.admission import admission_names, make_admission
 from kvtier.manager.hints import KEEP, ONE_OFF, RetentionHint
@@ -29,7 +28,15 @@ from kvtier.manager.specs import Medium, RequestContext
 from kvtier.manager.tiered import TieredOffloadingManager
 
 DEFAULT_POLICIES = ("lru", "arc", "lru+reuse_gate", "arc+reuse_gate")
-THRESHOLD = 2  # what ``+threshold`` means here: store on the second sighting (as policy_sim)
+THRESHOLD = 2  # what ``+threshold`` means here: store on the second sighting
+HINTS = "+hints"
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``"eviction[+admission][+hints]"`` -> names; admission defaults to ``all``."""
+    spec = spec.removesuffix(HINTS)
+    eviction, _, admission = spec.partition("+")
+    return eviction.strip(), (admission.strip() or "all")
 
 
 def build(capacity: int, spec: str) -> TieredOffloadingManager:
@@ -90,11 +97,48 @@ def replay(trace: Sequence[TraceRequest], capacity: int, spec: str = "lru") -> S
 
 def compare(
     trace: Sequence[TraceRequest], capacities: Sequence[int], specs: Sequence[str],
-    with_belady: bool = True,
+    with_belady: bool = True, run=None,
 ) -> list[SimResult]:
-    """Every spec at every capacity through the manager (LRU always included, first), then
-    Belady (writes every miss) and Belady that skips writes never reused (same hits)."""
-    return policy_sim.compare(trace, capacities, specs, with_belady, run=replay)
+    """Every spec at every capacity (LRU always included, first), then Belady (writes every
+    miss) and Belady that skips writes never reused (same hits). ``run(trace, capacity,
+    spec) -> SimResult`` replays one spec (default: the real manager, :func:`replay`)."""
+    run = run or replay
+    specs = ["lru"] + [s for s in dict.fromkeys(specs) if s != "lru"]
+    out: list[SimResult] = []
+    for c in capacities:
+        for spec in specs:
+            out.append(run(trace, c, spec))
+        if with_belady:
+            out.append(belady(trace, c, skip_unused=False))
+            out.append(belady(trace, c, skip_unused=True))
+    return out
+
+
+def infinite(trace: Sequence[TraceRequest]) -> SimResult:
+    """Hit rate of an unbounded cache (the ceiling of every policy)."""
+    seen: set[int] = set()
+    res = SimResult("infinite", 0)
+    for req in trace:
+        keys = req.hash_ids
+        k = 0
+        while k < len(keys) and keys[k] in seen:
+            res.hit_tokens += req.block_tokens(k)
+            k += 1
+        res.hit_blocks += k
+        res.blocks += len(keys)
+        res.tokens += req.input_length
+        res.written += sum(1 for key in keys[k:] if key not in seen)
+        seen.update(keys)
+    return res
+
+
+MIN_GAP = 0.001  # below 0.1 point LRU is as good as Belady: a share of that gap means nothing
+
+
+def gap_closed(res: SimResult, lru: SimResult, best: SimResult) -> float | None:
+    """Share of the LRU -> Belady hit-rate gap that ``res`` closes (None if there is no gap)."""
+    gap = best.hit_rate - lru.hit_rate
+    return None if gap < MIN_GAP else (res.hit_rate - lru.hit_rate) / gap
 
 
 def as_rows(results: Sequence[SimResult]) -> list[dict]:
@@ -139,9 +183,9 @@ DEFAULT_CAPACITY_SHARES = (0.05, 0.2, 0.5)
 
 
 def default_capacities(trace: Sequence[TraceRequest]) -> list[int]:
-    """5, 20 and 50 % of the trace's distinct blocks (two significant digits). Fixed defaults
-    (1000, 4000, 16000) held the whole bundled sample (1,984 blocks) at every size, so every
-    policy printed the same rows; shares of the trace differ on any trace."""
+    """5, 20 and 50 % of the trace's distinct blocks (two significant digits). Fixed sizes
+    can hold a small trace whole at every size, and then every policy prints the same rows;
+    shares of the trace tell policies apart on any trace."""
     distinct = len({h for r in trace for h in r.hash_ids})
     out = []
     for share in DEFAULT_CAPACITY_SHARES:

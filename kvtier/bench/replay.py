@@ -23,12 +23,11 @@ import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 import xxhash
 
-from kvtier.bench.step_timer import SchedulerCallTimer
 from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.config import KvtierConfig
 from kvtier.observe.events import EventPublisher, ManagerFeed, MetadataCache
@@ -45,6 +44,21 @@ from kvtier.tiers.remote.presence import open_remote_directory
 
 BENCH_LAYERS = 4
 TIERS = ("GPU", "CPU", "DISK", "REMOTE")  # where a block's hit came from
+T = TypeVar("T")
+
+
+class CallTimer(Protocol):
+    """Times the calls the simulated scheduler thread makes into the manager (a scheduler
+    step must never wait on a tier); a benchmark passes one, the CLI runs the calls as they
+    are."""
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+def _untimed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    return fn(*args, **kwargs)
 
 
 def bench_geometry(block_bytes: int) -> BlockGeometry:
@@ -136,7 +150,7 @@ class EngineCache:
 
 class Replay:
     def __init__(self, config: KvtierConfig, block_bytes: int, gpu_blocks: int,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, call_timer: CallTimer | None = None) -> None:
         self.overlap = overlap
         self.geometry = bench_geometry(block_bytes)
         g = self.geometry
@@ -152,8 +166,8 @@ class Replay:
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
                                      g.block_bytes, self.worker.disk_keys(), remote=self.remote)
         self.lookup_wait_s = 0.0  # time lookups answered "not yet" (presence, promotions)
-        # every lookup / prepare_load call of the simulated scheduler thread, timed
-        self.scheduler_calls = SchedulerCallTimer()
+        self.call_timer = call_timer
+        self._scheduler_call = call_timer.call if call_timer is not None else _untimed
         self.engine_cache = EngineCache(gpu_blocks)
         self.result = BenchResult()
         self._stores: dict[int, tuple[tuple[bytes, ...], list[int]]] = {}
@@ -183,7 +197,8 @@ class Replay:
         if self.worker.remote is not None:
             out["remote"] = {**self.worker.remote.stats().to_dict(),
                              "lookup_wait_s": round(self.lookup_wait_s, 4)}
-        out["scheduler_calls"] = self.scheduler_calls.summary()
+        if self.call_timer is not None:
+            out["scheduler_calls"] = self.call_timer.summary()
         return out
 
     def live_stats(self) -> dict:
@@ -267,7 +282,7 @@ class Replay:
         first = None
         while True:
             t0 = time.perf_counter()
-            found = self.scheduler_calls.call(self.manager.lookup, keys, sighting=first is None)
+            found = self._scheduler_call(self.manager.lookup, keys, sighting=first is None)
             now = time.perf_counter()
             if not found.pending:
                 if first is not None:
@@ -285,7 +300,7 @@ class Replay:
         loaded = 0
         if rest:
             hits = self._lookup(rest)
-            plan = (self.scheduler_calls.call(self.manager.prepare_load, rest[:hits])
+            plan = (self._scheduler_call(self.manager.prepare_load, rest[:hits])
                     if hits else None)
             if plan is not None and plan.keys:
                 ids = self._allocate(plan.keys)

@@ -5,23 +5,18 @@ vLLM processes would have) replay the two halves of a trace, request by request 
 against one shared tier; one instance with twice the CPU capacity and the same shared tier
 replays the whole trace as the baseline. Each run writes under its own fresh namespace, so
 neither sees the other's blocks. Reported: both hit rates and their ratio (how much of a
-single big instance's reuse two sharing instances keep), the second instance's REMOTE hits,
-and the shared tier's load/store GB/s as a share of the host's raw ceiling measured in the same
-run (``remote_bandwidth.tier_vs_ceiling``: the tier's real data path against plain client
-processes doing pipelined GET/SET of values of the same size, alternated).
+single big instance's reuse two sharing instances keep), the second instance's REMOTE hits
+and the load/store GB/s the replay's REMOTE hops saw.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from dataclasses import replace
 from typing import Sequence
 
-from kvtier.bench.remote_bandwidth import tier_vs_ceiling
-from kvtier.bench.replay import Replay
-from kvtier.bench.step_timer import SchedulerCallTimer
+from kvtier.bench.replay import CallTimer, Replay
 from kvtier.bench.trace import TraceRequest
 from kvtier.config import KvtierConfig
 
@@ -45,11 +40,14 @@ def _gbps(report: dict, route: str) -> float:
 
 
 def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes: int,
-               gpu_blocks: int) -> dict:
+               gpu_blocks: int, call_timer: CallTimer | None = None) -> dict:
+    """``call_timer``: times the scheduler-side calls of both sharing instances (one thread
+    runs both, so one timer holds them all); its summary is then in the report."""
     if config.remote is None:
         raise ValueError("--shared needs tiers.remote in the config")
     shared_cfg = _with_namespace(config)
-    a, b = Replay(shared_cfg, block_bytes, gpu_blocks), Replay(shared_cfg, block_bytes, gpu_blocks)
+    a, b = (Replay(shared_cfg, block_bytes, gpu_blocks, call_timer=call_timer)
+            for _ in range(2))
     start = time.perf_counter()
     try:
         for i, req in enumerate(trace):
@@ -58,7 +56,6 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
         a.drain(), b.drain()
         seconds = time.perf_counter() - start
         ra, rb = a.report(), b.report()
-        calls = SchedulerCallTimer.merged(a.scheduler_calls, b.scheduler_calls).summary()
     finally:
         a.close(), b.close()
     single = Replay(_with_namespace(config, cpu_factor=2), block_bytes, gpu_blocks)
@@ -69,9 +66,7 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
         single.close()
     blocks = {k: ra["blocks"][k] + rb["blocks"][k] for k in ra["blocks"]}
     shared_rate, single_rate = _hit_rate(blocks), _hit_rate(rs["blocks"])
-    bandwidth = tier_vs_ceiling(config, block_bytes, clients=max(2, (os.cpu_count() or 2) // 2),
-                                total_bytes=64 << 20, repeats=3)
-    return {
+    out = {
         "requests": len(trace), "block_bytes": block_bytes, "seconds": round(seconds, 3),
         "shared": {"blocks": blocks, "hit_rate": round(shared_rate, 4),
                    "instances": [{"blocks": r["blocks"], "wrong_blocks": r["wrong_blocks"],
@@ -85,8 +80,7 @@ def run_shared(config: KvtierConfig, trace: Sequence[TraceRequest], block_bytes:
         # GB/s the replay's REMOTE hops saw (busy time; competing with the replay itself)
         "replay_remote_gbps": {"load": max(_gbps(r, "REMOTE->CPU") for r in (ra, rb)),
                                "store": max(_gbps(r, "CPU->REMOTE") for r in (ra, rb))},
-        "bandwidth": bandwidth,  # tier vs the raw ceiling, isolated, same run
-        "bandwidth_share": bandwidth["share"],
-        # the scheduler thread's lookup + prepare_load calls of both instances
-        "scheduler_calls": calls,
     }
+    if call_timer is not None:
+        out["scheduler_calls"] = call_timer.summary()
+    return out

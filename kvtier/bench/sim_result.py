@@ -1,7 +1,7 @@
-"""What one offline replay of a trace measured (:mod:`policy_sim`, :mod:`belady`, :mod:`compare`).
+"""What one offline replay of a trace measured (:mod:`belady`, :mod:`compare`).
 
-Its own module so that the optimal bound (belady.py) and the simulator that runs it beside the
-plug-ins (policy_sim.py) can both build one without importing each other.
+Its own module so that the optimal bound (belady.py) and the comparison that runs it beside the
+real manager (compare.py) can both build one without importing each other.
 """
 
 from __future__ import annotations

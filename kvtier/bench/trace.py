@@ -37,8 +37,9 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
-    # What a router may know (generated traces only; never needed to replay): the conversation
-    # this request belongs to, and whether it will send another turn.
+    # What a router may know (never needed to replay): the conversation this request belongs
+    # to, and whether it will send another turn (read from a line's optional "continues",
+    # which ``--compare``'s ``+hints`` passes on as retention hints).
     session: int | None = None
     continues: bool | None = None
 
@@ -98,7 +99,12 @@ def parse_line(line: str, where: str) -> TraceRequest | None:
             f"{where}: {len(hash_ids)} hash_ids for input_length {input_length} "
             f"(at most {max_blocks} blocks of {TRACE_BLOCK_TOKENS} tokens)"
         )
-    return TraceRequest(float(ts), input_length, output_length, tuple(hash_ids))
+    continues = obj.get("continues")
+    if continues is not None and not isinstance(continues, bool):
+        raise TraceError(f"{where}: field 'continues' must be true or false, got "
+                         f"{_show(continues)}")
+    return TraceRequest(float(ts), input_length, output_length, tuple(hash_ids),
+                        continues=continues)
 
 
 def iter_trace(path: str | Path) -> Iterator[TraceRequest]:

@@ -1,7 +1,7 @@
 """``kvtier bench``: replay a trace through the real manager, transfer engine and tiers.
 
 torch is imported only when a replay actually moves bytes (``kvtier.bench.replay`` is imported
-inside ``bench``): importing it costs 4-5 s, which ``--help``, ``--compare`` and every other
+inside ``bench``): importing it takes seconds, which ``--help``, ``--compare`` and every other
 command must not pay."""
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from rich.table import Table
 
 from kvtier.bench.compare import DEFAULT_POLICIES
 from kvtier.bench.trace import load_trace
-from kvtier.bench.trace_gen import SHAPES, generate
 from kvtier.cli import compare_table, terminal
 from kvtier.cli.errors import EXIT_USAGE, user_errors
 from kvtier.cli.inputs import load_config_file, regular_file
@@ -118,9 +117,7 @@ def _int_list(ctx, param, value):
 
 def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool) -> None:
     """``--compare``: the policy table (real manager per policy, Belady, infinite cache)."""
-    from kvtier.bench import policy_sim
-    from kvtier.bench.compare import as_rows, check_specs, replay
-    from kvtier.bench.policy_sim import infinite
+    from kvtier.bench.compare import as_rows, check_specs, compare, infinite, replay
 
     try:
         specs = check_specs(policies.split(","))
@@ -138,7 +135,7 @@ def run_compare(trace, trace_name: str, capacities, policies: str, as_json: bool
             done += 1
             return result
 
-        results = policy_sim.compare(trace, capacities, specs, run=run_one)
+        results = compare(trace, capacities, specs, run=run_one)
         ceiling = infinite(trace)
     seconds = time.perf_counter() - t0
     blocks = sum(len(r.hash_ids) for r in trace)
@@ -177,7 +174,6 @@ def _fail(message: str) -> None:
 MODE_OPTIONS = (
     # (options, when they apply, what to say when given elsewhere)
     (("capacity_blocks", "policies"), lambda p: p["do_compare"], "used only with --compare"),
-    (("seed", "n_requests"), lambda p: p["shape"] is not None, "used only with --shape"),
     (("config_path", "gpu_blocks", "block_kib", "overlap", "do_shared"),
      lambda p: not p["do_compare"],
      "not used by --compare (it replays the manager alone: no bytes, no config)"),
@@ -199,11 +195,6 @@ def refuse_unused_options(ctx: click.Context) -> None:
 @click.command()
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Mooncake-format JSONL trace (default: a small bundled sample).")
-@click.option("--shape", type=click.Choice(SHAPES),
-              help="Replay a generated trace of this shape instead of --trace.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --shape.")
-@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=4000,
-              show_default=True, help="Requests of --shape.")
 @click.option("--compare", "do_compare", is_flag=True,
               help="Compare placement policies instead: replay the trace through the manager "
                    "(CPU tier, no bytes) once per policy and capacity, with Belady's optimum.")
@@ -212,8 +203,7 @@ def refuse_unused_options(ctx: click.Context) -> None:
                    "the trace's distinct blocks).")
 @click.option("--policies", default=",".join(DEFAULT_POLICIES), show_default=True,
               help="--compare: eviction[+admission][+hints] specs (lru is always run); +hints "
-                   "passes the trace's 'continues' flags (--shape multiturn) as a router's "
-                   "retention hints.")
+                   "passes the trace's 'continues' flags as a router's retention hints.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
               help="kvtier YAML (default: 16MiB CPU tier + 96MiB zstd disk tier in a temp dir).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -230,10 +220,10 @@ def refuse_unused_options(ctx: click.Context) -> None:
 @click.option("--shared", "do_shared", is_flag=True,
               help="Shared tier (needs tiers.remote in --config): two instances replay the "
                    "trace's halves against one Redis/Valkey tier, vs one instance with twice "
-                   "the CPU capacity; plus the tier's GB/s vs a raw redis-py client's.")
+                   "the CPU capacity.")
 @user_errors
 @click.pass_context
-def bench(ctx, trace_path, shape, seed, n_requests, do_compare, capacity_blocks, policies, config_path,
+def bench(ctx, trace_path, do_compare, capacity_blocks, policies, config_path,
           as_json, limit, block_kib, gpu_blocks, overlap, do_shared):
     """Replay a request trace through kvtier's manager, transfer workers and tiers.
 
@@ -247,18 +237,12 @@ def bench(ctx, trace_path, shape, seed, n_requests, do_compare, capacity_blocks,
 
     With --shared: the cross-instance report of the shared tier (one JSON object).
     """
-    if shape and trace_path:
-        raise click.UsageError("give --trace or --shape, not both")
     refuse_unused_options(ctx)
     config = load_config_file(config_path) if config_path else None  # before any slow import
     if trace_path is not None:
         regular_file(trace_path, "--trace")
-    if shape:
-        trace = generate(shape, n_requests, seed)[:limit]
-        trace_name = f"generated {shape} (seed {seed})"
-    else:
-        trace = load_trace(trace_path, limit)
-        trace_name = str(trace_path) if trace_path else "<bundled sample>"
+    trace = load_trace(trace_path, limit)
+    trace_name = str(trace_path) if trace_path else "<bundled sample>"
     if do_compare:
         from kvtier.bench.compare import default_capacities
 

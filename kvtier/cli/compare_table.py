@@ -1,9 +1,8 @@
 """The ``bench --compare`` table as a terminal shows it: markdown (pastable into notes and
 issues) that fits 80 columns.
 
-``policy_sim.format_table`` is the benchmarks' table, with long headers ("gap closed",
-"writes vs LRU": 86 columns); here the headers are one word each and the intro above the
-table, wrapped at 80, says what each one means.
+The headers are one word each (spelled out, "gap closed" and "writes vs LRU" take 86
+columns); the intro above the table, wrapped at 80, says what each one means.
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ from __future__ import annotations
 import textwrap
 from typing import Sequence
 
-from kvtier.bench.policy_sim import SimResult, gap_closed
+from kvtier.bench.compare import gap_closed
+from kvtier.bench.sim_result import SimResult
 
 WIDTH = 80
 HEADER = "| C | policy | block hit | token hit | written | wasted | gap | writes |"

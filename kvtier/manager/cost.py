@@ -16,8 +16,8 @@ prefix, so the choice is where to cut it: the cut that maximises the time saved 
 block is still worth loading when enough fast CPU blocks follow it). An unmeasured tier gets an
 optimistic prior so that it is tried, and therefore measured. Loads under ``MIN_SAMPLE_BYTES``
 teach no bandwidth: their time is the job's fixed cost (enqueue, events, a reader thread), not
-bytes over a bus (in real vLLM, one small first hit taught the model a CPU tier slower than
-recompute, and every later long CPU hit was recomputed). They teach that fixed cost instead,
+bytes over a bus (one small first hit would teach the model a CPU tier slower than recompute,
+and every later long CPU hit would be recomputed). They teach that fixed cost instead,
 charged once per tier a lookup loads from: a one-block disk hit (whose time to first token
 exceeds recomputing its tokens) is then recomputed, while a long one still pays. A tier found too slow is still probed
 once every ``probe_every`` cut lookups, so a disk that was slow under contention gets measured
@@ -26,8 +26,8 @@ again instead of being shunned forever.
 A hop's time is not bytes over a bandwidth alone: a promotion from the shared tier pays a
 per-job latency (requests handed to the I/O processes, the slowest share's round trips) before
 its bytes stream. Read as a bandwidth, one small first hit makes every larger hit look as slow
-per byte (in real vLLM a 256 MiB REMOTE promotion moved at 4.6 GB/s and the model declined the
-8k and 32k hits that later moved at 16 GB/s; figures: docs/design-measurements.md). So each
+per byte, and the model declines larger hits that would move several times faster (figures:
+docs/design-measurements.md). So each
 tier fits its hops as ``latency + bytes / bandwidth`` once it has seen loads of different
 sizes, and a declined hit at least twice the largest load it measured is loaded once anyway
 (an *exploration*) when the pessimistic estimate loses no more than ``EXPLORE_MAX_LOSS`` of the
@@ -197,8 +197,8 @@ class LoadCostModel:
         """A promotion out of ``medium`` that the request waited ``seconds`` for, planning to
         settling (the manager times its own promotions). The hops teach the bandwidths; the time
         beyond them (engine steps until the read is seen, the step that loads it) is the
-        tier's fixed cost per load: in real vLLM, the hops' bandwidth alone made small-model
-        disk hits look cheaper than recompute while requests waited longer (figures:
+        tier's fixed cost per load: the hops' bandwidth alone makes small-model disk hits look
+        cheaper than recompute while requests wait longer (figures:
         docs/design-measurements.md)."""
         medium = Medium(medium)
         bw = self.bandwidth.get(medium)

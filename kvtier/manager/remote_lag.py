@@ -5,9 +5,9 @@ CPU tier evicts it first, or the backlog overflows, it never reaches the shared 
 other instance recomputes it. ``remote_writes_skipped`` counts those blocks, but a counter
 does not tell an operator why sharing stopped paying: one server accepts a few GB/s of SETs,
 and instances that produce KV faster (long turns, high load) outrun it
-(benchmarks/results/vllm_remote_NVIDIA-H200.md, "Stores in byte-sized rounds"). So the first
-such loss, and then at most one per ``interval_s``, logs the window's blocks lost and written
-and what lets the tier keep up.
+(docs/design-measurements.md). So the first such loss, and
+then at most one per ``interval_s``, logs the window's blocks lost and written and what lets
+the tier keep up.
 """
 
 from __future__ import annotations

@@ -96,8 +96,8 @@ class TieredOffloadingManager(OffloadingManager):
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
         self._cost_measured = False  # the cost model was made from measured recompute times
         # loads timed before the first recompute measurement made the model: replayed into it
-        # (in real vLLM a fresh instance's first REMOTE promotion came before any large
-        # forward; forgetting it let the next REMOTE hit load at the optimistic prior)
+        # (a fresh instance's first REMOTE promotion can come before any large forward;
+        # forgetting it would let the next REMOTE hit load at the optimistic prior)
         self._early_loads: deque[tuple[bool, Medium, int, float]] = deque(maxlen=EARLY_LOADS)
         self.stats = ManagerStats()
         self.events = EventBus()
@@ -390,7 +390,7 @@ class TieredOffloadingManager(OffloadingManager):
         it on every rank). With tensor parallelism a read can fail on one rank only (a
         corrupt record, which that rank's store dropped; or a transient error, EIO or EMFILE,
         after which the store kept an intact record): the other ranks' slices, unindexed from
-        now on, would sit on disk over capacity until the next start-up (issue 14.5)."""
+        now on, would sit on disk over capacity until the next start-up."""
         d = self.disk.get(key) if self.disk is not None else None
         if d is None or d.readers <= 0:
             self.stats.protocol_errors += 1

@@ -3,17 +3,16 @@
 Off unless ``KVTIER_TIMELINE`` names a file. Then both halves record one mark per event:
 ``{"t": seconds, "pid": ..., "who": "sched" | "worker", "ev": name, ...fields}``. ``t`` is
 ``time.monotonic()``, a clock every process on the host shares, so the scheduler's lines, the
-workers' lines and a benchmark client's own marks fall on one axis
-(``benchmarks/vllm_e2e.py`` prints the steps of one hit from it). When off, a mark costs one
-attribute test.
+workers' lines and a client's own marks fall on one axis, and the steps of one hit can be
+read in order. When off, a mark costs one attribute test.
 
 Marks are kept in memory and written as JSON lines by :meth:`Timeline.flush` (every
 ``FLUSH_EVERY`` marks, at exit, when vLLM shuts the connector down, or when a caller asks):
 writing each mark as it came cost a system call and a JSON encoding per mark, the same order
-as the steps being timed, and slowed the marked process itself (docs/design-measurements.md). ``vllm serve``'s engine processes may be killed without running exit
-handlers or the connector's shutdown: with ``KVTIER_TIMELINE_FLUSH_S`` set, the first mark
-that many seconds after the last write also writes (``benchmarks/vllm_serve.py`` sets 1),
-losing at most that much at a kill. It is off otherwise, so a write never lands inside a
+as the steps being timed, and slowed the marked process itself. ``vllm serve``'s engine
+processes may be killed without running exit handlers or the connector's shutdown: with
+``KVTIER_TIMELINE_FLUSH_S`` set, the first mark that many seconds after the last write also
+writes, losing at most that much at a kill. It is off otherwise, so a write never lands inside a
 request an in-process benchmark is timing.
 """
 
@@ -48,7 +47,7 @@ class Timeline:
         self.enabled = bool(path)
         self._path = path
         self._marks: list[tuple[float, str, str, dict]] = []
-        # re-entrant: a garbage-collector callback may mark (benchmarks/host_probe.py) while
+        # re-entrant: a garbage-collector callback may mark (a host probe timing GC passes) while
         # this thread is inside mark() or flush(), and must not wait for itself
         self._lock = threading.RLock()
         self._write_lock = threading.RLock()

@@ -2,11 +2,9 @@
 
 Why: a disk write-back in a thread of the worker costs the engine loop GIL time for every
 block (record encoding, checksum, index entries: tens of microseconds each) plus a GIL
-hand-off after every system call. Measured on the lent H100 in real vLLM, a request while
-write-back runs took 6-22 % longer than the same request recomputed with nothing to write
-(``benchmarks/results/vllm_e2e_*.md``), and on this repository's CI machine a pure-Python loop
-ran 1.21-1.37x slower beside a writer thread but 1.02-1.07x beside a writer process
-(``benchmarks/diagnostics/writeback_contention.py``).
+hand-off after every system call, so every request served while write-back runs is slower,
+including those kvtier neither loads nor stores. A writer process shares no GIL with the
+engine loop (figures: docs/design-measurements.md).
 
 How: the CPU pool lives in a memfd (``CpuBlockPool(shared=True)``) that the child maps too,
 so only slot ids and keys cross a Unix socket, never block bytes. The child owns the store

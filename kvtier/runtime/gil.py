@@ -5,15 +5,14 @@ step after step, a fraction of a millisecond apart. A thread that wants the GIL 
 blocking call (a disk read, an fsync, a socket) gets it only when the holder blocks or when
 the interpreter's switch interval runs out: 5 ms by default. A disk read or write is a chain
 of such hand-offs (engine loop -> reader thread -> each syscall -> completion), so each one
-waits up to 5 ms: with a busy Python thread beside it, a disk read takes tens of times as
-long (benchmarks/diagnostics/gil_starvation.py; figures in docs/design-measurements.md).
+waits up to 5 ms: with a busy Python thread beside it, a disk read takes many times as long
+as alone (figures: docs/design-measurements.md).
 
 The same holds for threads that are not kvtier's: under ``vllm serve`` the engine-core process
 hands each step's output to its own output thread (and takes requests from an input thread)
 while the engine loop goes on into the next step; with kvtier's per-step work in that loop,
-TTFT under ``vllm serve`` was lower at the short interval, for hits and for requests kvtier
-neither loads nor stores alike (``benchmarks/vllm_serve.py``; docs/design-measurements.md). So
-the runtime applies it with every tier configuration, not only with I/O threads.
+those threads wait for the GIL too, for hits and for requests kvtier neither loads nor stores
+alike. So the runtime applies it with every tier configuration, not only with I/O threads.
 
 A shorter interval only matters while some thread waits for the GIL (a lone thread is never
 interrupted), so it costs the engine nothing while kvtier is idle and bounds each hand-off

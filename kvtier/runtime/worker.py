@@ -74,8 +74,8 @@ class WorkerRuntime:
         # the disk's and the shared tier's I/O processes map the pool: it must be shareable
         shared = own_process or config.remote is not None
         # A shared pool is filled (registered with CUDA) at once all the same: registering it
-        # after start-up ran while the I/O processes read into it, and a fresh instance's
-        # first REMOTE promotion (256 MiB) then took 8.7 s instead of 0.27 s (real vLLM,
+        # after start-up would run while the I/O processes read into it, and a fresh
+        # instance's first REMOTE promotion would wait for the registration (figures:
         # docs/design-measurements.md). A private pool defers as asked.
         pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin,
                             shared=shared, fill="now" if shared else fill)

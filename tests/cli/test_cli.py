@@ -51,10 +51,10 @@ def test_bench_table_output_mentions_tiers():
 def test_disk_tier_survives_restart_and_stats_reads_it(tmp_path):
     disk_dir = tmp_path / "disk"
     cfg = write_config(tmp_path, disk_dir)
-    first = json.loads(run_cli("bench", "--json", "--config", str(cfg), "--limit", "150").output)
+    first = json.loads(run_cli("bench", "--json", "--config", str(cfg), "--limit", "150").stdout)
     assert first["disk"]["num_blocks"] > 0
     # Same trace again in a new manager: GPU and CPU start empty, so hits must come from disk.
-    second = json.loads(run_cli("bench", "--json", "--config", str(cfg), "--limit", "150").output)
+    second = json.loads(run_cli("bench", "--json", "--config", str(cfg), "--limit", "150").stdout)
     assert second["blocks"]["DISK"] > first["blocks"]["DISK"]
     assert second["wrong_blocks"] == 0
     out = run_cli("stats", "--json", "--config", str(cfg))

@@ -20,7 +20,7 @@ def _bad_inputs(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"oops": 1}\n')
     return {
-        "usage": (["bench", "--trace", str(trace), "--shape", "zipf"], "not both"),
+        "usage": (["bench", "--compare", "--overlap"], "not used by --compare"),
         "unknown option": (["bench", "--nope"], "--nope"),
         "bad value": (["bench", "--compare", "--capacity-blocks", "a"], "--capacity-blocks"),
         "missing target": (["stats"], "--config"),

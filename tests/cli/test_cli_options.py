@@ -37,8 +37,6 @@ IGNORED = {
                                           "--block-kib"),
     "policies without compare": (["bench", "--policies", "arc"], "--policies"),
     "capacities without compare": (["bench", "--capacity-blocks", "10"], "--capacity-blocks"),
-    "seed without shape": (["bench", "--seed", "3"], "--seed"),
-    "requests without shape": (["bench", "--requests", "30"], "--requests"),
     "shared --overlap": (["bench", "--shared", "--overlap"], "--overlap"),
     "timeout without url": (["stats", "--dir", ".", "--timeout", "3"], "--timeout"),
     "count without watch": (["stats", "--dir", ".", "--count", "2"], "--count"),
@@ -56,8 +54,8 @@ def test_an_option_the_mode_does_not_use_is_refused(case):
     one_error_line(invoke(*args), needle)
 
 
-def test_options_of_the_mode_are_still_accepted():
-    res = invoke("bench", "--compare", "--shape", "zipf", "--seed", "2", "--requests", "40",
+def test_options_of_the_mode_are_still_accepted(generated_trace):
+    res = invoke("bench", "--compare", "--trace", generated_trace("zipf", 40, seed=2),
                  "--capacity-blocks", "20", "--policies", "arc", "--json", "--limit", "30")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["requests"] == 30
@@ -130,8 +128,8 @@ def test_top_level_help_names_the_shared_tier():
     assert "shared" in out and "Redis/Valkey" in out and "--version" in out
 
 
-def test_compare_table_fits_80_columns():
-    res = invoke("bench", "--compare", "--shape", "multiturn", "--requests", "300",
+def test_compare_table_fits_80_columns(generated_trace):
+    res = invoke("bench", "--compare", "--trace", generated_trace("multiturn", 300),
                  "--capacity-blocks", "60,12000",
                  "--policies", "arc+reuse_gate+hints,lru+threshold")
     assert res.exit_code == 0, res.output
@@ -143,9 +141,9 @@ def test_compare_table_fits_80_columns():
 
 # -- progress on stderr ---------------------------------------------------------------------------
 
-def test_compare_reports_progress_on_stderr(monkeypatch):
+def test_compare_reports_progress_on_stderr(monkeypatch, generated_trace):
     monkeypatch.setattr(progress_mod, "PLAIN_EVERY_S", 0.0)
-    res = invoke("bench", "--compare", "--shape", "zipf", "--requests", "60",
+    res = invoke("bench", "--compare", "--trace", generated_trace("zipf", 60),
                  "--capacity-blocks", "20,40", "--policies", "arc", "--json")
     assert res.exit_code == 0, res.output
     json.loads(res.stdout)  # stdout stays the report alone
@@ -161,8 +159,8 @@ def test_replay_reports_progress_on_stderr(monkeypatch):
     assert "kvtier: 4/4 requests replayed" in res.stderr, res.stderr
 
 
-def test_progress_stays_quiet_off_a_terminal_for_a_short_run():
-    res = invoke("bench", "--compare", "--shape", "zipf", "--requests", "60",
+def test_progress_stays_quiet_off_a_terminal_for_a_short_run(generated_trace):
+    res = invoke("bench", "--compare", "--trace", generated_trace("zipf", 60),
                  "--capacity-blocks", "20", "--policies", "arc", "--json")
     assert res.exit_code == 0 and res.stderr == "", res.stderr
 

@@ -8,10 +8,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from policy_sim import simulate
+from trace_gen import generate
+
 from kvtier.bench.compare import build, check_specs, compare, replay
-from kvtier.bench.policy_sim import simulate
 from kvtier.bench.trace import TraceRequest
-from kvtier.bench.trace_gen import generate
 from kvtier.cli.main import cli
 from kvtier.manager.admission import make_admission
 from kvtier.manager.specs import Medium
@@ -98,11 +99,11 @@ def run(*args):
     return CliRunner().invoke(cli, ["bench", *args])
 
 
-def test_cli_compare_json_and_table():
-    args = ["--compare", "--shape", "zipf", "--requests", "200", "--capacity-blocks", "60,300"]
+def test_cli_compare_json_and_table(generated_trace):
+    args = ["--compare", "--trace", generated_trace("zipf", 200), "--capacity-blocks", "60,300"]
     out = run(*args, "--json", "--policies", "arc")
     assert out.exit_code == 0, out.output
-    doc = json.loads(out.output)
+    doc = json.loads(out.stdout)
     rows = {(r["capacity"], r["policy"]): r for r in doc["rows"]}
     assert set(rows) == {(c, p) for c in (60, 300) for p in ("lru", "arc", "belady", "belady-skip")}
     lru, bel = rows[(60, "lru")], rows[(60, "belady")]
@@ -114,12 +115,23 @@ def test_cli_compare_json_and_table():
     assert "| 300 | lru+reuse_gate |" in table.output and "| inf | infinite |" in table.output
 
 
-def test_cli_compare_rejects_bad_input():
-    bad = run("--compare", "--shape", "zipf", "--requests", "20", "--policies", "lfu")
+def test_cli_hints_come_from_the_trace_files_continues_flags(generated_trace):
+    path = generated_trace("multiturn", 800, seed=5)
+    out = run("--compare", "--trace", path, "--capacity-blocks", "1500", "--policies",
+              "lru+hints", "--json")
+    assert out.exit_code == 0, out.output
+    rows = {r["policy"]: r for r in json.loads(out.stdout)["rows"]}
+    in_memory = replay(generate("multiturn", 800, seed=5), 1500, "lru+hints")
+    assert rows["lru+hints"]["hit_blocks"] == in_memory.hit_blocks
+    assert rows["lru+hints"]["hit_blocks"] > rows["lru"]["hit_blocks"]  # the flags were read
+
+
+def test_cli_compare_rejects_bad_input(generated_trace):
+    bad = run("--compare", "--trace", generated_trace("zipf", 20), "--policies", "lfu")
     assert bad.exit_code == 2 and "allowed" in bad.output
     assert run("--compare", "--capacity-blocks", "0").exit_code == 2
     assert run("--compare", "--gpu-blocks", "64").exit_code == 2
-    assert run("--shape", "zipf", "--trace", "x.jsonl").exit_code == 2
+    assert run("--shape", "zipf").exit_code == 2  # generated traces are files now
 
 
 def test_threshold_wrapper_stops_at_the_first_refused_block():

@@ -1,7 +1,7 @@
 """``kvtier bench`` with the shared tier, against a real server: ``--json`` reports
 ``blocks.REMOTE`` (a second run serves the first one's blocks), ``--shared`` reports the
-two-instance hit rate against one instance of twice the CPU capacity and the tier's GB/s
-against a raw client's; the stats snapshot carries the REMOTE rows."""
+two-instance hit rate against one instance of twice the CPU capacity and the GB/s its REMOTE
+hops saw; the stats snapshot carries the REMOTE rows."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def bench(*args: str) -> dict:
     res = CliRunner().invoke(main, ["bench", "--json", "--limit", "40", "--block-kib", "64",
                                     *args])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def test_bench_json_reports_remote_blocks(tmp_path, valkey):
@@ -60,10 +60,8 @@ def test_bench_shared_two_instances_vs_one(tmp_path, valkey):
     assert report["wrong_blocks"] == 0
     assert report["second_instance_remote_hits"] > 0
     assert 0 < report["hit_rate_ratio"] <= 1.5
-    bw = report["bandwidth"]
-    assert bw["failed"] == 0 and min(bw["gbps"].values()) > 0
-    assert report["bandwidth_share"] == bw["share"] and bw["share"]["load"] > 0
     assert report["replay_remote_gbps"]["load"] > 0
+    assert report["replay_remote_gbps"]["store"] > 0
 
 
 def test_bench_shared_needs_a_remote_tier(tmp_path):

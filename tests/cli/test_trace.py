@@ -43,6 +43,17 @@ def test_bad_lines_name_file_line_and_field(tmp_path, line, needle):
     assert f"{p}:2" in str(err.value) and needle in str(err.value)
 
 
+def test_continues_flag_is_read_and_checked(tmp_path):
+    base = '"input_length": 512, "output_length": 1, "hash_ids": [1]'
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(f"{{{base}{extra}}}\n" for extra in
+                            ('', ', "continues": true', ', "continues": false')))
+    assert [r.continues for r in load_trace(path)] == [None, True, False]
+    with pytest.raises(TraceError, match="t.jsonl:1: field 'continues' must be true or false"):
+        path.write_text(f'{{{base}, "continues": 1}}\n')
+        load_trace(path)
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(TraceError, match="cannot open"):
         load_trace(tmp_path / "nope.jsonl")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.policy_sim import parse_spec, simulate
-from kvtier.bench.trace_gen import generate
+from policy_sim import parse_spec, simulate
+from trace_gen import generate
 from kvtier.manager.hints import KEEP, NONE, ONE_OFF, PARAM_KEY, HintBook, RetentionHint
 from kvtier.manager.policies import make_policy
 from kvtier.manager.policies.hinted import HintedEviction

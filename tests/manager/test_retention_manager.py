@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.bench import compare, policy_sim
-from kvtier.bench.trace_gen import generate
+import policy_sim
+from trace_gen import generate
+
+from kvtier.bench import compare
 from kvtier.manager.hints import KEEP, PARAM_KEY, RetentionHint
 from kvtier.manager.retention import apply_retention_hint
 from kvtier.manager.specs import RequestContext

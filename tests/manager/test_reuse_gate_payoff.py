@@ -4,8 +4,8 @@ saves writes without losing hits."""
 
 from __future__ import annotations
 
-from kvtier.bench.policy_sim import simulate
-from kvtier.bench.trace_gen import generate
+from policy_sim import simulate
+from trace_gen import generate
 from kvtier.manager.admission.reuse_gate import ReuseGate
 from kvtier.manager.admission.shadow import ShadowCaches
 

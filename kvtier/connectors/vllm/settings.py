@@ -40,8 +40,8 @@ computes their request (see ``scheduler/side.py``); 4 GiB covers a 32k-token Lla
 DEFAULT_WHOLE_TAIL_LAYER_BYTES = 24 << 20
 """A hit reaching the prompt's last token loads its last block whole (one token computed) up
 to this many bytes of hit per layer; beyond it the hit is cut a block short, so the forward's
-layers can follow the copy layer by layer (``scheduler/hit_claim.py``; the A/B that set it is
-in benchmarks/results/vllm_e2e_*.md)."""
+layers can follow the copy layer by layer (``scheduler/hit_claim.py`` says why; figures:
+docs/design-measurements.md)."""
 HMA_FLAG = "--disable-hybrid-kv-cache-manager"
 UNSTABLE_HASHES = ("xxhash", "xxhash_cbor")  # random per-process seed unless PYTHONHASHSEED
 

@@ -11,7 +11,8 @@ consumers can no longer rebuild state from it. The next ``publish`` then repairs
 resync: ``AllBlocksCleared`` followed by ``BlockStored`` for every resident block. With a
 ``resident_walk`` (``kvtier.observe.events.resync``; ``ManagerFeed`` sets one) the blocks go out a
 chunk per ``publish`` call, interleaved with live events, so no call walks more than
-``resync_chunk`` blocks (a one-shot walk took 3.3 s at 1M blocks on vLLM's scheduler thread).
+``resync_chunk`` blocks (a one-shot walk of a large tier would stall vLLM's scheduler thread
+for seconds).
 A ``resident`` source (what each tier holds now, read on the caller's thread, so consistent
 with the events given so far) is sent in one go. Without either it sends ``AllBlocksCleared``
 alone, so consumers forget this instance's blocks (a miss, never a wrong hit). A consumer that

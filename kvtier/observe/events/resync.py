@@ -1,8 +1,9 @@
 """Incremental resync: the resident blocks announced a chunk at a time, on the manager's thread.
 
 A resync tells consumers everything the manager holds (``AllBlocksCleared``, then
-``BlockStored`` per resident block). Walking a million blocks at once took 3.3 s on vLLM's
-scheduler thread, and the walk cannot move to another thread: the manager is not thread-safe.
+``BlockStored`` per resident block). Walking a million blocks at once holds vLLM's scheduler
+thread for seconds (docs/design-measurements.md), and the walk cannot move to another thread:
+the manager is not thread-safe.
 So the walk is spread over the owner's ``publish`` calls, ``chunk`` units of work each, with
 the manager's own events published in between, in the order things happened.
 

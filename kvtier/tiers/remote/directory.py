@@ -15,7 +15,7 @@ The scheduler's thread never asks the server itself: it only queues the keys and
 event. The directory's asker thread sends the EXISTS of every queued key in one pipeline on
 its own blocking connections (:mod:`.exists`) and files the answers; it never goes through the
 store's asyncio loop, whose per-command coroutines had to win the GIL from vLLM's busy engine
-loop step by step (a 128-block lookup took ~250 ms that way in real vLLM).
+loop step by step (slower than recomputing the prompt: docs/design-measurements.md).
 
 A lookup is pending at most ``lookup_deadline_s``: a key asked longer ago reads "absent" (the
 request recomputes it) whatever the asker is stuck on, and the asker's own reads stop at the
@@ -44,8 +44,8 @@ def _no_wakeup_preemption() -> None:
     """Run the calling thread under ``SCHED_BATCH`` (Linux): same CPU share as any thread,
     but waking it never preempts the running one. The scheduler thread wakes the asker in
     ``query``; on a machine whose cores are all busy the woken asker used to preempt the
-    scheduler thread on the spot, which then waited a timeslice of the OS (measured: half of
-    the lookups that woke it were preempted, up to ~4 ms). Unprivileged; a no-op elsewhere."""
+    scheduler thread on the spot, which then waited a timeslice of the OS, far longer than
+    the lookup itself (docs/design-measurements.md). Unprivileged; a no-op elsewhere."""
     batch = getattr(os, "SCHED_BATCH", None)
     if batch is None:
         return

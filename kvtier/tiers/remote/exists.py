@@ -3,8 +3,8 @@
 Why not the asyncio client (redis-py) that the store's upkeep uses: a lookup asks one EXISTS
 per block (2,048 for a 32k-token prompt of 16-token blocks), and each command there is a
 coroutine and a future on a loop thread that must win the GIL from vLLM's busy engine loop
-for every step of every command. In real vLLM a 128-block lookup's answer took ~250 ms that
-way, longer than recomputing the prompt. Here the directory's asker thread sends every key's
+for every step of every command. Beside vLLM's engine loop a lookup's answer took longer that
+way than recomputing the prompt. Here the directory's asker thread sends every key's
 EXISTS to its node in one write and reads the integer replies back in order: a few system
 calls and a parse per buffer read, and the thread blocks in the kernel (GIL released)
 meanwhile. The pipeline is built as one buffer and its replies parsed in bulk: built and read

@@ -16,8 +16,7 @@ the GPU, never by host syncs:
 * ``poll`` queries the job's completion event (never blocks); ``finish`` synchronises on it.
   Timing events give the copy's device time, which feeds the cost model.
 
-One rule picks a load's path (the A/Bs that settled it: docs/design-measurements.md, and
-benchmarks/results/). When the pool is pinned and CuPy is there, a load of
+One rule picks a load's path (figures: docs/design-measurements.md). When the pool is pinned and CuPy is there, a load of
 ``layered_min_bytes`` (``LAYERED_MIN_BYTES``) or more goes layer by layer straight from the
 pinned slots; a smaller one goes whole, since enqueueing a layered job costs the host a fixed
 amount per layer whatever its size and a forward gains nothing from following a short copy

@@ -8,8 +8,8 @@ graph. A hit cut at the block before would leave a block of tokens to a piecewis
 copy). Above ``whole_max_bytes`` the cut is at the block before instead, which lets the
 forward's layers follow a long copy layer by layer (layer_fences.py).
 
-A paired A/B in real vLLM settled the bound: the whole block won for small hits per layer,
-the cut for large ones, hence 24 MiB per layer (``whole_tail_layer_bytes``, a
+The bound is where the two meet: the whole block wins for small hits per layer, the cut for
+large ones, hence 24 MiB per layer (``whole_tail_layer_bytes``, a
 ``kv_connector_extra_config`` key): about what one layer's copy moves in the host time a
 piecewise layer costs (figures: docs/design-measurements.md).
 """

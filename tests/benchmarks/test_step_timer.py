@@ -1,10 +1,12 @@
-"""The bench's timing of the scheduler thread's calls into kvtier (``lookup`` and
-``prepare_load``): every call counted, results passed through, instances merged."""
+"""The benchmarks' timing of the scheduler thread's calls into kvtier (``lookup`` and
+``prepare_load``): every call counted, results passed through, instances merged;
+``kvtier bench`` itself runs the calls untimed."""
 
 from __future__ import annotations
 
+from step_timer import SchedulerCallTimer
+
 from kvtier.bench.replay import Replay
-from kvtier.bench.step_timer import SchedulerCallTimer
 from kvtier.bench.trace import load_trace
 from kvtier.config import load_config
 
@@ -24,7 +26,8 @@ def test_call_passes_arguments_and_result_through_and_counts_it():
 def test_replay_times_every_lookup_and_prepare_of_the_scheduler():
     trace = load_trace(limit=40)
     cfg = load_config(data={"tiers": {"cpu": {"capacity": "4MiB"}}}, env={})
-    replay = Replay(cfg, 64 << 10, gpu_blocks=max(len(r.hash_ids) for r in trace) + 1)
+    replay = Replay(cfg, 64 << 10, gpu_blocks=max(len(r.hash_ids) for r in trace) + 1,
+                    call_timer=SchedulerCallTimer())
     counts = {"lookup": 0, "prepare_load": 0}
     for name in counts:
         original = getattr(replay.manager, name)
@@ -41,3 +44,15 @@ def test_replay_times_every_lookup_and_prepare_of_the_scheduler():
         replay.close()
     assert counts["prepare_load"] > 0  # the trace reuses prefixes: loads were prepared
     assert calls["calls"] == counts["lookup"] + counts["prepare_load"]
+
+
+def test_replay_without_a_timer_reports_no_call_times():
+    trace = load_trace(limit=5)
+    cfg = load_config(data={"tiers": {"cpu": {"capacity": "4MiB"}}}, env={})
+    replay = Replay(cfg, 64 << 10, gpu_blocks=max(len(r.hash_ids) for r in trace) + 1)
+    try:
+        replay.run(trace)
+        report = replay.report()
+    finally:
+        replay.close()
+    assert report["requests"] == 5 and "scheduler_calls" not in report

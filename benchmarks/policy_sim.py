@@ -15,7 +15,9 @@ Replay conventions (the manager should follow the same ones):
   missing one are unreachable until it is stored, so writing them wastes bandwidth;
 - the request's own hit blocks are pinned (being loaded) while room is made.
 
-Run ``python -m kvtier.bench.policy_sim --help`` for the comparison table.
+Run ``python benchmarks/policy_sim.py --help`` for the comparison table. ``kvtier bench
+--compare`` replays the same trace through the real manager instead; a test asserts that both
+give the same numbers for the same spec.
 """
 
 from __future__ import annotations
@@ -24,29 +26,23 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
-from kvtier.bench.belady import belady
-from kvtier.bench.sim_result import SimResult
-from kvtier.bench.trace import TraceRequest, load_trace
-from kvtier.manager.admission import AdmissionPolicy, make_admission
-from kvtier.manager.policies import EvictionPolicy, make_policy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: kvtier too
+
+from kvtier.bench.compare import HINTS, gap_closed, infinite, parse_spec  # noqa: E402
+from kvtier.bench.compare import compare as manager_compare  # noqa: E402
+from kvtier.bench.sim_result import SimResult  # noqa: E402
+from kvtier.bench.trace import TraceRequest, load_trace  # noqa: E402
+from kvtier.manager.admission import AdmissionPolicy, make_admission  # noqa: E402
+from kvtier.manager.policies import EvictionPolicy, make_policy  # noqa: E402
 
 # Plug-ins register themselves on import (until the package's __init__ imports it).
 from kvtier.manager.admission import reuse_gate as _reuse_gate  # noqa: F401,E402
 from kvtier.manager.admission.reuse_gate import ReuseGate  # noqa: E402
 from kvtier.manager.hints import KEEP, ONE_OFF, HintBook, RetentionHint  # noqa: E402
 from kvtier.manager.policies.hinted import HintedEviction  # noqa: E402
-
-
-HINTS = "+hints"
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``"eviction[+admission][+hints]"`` -> names; admission defaults to ``all``."""
-    spec = spec.removesuffix(HINTS)
-    eviction, _, admission = spec.partition("+")
-    return eviction.strip(), (admission.strip() or "all")
 
 
 class _Cache:
@@ -143,51 +139,13 @@ def simulate(
     return res
 
 
-def infinite(trace: Sequence[TraceRequest]) -> SimResult:
-    """Hit rate of an unbounded cache (the ceiling of every policy)."""
-    seen: set[int] = set()
-    res = SimResult("infinite", 0)
-    for req in trace:
-        keys = req.hash_ids
-        k = 0
-        while k < len(keys) and keys[k] in seen:
-            res.hit_tokens += req.block_tokens(k)
-            k += 1
-        res.hit_blocks += k
-        res.blocks += len(keys)
-        res.tokens += req.input_length
-        res.written += sum(1 for key in keys[k:] if key not in seen)
-        seen.update(keys)
-    return res
-
-
-MIN_GAP = 0.001  # below 0.1 point LRU is as good as Belady: a share of that gap means nothing
-
-
-def gap_closed(res: SimResult, lru: SimResult, best: SimResult) -> float | None:
-    """Share of the LRU -> Belady hit-rate gap that ``res`` closes (None if there is no gap)."""
-    gap = best.hit_rate - lru.hit_rate
-    return None if gap < MIN_GAP else (res.hit_rate - lru.hit_rate) / gap
-
-
 def compare(
     trace: Sequence[TraceRequest], capacities: Sequence[int], specs: Sequence[str],
     with_belady: bool = True, run=None,
 ) -> list[SimResult]:
-    """Every spec at every capacity (LRU always included, first), then Belady's two bounds.
-    ``run(trace, capacity, spec) -> SimResult`` replays one spec (default: this simulator;
-    ``kvtier.bench.compare`` passes the real manager)."""
-
-    run = run or simulate
-    specs = ["lru"] + [s for s in dict.fromkeys(specs) if s != "lru"]
-    out: list[SimResult] = []
-    for c in capacities:
-        for spec in specs:
-            out.append(run(trace, c, spec))
-        if with_belady:
-            out.append(belady(trace, c, skip_unused=False))
-            out.append(belady(trace, c, skip_unused=True))
-    return out
+    """:func:`kvtier.bench.compare.compare` (every spec at every capacity, then Belady's two
+    bounds) with this simulator as the default ``run``."""
+    return manager_compare(trace, capacities, specs, with_belady, run=run or simulate)
 
 
 def _by_capacity(results: Sequence[SimResult]) -> dict[int, list[SimResult]]:
@@ -248,7 +206,7 @@ def format_summary(results: Sequence[SimResult]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvtier.bench.trace_gen import SHAPES, generate
+    from trace_gen import SHAPES, generate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)

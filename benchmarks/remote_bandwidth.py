@@ -4,7 +4,7 @@ The tier path is the real one: CPU pool slots -> ``CpuToRemoteHandler`` -> the t
 processes (records built, checksummed and, with a MAC key, tagged; values sent from the slots)
 -> the server, and back through ``RemoteToCpuHandler`` (every value received into its slot and
 verified there), driven through the ``TransferEngine`` in jobs of ``batch`` blocks, all
-submitted at once. The ceiling (:mod:`.remote_ceiling`) is ``clients`` plain client processes
+submitted at once. The ceiling (``remote_ceiling.py``) is ``clients`` plain client processes
 doing pipelined SET / GET of values of the same size against the same server layout. Tier and
 ceiling rounds alternate ``repeats`` times; GB/s are medians and each share is the median of
 per-pair ratios (a tier round against the ceiling round right after it), which keeps a shared
@@ -19,8 +19,8 @@ import uuid
 from dataclasses import replace
 
 import torch
+from remote_ceiling import measure_ceiling
 
-from kvtier.bench.remote_ceiling import measure_ceiling
 from kvtier.config import KvtierConfig
 from kvtier.manager.specs import LoadStoreSpec
 from kvtier.runtime.worker import WorkerRuntime

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from policy_sim import compare, format_summary, format_table, infinite, parse_spec, simulate
+from trace_gen import SHAPES, generate, write_trace
+
 from kvtier.bench.belady import belady
-from kvtier.bench.policy_sim import (
-    compare, format_summary, format_table, infinite, parse_spec, simulate,
-)
 from kvtier.bench.trace import TraceRequest, load_trace
-from kvtier.bench.trace_gen import SHAPES, generate, write_trace
 from kvtier.manager.policies import make_policy
 
 
@@ -105,6 +104,7 @@ def test_generated_traces_are_deterministic_prefix_traces(shape, tmp_path):
     write_trace(a, path)
     back = load_trace(path)
     assert [r.hash_ids for r in back] == [r.hash_ids for r in a]
+    assert [r.continues for r in back] == [r.continues for r in a]  # what +hints reads
     assert infinite(back).hit_blocks == infinite(a).hit_blocks
 
 

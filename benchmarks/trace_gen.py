@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: kvtier too
+
+from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest  # noqa: E402
 
 SHAPES = ("zipf", "chat", "docs", "mixed", "multiturn")
 
@@ -193,8 +196,11 @@ def generate(shape: str, n_requests: int = 4000, seed: int = 0) -> list[TraceReq
 def write_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in requests:
-            f.write(json.dumps({"timestamp": round(r.timestamp, 3), "input_length": r.input_length,
-                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}))
+            line = {"timestamp": round(r.timestamp, 3), "input_length": r.input_length,
+                    "output_length": r.output_length, "hash_ids": list(r.hash_ids)}
+            if r.continues is not None:  # what ``kvtier bench --compare``'s +hints reads
+                line["continues"] = r.continues
+            f.write(json.dumps(line))
             f.write("\n")
 
 
