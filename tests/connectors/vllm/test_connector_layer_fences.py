@@ -167,8 +167,8 @@ def test_sync_load_starts_before_vllm_prepares_the_step_once(model_dir, hooks, c
 def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(model_dir):
     """A store still copying a block out is fenced before a load handed over at plan time
     writes into that block (the step's ``flush`` is built only later, in build_meta)."""
-    from kvtier.connectors.vllm.metadata import LoadJob
-    from kvtier.connectors.vllm.worker.jobs import InFlight
+    from kvtier.connectors.vllm.metadata import BackgroundJob, LoadJob, StoreJob
+    from kvtier.manager.specs import LoadStoreSpec
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     ws = rig.worker_side()
@@ -177,8 +177,9 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     fence, submit = engine.fence, engine.submit
     engine.fence = lambda ids: calls.append(("fence", list(ids)))
     engine.submit = lambda src, dst, *, job_id=None: calls.append(("load", job_id, src, dst))
-    ws.jobs.running[900] = InFlight("store", "r-old")  # a store of the block's previous owner
-    ws.jobs.running[901] = InFlight("background")
+    # a store of the block's previous owner, and a demotion: only the store is fenced
+    ws.jobs.running[900] = StoreJob(900, "r-old", (b"k0",), (1,), (1,))
+    ws.jobs.running[901] = BackgroundJob(901, LoadStoreSpec.cpu([2]), LoadStoreSpec.disk([b"k2"]))
     job = LoadJob(job_id=902, req_id="r-new", keys=("k",), cpu_slots=(0,),
                   gpu_ids=tuple(range(1, 1 + ws.settings.engine_blocks_per_block)), sync=True)
     ws.submit_ahead(job, flush=(900, 901, 777))

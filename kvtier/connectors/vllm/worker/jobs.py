@@ -15,10 +15,10 @@ as a failed receive (:mod:`..compat.load_failures`): vLLM cannot map such blocks
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kvtier.connectors.vllm.metadata import BackgroundJob, LoadJob, StoreJob
+from kvtier.connectors.vllm.metadata import (BackgroundJob, KVTierWorkerMetadata, LoadJob,
+                                             StoreJob)
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
@@ -33,25 +33,7 @@ log = logging.getLogger("kvtier.connectors.vllm.worker.side")
 ASLEEP_STORE = "KV caches unregistered (sleep)"
 
 
-@dataclass
-class InFlight:
-    """A job this worker submitted and has not read the result of."""
-
-    kind: str  # "load" | "store" | "background"
-    req_id: str | None = None
-    load: LoadJob | None = None
-    promoted: tuple[BlockKey, ...] = ()  # a promotion's keys (background into CPU memory)
-
-
-@dataclass(frozen=True)
-class JobReport:
-    """A worker's per-job report of one step (see ``KVTierWorkerMetadata``)."""
-
-    done: dict[int, int]
-    failed: dict[int, tuple[BlockKey, ...]]
-    errors: dict[int, int]
-    load_hops: tuple[tuple[str, int, float], ...]
-    transient: dict[int, tuple[BlockKey, ...]]
+Job = LoadJob | StoreJob | BackgroundJob  # what the scheduler handed over, kept as it came
 
 
 class WorkerJobs:
@@ -61,7 +43,7 @@ class WorkerJobs:
         self._taint = taint  # refuses stores of tainted requests; taints failed sync loads
         self._runtime: WorkerRuntime | None = None
         self.asleep = False  # sleep mode: every GPU copy fails until restored
-        self.running: dict[int, InFlight] = {}
+        self.running: dict[int, Job] = {}  # submitted here, result not read yet
         self._stores_of: dict[str, set[int]] = {}  # request -> its stores in flight
         self._recving: set[str] = set()  # requests whose asynchronous load finished
         self._load_errors: set[int] = set()  # engine blocks to report as not loaded
@@ -102,7 +84,7 @@ class WorkerJobs:
                 self._submit_store(rt, job)
 
     def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
-        self.running[job.job_id] = InFlight("store", job.req_id)
+        self.running[job.job_id] = job
         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
         refused = (ASLEEP_STORE if self.asleep  # pages suspended
                    else "computed over a failed synchronous load (load_taint)"
@@ -119,15 +101,13 @@ class WorkerJobs:
         """The manager's own moves (promotions, demotions, deletions, shared-tier writes)."""
         rt = self._rt()
         for bg in jobs:
-            route = (bg.src.medium, bg.dst.medium)
-            self.running[bg.job_id] = InFlight(
-                "background", promoted=bg.src.keys if is_promotion(*route) else ())
+            self.running[bg.job_id] = bg
             self._submit(lambda bg=bg: rt.engine.submit(bg.src, bg.dst, job_id=bg.job_id),
-                         bg.job_id, route)
+                         bg.job_id, (bg.src.medium, bg.dst.medium))
 
     def submit_load(self, job: LoadJob) -> None:
         """One CPU -> GPU copy (before the forward for a synchronous load, after otherwise)."""
-        self.running[job.job_id] = InFlight("load", job.req_id, job)
+        self.running[job.job_id] = job
         if not job.cpu_slots:  # nothing left to move (the plan came out empty)
             self._on_result(JobResult(job.job_id, True, None, (), 0, 0.0,
                                       (Medium.CPU, Medium.GPU)))
@@ -146,7 +126,7 @@ class WorkerJobs:
         if self._runtime is None:
             return
         self.poll()
-        gpu_jobs = [j for j, r in self.running.items() if r.kind in ("load", "store")]
+        gpu_jobs = [j for j, r in self.running.items() if not isinstance(r, BackgroundJob)]
         for result in self._runtime.engine.wait(gpu_jobs) if gpu_jobs else ():
             self._on_result(result)
         log.debug("kvtier: GPU copies quiesced: %s", reason)
@@ -154,7 +134,7 @@ class WorkerJobs:
     # ------------------------------------------------------------------ state
     def stores_in_flight(self, job_ids: Iterable[int]) -> list[int]:
         """Those of ``job_ids`` that are stores still in flight here."""
-        return [j for j in job_ids if j in self.running and self.running[j].kind == "store"]
+        return [j for j in job_ids if isinstance(self.running.get(j), StoreJob)]
 
     def has_stores(self, req_id: str) -> bool:
         return bool(self._stores_of.get(req_id))
@@ -176,12 +156,12 @@ class WorkerJobs:
         out, self._failed_recving = self._failed_recving, {}
         return out
 
-    def take_report(self) -> JobReport | None:
+    def take_report(self) -> KVTierWorkerMetadata | None:
         """The step's per-job report (None: nothing to say), counting on from empty."""
         if not (self._done or self._failed or self._errors or self._load_hops):
             return None
-        out = JobReport(self._done, self._failed, self._errors, tuple(self._load_hops),
-                        self._transient)
+        out = KVTierWorkerMetadata(self._done, self._failed, self._errors,
+                                   tuple(self._load_hops), transient=self._transient)
         self._done, self._failed, self._errors, self._load_hops = {}, {}, {}, []
         self._transient = {}
         return out
@@ -199,9 +179,9 @@ class WorkerJobs:
             log.warning("kvtier: result for unknown job %d ignored", r.job_id)
             return
         self._done[r.job_id] = 1
-        if running.kind == "load":
+        if isinstance(running, LoadJob):
             self._on_load(r, running)
-        elif running.kind == "store":
+        elif isinstance(running, StoreJob):
             if not r.ok:
                 self._errors[r.job_id] = 1
                 log.warning("kvtier: store job %d failed: %s", r.job_id, r.error)
@@ -211,8 +191,8 @@ class WorkerJobs:
                 if not jobs:
                     del self._stores_of[running.req_id]
         else:
-            if running.promoted:
-                self._on_promotion(r, running.promoted)
+            if is_promotion(running.src.medium, running.dst.medium):
+                self._on_promotion(r, running.src.keys)
             elif not r.ok:
                 self._errors[r.job_id] = 1
 
@@ -229,9 +209,7 @@ class WorkerJobs:
                 self._transient[r.job_id] = out.transient
         self._load_hops.extend((src.value, n, sec) for src, n, sec in out.measured)
 
-    def _on_load(self, r: JobResult, running: InFlight) -> None:
-        job = running.load
-        assert job is not None
+    def _on_load(self, r: JobResult, job: LoadJob) -> None:
         if gpu_untrusted(r):
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
         out = load_outcome(r, job.gpu_ids, job.unloaded_gpu_ids)

@@ -338,13 +338,9 @@ class WorkerSide:
     def build_worker_meta(self) -> KVTierWorkerMetadata | None:
         forwards = self._forward.take() if self._forward is not None else ()
         tainted = self._taint.take_report()
-        report = self.jobs.take_report()
-        if report is None and not (forwards or tainted):
-            return None
-        if report is None:
-            return KVTierWorkerMetadata(forwards=forwards, tainted=tainted)
-        return KVTierWorkerMetadata(report.done, report.failed, report.errors, report.load_hops,
-                                    forwards, report.transient, tainted)
+        meta = self.jobs.take_report() or KVTierWorkerMetadata()
+        meta.forwards, meta.tainted = forwards, tainted
+        return None if meta.is_empty() else meta
 
     def take_stats(self) -> KVTierStats | None:
         """Transfer counters since the last call, or None (:class:`WorkerStatsTaker`)."""
