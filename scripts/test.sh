@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up, then run the whole test suite (GPU tests skip without CUDA; extra args go to pytest).
 # Without extra args, the scheduler-level connector suite then runs again against vLLM 0.33
-# (scripts/test_vllm033.sh; KVTIER_SKIP_VLLM033=1 skips it) and vLLM 0.34
-# (scripts/test_vllm034.sh; KVTIER_SKIP_VLLM034=1 skips it).
+# and vLLM 0.34 (scripts/test_vllm_release.sh; KVTIER_SKIP_VLLM033=1 and KVTIER_SKIP_VLLM034=1
+# skip them).
 #
 # Each phase is announced with what it runs and ends with its duration; while one runs, a line
 # every 60 s says it is still going (a vLLM engine test takes minutes on 2 cores), so the log
@@ -46,9 +46,10 @@ if [ $# -gt 0 ]; then
 fi
 phase "the whole suite (pytest tests/, vLLM 0.32; minutes: see the still-running lines)" \
   .venv/bin/python -m pytest -q -p no:cacheprovider
-if [ "${KVTIER_SKIP_VLLM033:-0}" != 1 ]; then
-  phase "the scheduler-level connector suite again, on vLLM 0.33" bash scripts/test_vllm033.sh
-fi
-if [ "${KVTIER_SKIP_VLLM034:-0}" != 1 ]; then
-  phase "the scheduler-level connector suite again, on vLLM 0.34" bash scripts/test_vllm034.sh
-fi
+for release in 0.33 0.34; do
+  skip="KVTIER_SKIP_VLLM${release//./}"
+  if [ "${!skip:-0}" != 1 ]; then
+    phase "the scheduler-level connector suite again, on vLLM $release" \
+      bash scripts/test_vllm_release.sh "$release.0"
+  fi
+done

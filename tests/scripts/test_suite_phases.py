@@ -22,8 +22,7 @@ def stand_in_tree(tmp_path: Path, pytest_status: int = 0) -> Path:
     assert "HEARTBEAT_S=60\n" in text
     (scripts / "test.sh").write_text(text.replace("HEARTBEAT_S=60\n", "HEARTBEAT_S=1\n"))
     (scripts / "setup.sh").write_text("echo 'setup ran' >&2\n")
-    (scripts / "test_vllm033.sh").write_text("echo 'vllm 0.33 suite ran' >&2\n")
-    (scripts / "test_vllm034.sh").write_text("echo 'vllm 0.34 suite ran' >&2\n")
+    (scripts / "test_vllm_release.sh").write_text("echo \"vllm ${1%.0} suite ran\" >&2\n")
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f"#!/bin/sh\nsleep 2.6\necho \"pytest $*\"\nexit {pytest_status}\n")

@@ -1,5 +1,5 @@
 """The version adapters (kvtier.connectors.vllm.compat), checked against the vLLM that is loaded:
-scripts/test_vllm033.sh runs this file with vLLM 0.33 first on the path and
+scripts/test_vllm_release.sh runs this file with vLLM 0.33 and 0.34 first on the path and
 ``KVTIER_EXPECT_VLLM`` set, so a second run that silently fell back to 0.32 fails here."""
 
 from __future__ import annotations
