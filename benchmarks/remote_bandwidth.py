@@ -26,7 +26,7 @@ from kvtier.manager.specs import LoadStoreSpec
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
-from kvtier.tiers.remote.connect import connect_remote
+from kvtier.tiers.remote.wire.connect import connect_remote
 
 RECORD_OVERHEAD = 128  # header + key of one value, about
 

@@ -33,10 +33,10 @@ from pathlib import Path
 
 from kvtier.config import load_config
 from kvtier.config.schema import DEFAULT_GIL_SWITCH_INTERVAL_MS
-from kvtier.runtime.remote_process import RemoteIOProcesses
+from kvtier.tiers.remote.io.process import RemoteIOProcesses
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.layout import BlockGeometry
-from kvtier.tiers.remote.connect import remote_keys
+from kvtier.tiers.remote.wire.connect import remote_keys
 from kvtier.tiers.remote.secrets import RemoteSecrets
 from kvtier.tiers.remote.presence import open_remote_directory
 

@@ -49,7 +49,7 @@ class RemoteTierConfig:
     capacity: int | None = None  # advisory only: reported, never enforced by kvtier
     max_writes_in_flight: int = 256  # blocks being written to the server at once
     lookup_ttl_s: float = 2.0  # how long a presence answer from the server is trusted
-    io_processes: int = 8  # child processes per worker that move block bytes (remote_process.py)
+    io_processes: int = 8  # child processes per worker that move block bytes (tiers/remote/io/process.py)
     connections: int = 4  # per I/O process and server node: a server serves each one at a
     # bounded rate, so one hit's blocks go over several at once
     username: str | None = None  # ACL user (the password never sits in the YAML)

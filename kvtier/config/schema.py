@@ -83,7 +83,7 @@ class DiskTierConfig:
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     store_threshold: int = 1  # demote a block to disk only once it was seen this many times
     admission: str = "all"  # all | threshold (store_threshold sightings, at least 2) | reuse_gate
-    io_process: bool = True  # serve the store from a child process (runtime/disk_process.py)
+    io_process: bool = True  # serve the store from a child process (tiers/disk/io/process.py)
     request_timeout_s: float = 5.0  # a disk I/O child slower than this is hung: replaced
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@
   (``LookupResult.pending``); ``complete_background`` publishes the block, and the next
   lookup finds it in CPU memory. Every load is then one CPU -> GPU copy of READY slots, and
   requests after the same blocks wait for the same promotion (vLLM's secondary-tier model).
-* The shared tier (Redis/Valkey; ``RemoteTier`` in ``remote_tier.py``): lookups ask a presence
+* The shared tier (Redis/Valkey; ``RemoteTier`` in ``remote/tier.py``): lookups ask a presence
   directory without waiting (``LookupResult.pending``), a hit is promoted like a disk hit,
   stored CPU blocks are written back behind the tier's admission.
 * Moves the manager wants on its own account (demotions, deletions of evicted disk blocks)
@@ -41,7 +41,7 @@ from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.eviction import CpuEviction
 from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Event, EventBus
 from kvtier.manager.policies import make_policy
-from kvtier.manager.remote_tier import RemoteTier
+from kvtier.manager.remote.tier import RemoteTier
 from kvtier.manager.hints import HintBook, RetentionHint
 from kvtier.manager.retention import RetentionHints
 from kvtier.manager.specs import (

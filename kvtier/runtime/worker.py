@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import KvtierConfig
-from kvtier.runtime.disk_process import DiskProcess, store_options
-from kvtier.runtime.remote_process import RemoteIOProcesses
+from kvtier.tiers.disk.io.process import DiskProcess, store_options
+from kvtier.tiers.remote.io.process import RemoteIOProcesses
 from kvtier.runtime.gil import SwitchInterval
-from kvtier.runtime.replicated_disk import ReplicatedDisk
+from kvtier.tiers.disk.io.replicated import ReplicatedDisk
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
 from kvtier.tiers.gpu_view import GpuKvView
 from kvtier.tiers.layout import BlockGeometry
-from kvtier.tiers.remote.connect import remote_keys
+from kvtier.tiers.remote.wire.connect import remote_keys
 from kvtier.tiers.remote.secrets import RemoteSecrets
 from kvtier.transfer import JobResult, TransferEngine, TransferHandler
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
@@ -49,9 +49,9 @@ def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
 class WorkerRuntime:
     geometry: BlockGeometry
     pool: CpuBlockPool
-    store: DiskStore | DiskProcess | None  # DiskProcess: served by a child (disk_process.py)
+    store: DiskStore | DiskProcess | None  # DiskProcess: served by a child (tiers/disk/io/process.py)
     engine: TransferEngine
-    remote: RemoteIOProcesses | None = None  # the shared tier's I/O (remote_process.py)
+    remote: RemoteIOProcesses | None = None  # the shared tier's I/O (tiers/remote/io/process.py)
     replica: ReplicatedDisk | None = None  # rank > 0 of a replicated layout: rank 0's disk
     switch: SwitchInterval | None = None  # lowered GIL switch interval, put back on close
 
@@ -63,13 +63,13 @@ class WorkerRuntime:
         """``replicated``: every rank holds the same bytes (MLA), so the shared tier keeps one
         value per block: rank 0 writes it (under ``rank0_geometry``, rank 0's), every rank
         reads it. The disk tier too, when ``rank0_disk`` (rank 0's directory) is given: a rank
-        > 0 reads rank 0's records and writes none (see replicated_disk.py). ``fill``: when
+        > 0 reads rank 0's records and writes none (see tiers/disk/io/replicated.py). ``fill``: when
         the CPU pool allocates its chunks after the first (``CpuBlockPool``); vLLM's worker
         passes ``"on_start"`` and starts it once vLLM's start-up is over, since page-locking
         holds up the process's other CUDA calls meanwhile."""
         config.check_block_bytes(geometry.block_bytes)
         d = config.disk
-        reads_rank0 = replicated and rank > 0 and rank0_disk is not None  # replicated_disk.py
+        reads_rank0 = replicated and rank > 0 and rank0_disk is not None  # tiers/disk/io/replicated.py
         own_process = d is not None and d.io_process and not reads_rank0
         # the disk's and the shared tier's I/O processes map the pool: it must be shareable
         shared = own_process or config.remote is not None

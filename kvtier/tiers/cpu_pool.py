@@ -22,7 +22,7 @@ the filling holds the driver at a time while the engine serves. ``fill="now"`` (
 kvtier bench, tests) starts the filling at construction.
 
 With ``shared=True`` the pool's memory is one ``memfd`` mapped shared, so the disk I/O
-process (kvtier.runtime.disk_process) can map the very same bytes and move them to and from
+process (kvtier.tiers.disk.io.process) can map the very same bytes and move them to and from
 disk without a copy and without this process's GIL; pinning then registers each chunk with
 CUDA (``cudaHostRegister``) instead of allocating pinned memory. Each chunk is its own
 allocation or registration, so a copy never spans two chunks (``group_by_chunk``, and the

@@ -1,7 +1,7 @@
 """CPU <-> disk block moves and disk deletions, executed against a disk tier.
 
 The disk side is a ``SlotDisk`` (kvtier.tiers.disk.slot_io): a store in this process wrapped
-in ``SlotIO``, or the disk I/O process (kvtier.runtime.disk_process), which maps the same pool
+in ``SlotIO``, or the disk I/O process (kvtier.tiers.disk.io.process), which maps the same pool
 memory. These handlers check the job and split reads across threads; only slot ids and keys
 cross into the disk side. A block that cannot be read back (missing, corrupt, unreadable) is
 an expected event on disk, so it is reported in ``failed_keys`` instead of failing the job:

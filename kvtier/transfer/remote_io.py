@@ -5,7 +5,7 @@ server does not have (evicted, never written, written by an instance of another 
 corrupt or forged) is reported in ``failed_keys``: the manager forgets it and the engine
 recomputes it; one lost to a connection is also in ``transient_keys``. A tier that is down
 fails the whole job at once (``RemoteUnavailable``) instead of waiting. The bytes move in the
-shared tier's I/O processes (``kvtier.runtime.remote_process``): this process only hands them
+shared tier's I/O processes (``kvtier.tiers.remote.io.process``): this process only hands them
 slot ids and keys.
 """
 

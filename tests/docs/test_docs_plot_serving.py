@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "plot_serving.py"
-RESULTS = ROOT / "benchmarks" / "results" / "serving_alone_s24_NVIDIA-H200.json"
+RESULTS = ROOT / "benchmarks" / "results" / "serving_alone_NVIDIA-H200.json"
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from test_cuda_transfer import (DEV, assert_untouched, load_handler,  # noqa: E4
                                     make_caches, reference_slots, run, scrambled_destination)
 from kvtier.config import load_config  # noqa: E402
 from kvtier.manager.specs import LoadStoreSpec, Medium  # noqa: E402
-from kvtier.runtime.remote_process import RemoteIOProcesses  # noqa: E402
+from kvtier.tiers.remote.io.process import RemoteIOProcesses  # noqa: E402
 from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402
 from kvtier.tiers.gpu_view import GpuKvView  # noqa: E402
-from kvtier.tiers.remote.connect import remote_keys  # noqa: E402
+from kvtier.tiers.remote.wire.connect import remote_keys  # noqa: E402
 from kvtier.tiers.remote.secrets import RemoteSecrets  # noqa: E402
 from kvtier.transfer.cuda import CudaGpuToCpuHandler  # noqa: E402
 from kvtier.transfer.cuda.page_movers import cupy_available  # noqa: E402

@@ -422,7 +422,7 @@ def test_shared_pool_round_trip_through_the_disk_process_is_bit_exact(tmp_path, 
     (child) -> other CPU slots -> GPU must land bit-exact in every load mode, and the
     registered memory must count as pinned (else copies silently turn synchronous)."""
     from kvtier.config.schema import DiskTierConfig
-    from kvtier.runtime.disk_process import DiskProcess
+    from kvtier.tiers.disk.io.process import DiskProcess
 
     if loads != "staged" and not cupy_available():
         pytest.skip("layered loads need CuPy")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.manager.remote_lag import WriteLagNotice
+from kvtier.manager.remote.lag import WriteLagNotice
 
 
 def test_a_loss_is_logged_once_per_interval_with_the_windows_counts(caplog):
     now = [100.0]
     lag = WriteLagNotice(interval_s=60.0, clock=lambda: now[0])
-    caplog.set_level(logging.WARNING, logger="kvtier.manager.remote_lag")
+    caplog.set_level(logging.WARNING, logger="kvtier.manager.remote.lag")
     lag.written(10)
     now[0] = 130.0
     lag.lost(3)
@@ -33,6 +33,6 @@ def test_a_loss_is_logged_once_per_interval_with_the_windows_counts(caplog):
 
 def test_writes_alone_never_log(caplog):
     lag = WriteLagNotice(clock=lambda: 0.0)
-    caplog.set_level(logging.WARNING, logger="kvtier.manager.remote_lag")
+    caplog.set_level(logging.WARNING, logger="kvtier.manager.remote.lag")
     lag.written(1000)
     assert lag.lines == 0 and not caplog.records

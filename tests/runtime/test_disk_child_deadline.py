@@ -15,8 +15,8 @@ import pytest
 from kvtier.config import load_config
 from kvtier.config.errors import ConfigError
 from kvtier.config.schema import DiskTierConfig
-from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.disk_process import (
+from kvtier.tiers.child import wire
+from kvtier.tiers.disk.io.process import (
     DEADLINE_BYTES,
     START_TIMEOUT_S,
     DiskProcess,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.config.schema import DiskTierConfig
-from kvtier.runtime.disk_process import DiskProcess
+from kvtier.tiers.disk.io.process import DiskProcess
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.layout import BlockGeometry
 

@@ -13,9 +13,9 @@ from dataclasses import asdict
 import pytest
 
 from kvtier.config.schema import DiskTierConfig
-from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.child_process import CHILD_CWD, child_environment, isolated_command
-from kvtier.runtime.disk_process import store_options
+from kvtier.tiers.child import wire
+from kvtier.tiers.child.process import CHILD_CWD, child_environment, isolated_command
+from kvtier.tiers.disk.io.process import store_options
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.layout import BlockGeometry
 
@@ -33,7 +33,7 @@ def _start(tmp_path, connections: int = 2):
             "store": store_options(disk), "pool_fd": pool.shared_fd,
             "gil_switch_interval_ms": 0.0, "log_level": 30,
             "sockets": [theirs.fileno() for _, theirs in pairs]}
-    proc = subprocess.Popen(isolated_command("kvtier.runtime.disk_server", spec),
+    proc = subprocess.Popen(isolated_command("kvtier.tiers.disk.io.server", spec),
                             pass_fds=[pool.shared_fd, *spec["sockets"]],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd=CHILD_CWD,

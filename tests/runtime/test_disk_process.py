@@ -1,4 +1,4 @@
-"""The disk tier served by a child process (kvtier/runtime/disk_process.py).
+"""The disk tier served by a child process (kvtier/tiers/disk/io/process.py).
 
 Real child processes, a real store on disk and the real transfer handlers: the bytes the
 child writes come from the worker's pool memory (a memfd both map), the records it writes are
@@ -21,8 +21,8 @@ import torch
 from kvtier.config import load_config
 from kvtier.config.schema import DiskTierConfig
 from kvtier.manager.specs import LoadStoreSpec, Medium
-from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.disk_process import DiskProcess, DiskProcessGone
+from kvtier.tiers.child import wire
+from kvtier.tiers.disk.io.process import DiskProcess, DiskProcessGone
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskLayoutMismatch, DiskStore, DiskStoreBusy, DiskWriteError
@@ -293,7 +293,7 @@ def test_without_respawn_a_lost_child_stays_lost(pool, tmp_path):
 def test_a_partial_reply_frame_is_refused_where_none_is_expected():
     """PART frames belong to the shared tier's fetches only: on the disk path one is a damaged
     stream, never an answer."""
-    from kvtier.runtime import disk_wire as wire
+    from kvtier.tiers.child import wire
 
     for partial in (False, True):
         a, b = socket.socketpair()

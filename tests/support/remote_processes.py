@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from kvtier.config import load_config
-from kvtier.runtime.remote_process import RemoteIOProcesses
+from kvtier.tiers.remote.io.process import RemoteIOProcesses
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.layout import BlockGeometry
-from kvtier.tiers.remote.connect import remote_keys
+from kvtier.tiers.remote.wire.connect import remote_keys
 from kvtier.tiers.remote.secrets import RemoteSecrets
 
 BLOCK = 256 << 10

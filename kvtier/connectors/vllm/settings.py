@@ -149,7 +149,7 @@ class ConnectorSettings:
 
     def disk_ranks(self) -> list[int]:
         """The ranks whose disk directories hold blocks: every rank's, or rank 0's alone for
-        a replicated layout (the other ranks read it; see runtime/replicated_disk.py)."""
+        a replicated layout (the other ranks read it; see tiers/disk/io/replicated.py)."""
         if self.config.disk is None:
             return []
         return [0] if self.replicated else list(range(self.world_size))

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.runtime.disk_process import DiskProcess
+from kvtier.tiers.disk.io.process import DiskProcess
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.transfer.jobs import DirectionStats
 

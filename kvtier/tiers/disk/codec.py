@@ -13,7 +13,7 @@ import threading
 
 import zstandard
 
-from kvtier.tiers.disk.record import CODEC_NONE, CODEC_ZSTD
+from kvtier.tiers.record import CODEC_NONE, CODEC_ZSTD
 
 COMPRESSIONS = ("none", "zstd")
 

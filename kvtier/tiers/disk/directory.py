@@ -38,7 +38,7 @@ from kvtier.tiers.disk.errors import (
     UnsafeDiskDirectory,
 )
 from kvtier.tiers.disk.catalog.index import BlockIndex, IndexWriter
-from kvtier.tiers.disk.record import FORMAT_VERSION
+from kvtier.tiers.record import FORMAT_VERSION
 from kvtier.tiers.disk.segments import SegmentFiles, open_dir
 from kvtier.tiers.disk.stats import DiskStats, collect, index_dir, segments_dir
 from kvtier.tiers.layout import BlockGeometry

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.catalog.index import IndexEntry
-from kvtier.tiers.disk.record import (
+from kvtier.tiers.record import (
     CODEC_NONE,
     HEADER_BYTES,
     CorruptRecord,

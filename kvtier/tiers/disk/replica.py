@@ -43,7 +43,7 @@ from kvtier.tiers.disk.directory import check_owner_mode
 from kvtier.tiers.disk.errors import DiskIndexUnreadable, DiskLayoutMismatch, NotADiskStore
 from kvtier.tiers.disk.catalog.index import BlockIndex, IndexEntry
 from kvtier.tiers.disk.reader import ReadStatus, read_into
-from kvtier.tiers.disk.record import FORMAT_VERSION
+from kvtier.tiers.record import FORMAT_VERSION
 from kvtier.tiers.disk.segments import SegmentFiles, open_dir
 from kvtier.tiers.disk.stats import index_dir, segments_dir
 from kvtier.tiers.disk.writer import as_bytes_view, valid_key

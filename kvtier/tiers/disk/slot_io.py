@@ -2,7 +2,7 @@
 
 Why a slot-level interface: the disk can be served by this process (``SlotIO`` over a store
 and the pool's memory) or by a separate disk I/O process that maps the same pool memory
-(``kvtier.runtime.disk_process``). Either way the transfer handlers say "write slots S under
+(``kvtier.tiers.disk.io.process``). Either way the transfer handlers say "write slots S under
 keys K" and "read keys K into slots S", and only slot ids cross the boundary, never bytes.
 
 Reads report per-block outcomes instead of raising: a block that cannot be read back

@@ -34,7 +34,7 @@ from kvtier.tiers.disk.codec import BlockCodec
 from kvtier.tiers.disk.errors import DiskWriteError
 from kvtier.tiers.disk.group_commit import GroupCommit
 from kvtier.tiers.disk.catalog.index import BlockIndex, IndexEntry, IndexWriter
-from kvtier.tiers.disk.record import MAX_KEY_BYTES, data_checksum, encode_head, record_length
+from kvtier.tiers.record import MAX_KEY_BYTES, data_checksum, encode_head, record_length
 from kvtier.tiers.disk.segments import Buffer, SegmentFiles
 from kvtier.tiers.layout import LAYOUT_VERSION
 

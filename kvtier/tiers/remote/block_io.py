@@ -23,13 +23,13 @@ from typing import Callable, Sequence
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.disk.codec import BlockCodec
-from kvtier.tiers.disk.record import (CODEC_NONE, HEADER_BYTES, CorruptRecord, data_checksum,
+from kvtier.tiers.record import (CODEC_NONE, HEADER_BYTES, CorruptRecord, data_checksum,
                                       decode_head, encode_head)
 from kvtier.tiers.layout import LAYOUT_VERSION
-from kvtier.tiers.remote import failures
+from kvtier.tiers.remote.wire import failures
 from kvtier.tiers.remote.keys import RemoteKeys
-from kvtier.tiers.remote.nodes import Node, NodeConnections
-from kvtier.tiers.remote.resp import ProtocolError, RespError, command, command_with_value
+from kvtier.tiers.remote.wire.nodes import Node, NodeConnections
+from kvtier.tiers.remote.wire.resp import ProtocolError, RespError, command, command_with_value
 from kvtier.tiers.remote.secrets import MAC_BYTES, RemoteSecrets, record_mac
 
 log = logging.getLogger(__name__)

@@ -23,12 +23,12 @@ import time
 from typing import Callable, Sequence
 
 from kvtier.config.remote import RemoteTierConfig
-from kvtier.tiers.disk.record import HEADER_BYTES, CorruptRecord, decode_head
+from kvtier.tiers.record import HEADER_BYTES, CorruptRecord, decode_head
 from kvtier.tiers.layout import LAYOUT_VERSION
-from kvtier.tiers.remote import failures
+from kvtier.tiers.remote.wire import failures
 from kvtier.tiers.remote.health import RemoteHealth
-from kvtier.tiers.remote.nodes import NodeConnections
-from kvtier.tiers.remote.resp import ProtocolError, RespError, command, key_commands
+from kvtier.tiers.remote.wire.nodes import NodeConnections
+from kvtier.tiers.remote.wire.resp import ProtocolError, RespError, command, key_commands
 from kvtier.tiers.remote.secrets import MAC_BYTES, RemoteSecrets
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.layout import BlockGeometry
-from kvtier.tiers.remote.connect import connect_remote
+from kvtier.tiers.remote.wire.connect import connect_remote
 from kvtier.tiers.remote.directory import RemoteDirectory
 
 

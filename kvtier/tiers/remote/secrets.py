@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass, field
 
 from kvtier.config.remote import RemoteTierConfig
-from kvtier.tiers.remote.redact import redact
+from kvtier.tiers.remote.wire.redact import redact
 
 MAC_BYTES = 32  # keyed BLAKE3's tag
 MIN_KEY_FILE_BYTES = 32

@@ -1,6 +1,6 @@
 """The shared tier's presence checks and upkeep: batched EXISTS / DEL / PING against Redis or
 Valkey, never blocking. (Blocks themselves move through ``block_io.RemoteBlockIO`` in the I/O
-processes of ``runtime/remote_process.py``: values never pass through this client.)
+processes of ``tiers/remote/io/process.py``: values never pass through this client.)
 
 The store owns one asyncio loop in a daemon thread and the redis-py client that lives on it;
 callers on any thread or loop get futures (``submit``) or await them (``call``). Each command
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Sequence, TypeVar
 
 from kvtier.config.remote import RemoteTierConfig
-from kvtier.tiers.remote import failures
+from kvtier.tiers.remote.wire import failures
 from kvtier.tiers.remote.client import make_client
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.keys import RemoteKeys

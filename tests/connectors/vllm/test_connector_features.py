@@ -96,7 +96,7 @@ def test_a_killed_disk_process_is_replaced_and_vllms_stats_say_so(model_dir, tmp
     import os
     import signal
 
-    from kvtier.runtime.disk_process import DiskProcess
+    from kvtier.tiers.disk.io.process import DiskProcess
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=4, disk_dir=tmp_path / "d"))
     store = rig.worker_side(0).runtime.store

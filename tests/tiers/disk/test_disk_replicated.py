@@ -1,5 +1,5 @@
 """A replicated (MLA) KV layout is written to disk once, by rank 0; rank 1 reads rank 0's
-records through a read-only path (tiers/disk/replica.py, runtime/replicated_disk.py).
+records through a read-only path (tiers/disk/replica.py, tiers/disk/io/replicated.py).
 
 Rank 1 runs in its own process (tests/tiers/disk/replica_child.py), as vLLM runs each TP rank, against
 rank 0's store opened here. Before the change every rank wrote its own copy of every block
@@ -33,7 +33,7 @@ from kvtier.manager.factory import build_manager
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.disk import DiskStore, host
-from kvtier.tiers.disk.record import HEADER_BYTES
+from kvtier.tiers.record import HEADER_BYTES
 from support.promotions import is_promotion  # noqa: E402
 
 CHILD = Path(__file__).resolve().parent / "replica_child.py"

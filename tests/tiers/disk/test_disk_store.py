@@ -25,7 +25,7 @@ from kvtier.tiers.disk import (
 )
 from kvtier.tiers.disk import segments as segments_mod
 from kvtier.tiers.disk.catalog.index import IndexWriter
-from kvtier.tiers.disk.record import CODEC_NONE, CODEC_ZSTD, HEADER_BYTES
+from kvtier.tiers.record import CODEC_NONE, CODEC_ZSTD, HEADER_BYTES
 from kvtier.tiers.layout import BlockGeometry
 
 GEO = BlockGeometry(num_layers=2, kv_parts=2, engine_blocks_per_block=1, page_bytes=1024,
@@ -456,7 +456,7 @@ def test_sealed_segment_with_uncommitted_records_is_not_removed(tmp_path):
     """A group's records can sit in a just-sealed segment while an earlier group's commit
     (and its empty-segment sweep) runs; the sweep must not unlink that segment."""
     from kvtier.tiers.disk.catalog.index import IndexEntry
-    from kvtier.tiers.disk.record import encode_head
+    from kvtier.tiers.record import encode_head
     from kvtier.tiers.disk.writer import LAYOUT_VERSION
 
     with DiskStore(tmp_path / "d", GEO, segment_bytes=3 * REC) as s:

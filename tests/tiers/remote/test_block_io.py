@@ -9,7 +9,7 @@ import resource
 
 from kvtier.tiers.remote.block_io import OTHER_VALUE_SLACK
 from kvtier.tiers.remote.secrets import RemoteSecrets
-from kvtier.tiers.remote.slots import SLOTS, key_slot
+from kvtier.tiers.remote.wire.slots import SLOTS, key_slot
 from support.remote_blocks import BLOCK, open_io, read, remote_cfg, write
 from support.valkey_fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
 
@@ -171,7 +171,7 @@ def test_a_put_keeps_a_bounded_window_of_sets_unanswered(valkey, monkeypatch):
     of SETs at once made the scheduler's presence lookups wait behind them. At most
     ``WRITE_WINDOW_BYTES`` (and at least one block) go out unanswered; every block lands."""
     from kvtier.tiers.remote import block_io as block_io_mod
-    from kvtier.tiers.remote.resp import RespConnection
+    from kvtier.tiers.remote.wire.resp import RespConnection
 
     monkeypatch.setattr(block_io_mod, "WRITE_WINDOW_BYTES", 3 * BLOCK)
     in_flight, peak = [0], [0]

@@ -104,7 +104,7 @@ def test_integer_replies_in_bulk_keep_errors_in_step_and_refuse_other_types(valk
     """``read_integers`` parses a pipeline's replies a buffer at a time: an error reply is
     that command's answer (the next ones stay in step); a reply of another type means the
     stream is not what was asked for: the connection is given up."""
-    from kvtier.tiers.remote.resp import (Endpoint, ProtocolError, RespConnection, RespError,
+    from kvtier.tiers.remote.wire.resp import (Endpoint, ProtocolError, RespConnection, RespError,
                                           command, key_commands)
 
     server = valkey()
@@ -128,7 +128,7 @@ def test_integer_replies_in_bulk_keep_errors_in_step_and_refuse_other_types(valk
 def test_a_pipeline_of_thousands_of_small_commands_goes_out_whole(valkey):
     """Small pieces are joined before sending (thousands of commands, far over one
     ``sendmsg``'s 512 buffers), values sent from their own buffers; every command lands."""
-    from kvtier.tiers.remote.resp import Endpoint, RespConnection, command, command_with_value
+    from kvtier.tiers.remote.wire.resp import Endpoint, RespConnection, command, command_with_value
 
     server = valkey()
     conn = RespConnection(Endpoint("127.0.0.1", server.port))

@@ -15,14 +15,14 @@ import pytest
 
 pytest.importorskip("redis", reason="the shared tier needs kvtier's remote extra")
 
-from kvtier.runtime import disk_wire as wire  # noqa: E402
-from kvtier.runtime.child_process import (  # noqa: E402
+from kvtier.tiers.child import wire  # noqa: E402
+from kvtier.tiers.child.process import (  # noqa: E402
     CHILD_CWD,
     child_environment,
     isolated_command,
 )
 from kvtier.tiers.cpu_pool import CpuBlockPool  # noqa: E402
-from kvtier.tiers.remote.connect import remote_keys  # noqa: E402
+from kvtier.tiers.remote.wire.connect import remote_keys  # noqa: E402
 from kvtier.tiers.remote.secrets import RemoteSecrets  # noqa: E402
 from support.remote_processes import SLOTS, geometry, remote_cfg  # noqa: E402
 from support.valkey_fixtures import valkey  # noqa: E402,F401 - the fixture
@@ -43,7 +43,7 @@ def _start(tmp_path, url: str):
             "pool_fd": pool.shared_fd, "socket": theirs.fileno(), "log_level": 30,
             "keys": {"namespace": keys.namespace, "rank": keys.rank,
                      "geometry_fingerprint": keys.fingerprint, "replicated": keys.replicated}}
-    proc = subprocess.Popen(isolated_command("kvtier.runtime.remote_server", spec),
+    proc = subprocess.Popen(isolated_command("kvtier.tiers.remote.io.server", spec),
                             pass_fds=[pool.shared_fd, theirs.fileno()],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd=CHILD_CWD,

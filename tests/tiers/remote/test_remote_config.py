@@ -8,7 +8,7 @@ from kvtier.config import ConfigError, load_config
 from kvtier.manager.factory import build_manager
 from kvtier.tiers.layout import BlockGeometry
 from kvtier.tiers.remote import derive_namespace
-from kvtier.tiers.remote.connect import connect_remote
+from kvtier.tiers.remote.wire.connect import connect_remote
 
 
 def remote(text: str):

@@ -11,7 +11,7 @@ import os
 import signal
 import time
 
-from kvtier.runtime.remote_process import DEADLINE_BASE_S, DEADLINE_SPEED_FLOOR
+from kvtier.tiers.remote.io.process import DEADLINE_BASE_S, DEADLINE_SPEED_FLOOR
 from kvtier.tiers.remote import RemoteKeys, RemoteStore
 from kvtier.tiers.remote.directory import RemoteDirectory
 from kvtier.tiers.remote.exists import PresenceQueries

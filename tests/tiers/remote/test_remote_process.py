@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from kvtier.runtime.remote_process import RemoteIOProcesses
+from kvtier.tiers.remote.io.process import RemoteIOProcesses
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.remote.block_io import RemoteBlockIO
-from kvtier.tiers.remote.connect import connect_remote, remote_keys
+from kvtier.tiers.remote.wire.connect import connect_remote, remote_keys
 from kvtier.tiers.remote.secrets import RemoteSecretError, RemoteSecrets
 from kvtier.tiers.remote.store import RemoteUnavailable
 from support.remote_processes import BLOCK, fill, geometry, keys_of, open_io, remote_cfg
@@ -357,8 +357,8 @@ def test_a_fetch_reports_slots_verified_while_it_runs(tmp_path, valkey):
 
 
 def test_a_partial_reply_that_does_not_fit_its_request_is_junk():
-    from kvtier.runtime import disk_wire as wire
-    from kvtier.runtime.remote_process import _part_positions
+    from kvtier.tiers.child import wire
+    from kvtier.tiers.remote.io.process import _part_positions
 
     assert _part_positions(memoryview(b'{"ready": [0, 3]}'), 4) == [0, 3]
     for junk in (b'{"ready": [4]}', b'{"ready": [-1]}', b'{"ready": "01"}', b'{"ready": [1.0]}',

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kvtier.runtime import disk_wire as wire
+from kvtier.tiers.child import wire
 from support.remote_processes import BLOCK, fill, keys_of, open_io, remote_cfg
 from support.valkey_fixtures import valkey  # noqa: F401 - pytest fixture
 

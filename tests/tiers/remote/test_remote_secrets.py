@@ -23,7 +23,7 @@ from kvtier.tiers.remote.block_io import RemoteBlockIO
 from kvtier.tiers.remote.exists import PresenceQueries
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.keys import RemoteKeys
-from kvtier.tiers.remote.resp import Endpoint, ProtocolError, RespConnection
+from kvtier.tiers.remote.wire.resp import Endpoint, ProtocolError, RespConnection
 from kvtier.tiers.remote.secrets import RemoteSecrets
 from kvtier.tiers.remote.store import RemoteStore
 from support.fake_resp import FakeResp

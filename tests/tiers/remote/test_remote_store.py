@@ -13,9 +13,9 @@ import time
 import pytest
 
 from kvtier.config import load_config
-from kvtier.tiers.disk.record import HEADER_BYTES
+from kvtier.tiers.record import HEADER_BYTES
 from kvtier.tiers.remote import RemoteKeys, RemoteStore, derive_namespace
-from kvtier.tiers.remote.connect import remote_keys
+from kvtier.tiers.remote.wire.connect import remote_keys
 from support.remote_blocks import BLOCK, open_io, read, remote_cfg, write
 from support.valkey_fixtures import cluster, valkey  # noqa: F401 - pytest fixtures
 

@@ -254,7 +254,7 @@ def test_writes_falling_behind_the_cpu_tier_are_counted_and_logged(tmp_path, val
     alone did not say why sharing stopped paying)."""
     import logging
 
-    caplog.set_level(logging.WARNING, logger="kvtier.manager.remote_lag")
+    caplog.set_level(logging.WARNING, logger="kvtier.manager.remote.lag")
     cfg = config(tmp_path, {"url": valkey().url, "max_writes_in_flight": 1})
     first = replay(cfg, trace)
     skipped = first["manager"]["remote_writes_skipped"]

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from kvtier.observe.metrics.exporter import metric_families
-from kvtier.tiers.remote import failures
+from kvtier.tiers.remote.wire import failures
 from kvtier.tiers.remote.block_io import RemoteBlockIO
 from kvtier.tiers.remote.exists import PresenceQueries
 from kvtier.tiers.remote.health import RemoteHealth

@@ -13,7 +13,7 @@ import time
 
 from kvtier.config import load_config
 from kvtier.manager.factory import build_manager
-from kvtier.tiers.disk.record import data_checksum, encode_head
+from kvtier.tiers.record import data_checksum, encode_head
 from kvtier.tiers.layout import LAYOUT_VERSION
 from kvtier.tiers.remote import RemoteKeys, RemoteStore
 from kvtier.tiers.remote.directory import RemoteDirectory

@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from kvtier.config.schema import DiskTierConfig
-from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.child_process import CHILD_CWD, child_environment, isolated_command
+from kvtier.tiers.child import wire
+from kvtier.tiers.child.process import CHILD_CWD, child_environment, isolated_command
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStats, errors
 from kvtier.tiers.layout import BlockGeometry
@@ -134,7 +134,7 @@ class DiskProcess:
         spec = dict(self._spec, sockets=[b.fileno() for _, b in pairs])
         try:
             self._proc = subprocess.Popen(
-                isolated_command("kvtier.runtime.disk_server", spec),
+                isolated_command("kvtier.tiers.disk.io.server", spec),
                 pass_fds=[self._pool_fd, *spec["sockets"]], stdin=subprocess.DEVNULL,
                 cwd=CHILD_CWD, env=child_environment())
         finally:

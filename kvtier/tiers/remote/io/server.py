@@ -1,6 +1,6 @@
 """A shared-tier I/O process: moves blocks between the worker's CPU pool (mapped from its memfd)
 and Redis / Valkey, so neither the bytes nor their parsing and checksums touch the engine's
-process or its GIL (see remote_process.py).
+process or its GIL (see process.py).
 
 Started by the worker (``python -I -c`` calling :func:`main`, cwd ``/``, no PYTHON*
 variables); never by hand. Its command line holds no secret: the ACL password and the MAC key
@@ -18,8 +18,8 @@ import socket
 import sys
 
 from kvtier.config.remote import RemoteTierConfig
-from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.disk_server import MappedSlots
+from kvtier.tiers.child import wire
+from kvtier.tiers.child.slots import MappedSlots
 from kvtier.tiers.remote.block_io import BlockIOStats, RemoteBlockIO
 from kvtier.tiers.remote.keys import RemoteKeys
 from kvtier.tiers.remote.secrets import RemoteSecrets

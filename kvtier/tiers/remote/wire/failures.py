@@ -13,7 +13,7 @@ import logging
 import ssl
 import threading
 
-from kvtier.tiers.remote.resp import AuthFailed
+from kvtier.tiers.remote.wire.resp import AuthFailed
 
 _logged: set[str] = set()
 _lock = threading.Lock()

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 from kvtier.manager.admission import AdmissionPolicy, AdmitAll
 from kvtier.manager.background import BackgroundQueue
 from kvtier.manager.events import BlockAccessed, BlockStored, EventBus
-from kvtier.manager.remote_lag import WriteLagNotice
+from kvtier.manager.remote.lag import WriteLagNotice
 from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec, Medium
 from kvtier.manager.stats import ManagerStats
 from kvtier.manager.index.tier_index import BlockState, Entry, TierIndex

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvtier.tiers.remote.redact import redact
+from kvtier.tiers.remote.wire.redact import redact
 
 READ_CHUNK = 16 << 10  # what a line read asks the kernel for: the start of a value that comes
 # with it is copied twice, so this stays small; the rest of a value lands in place

@@ -4,7 +4,7 @@ to and from Redis / Valkey.
 Why processes: one raw client process moves well under what a Valkey server serves; the ceiling
 is reached with many clients in parallel, each parsing replies and hashing values. In the
 worker's own process that work would take the GIL that vLLM's engine loop needs, once per value
-and per system call. So each child (``remote_server.py``) owns its own connections to every
+and per system call. So each child (``server.py``) owns its own connections to every
 node, receives values straight into the shared CPU pool (``CpuBlockPool(shared=True)``, a memfd
 the child maps), verifies them there, and sends values from there; only slot ids, keys and
 counts cross its Unix socket. A job's blocks are split across the children, which run in
@@ -30,10 +30,10 @@ from dataclasses import asdict
 from typing import Callable, Sequence
 
 from kvtier.config.remote import RemoteTierConfig
-from kvtier.runtime import disk_wire as wire
-from kvtier.runtime.child_process import CHILD_CWD, child_environment, isolated_command
+from kvtier.tiers.child import wire
+from kvtier.tiers.child.process import CHILD_CWD, child_environment, isolated_command
 from kvtier.tiers.cpu_pool import CpuBlockPool
-from kvtier.tiers.remote import failures
+from kvtier.tiers.remote.wire import failures
 from kvtier.tiers.remote.block_io import BlockIOStats, FetchResult
 from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.keys import RemoteKeys
@@ -143,7 +143,7 @@ class RemoteIOProcesses:
         spec = dict(self._spec, socket=theirs.fileno())
         try:
             child.proc = subprocess.Popen(
-                isolated_command("kvtier.runtime.remote_server", spec),
+                isolated_command("kvtier.tiers.remote.io.server", spec),
                 pass_fds=[self.pool.shared_fd, theirs.fileno()], stdin=subprocess.DEVNULL,
                 cwd=CHILD_CWD, env=child_environment())
         except OSError as exc:

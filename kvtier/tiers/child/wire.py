@@ -1,4 +1,4 @@
-"""The frames between a worker and its disk I/O process (see disk_process.py).
+"""The frames between a worker and its I/O processes (the disk tier's and the shared tier's).
 
 Plain length-prefixed binary over a Unix socket pair: slot ids, keys, positions, and JSON for
 stats and errors. Nothing read from the socket is unpickled or evaluated, and every length is

@@ -20,9 +20,9 @@ from typing import Sequence
 from urllib.parse import urlsplit
 
 from kvtier.config.remote import RemoteTierConfig
-from kvtier.tiers.remote.resp import Endpoint, ProtocolError, RespConnection, RespError
+from kvtier.tiers.remote.wire.resp import Endpoint, ProtocolError, RespConnection, RespError
 from kvtier.tiers.remote.secrets import RemoteSecrets
-from kvtier.tiers.remote.slots import SlotMap
+from kvtier.tiers.remote.wire.slots import SlotMap
 
 Node = tuple[str, int]
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The disk I/O process: owns a worker's disk store and moves blocks between it and the
-worker's CPU pool, which it maps from the memfd the worker passed in (see disk_process.py).
+worker's CPU pool, which it maps from the memfd the worker passed in (see process.py).
 
 Started by the worker (``DiskProcess``: ``python -I -c`` calling :func:`main`, isolated from
 the starting directory and PYTHON* variables); never by hand. The spec names the store's
@@ -12,38 +12,18 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import socket
 import sys
 import threading
 
-from kvtier.runtime import disk_wire as wire
+from kvtier.tiers.child import wire
+from kvtier.tiers.child.slots import MappedSlots
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.slot_io import SlotIO
 from kvtier.tiers.layout import BlockGeometry
 
 log = logging.getLogger("kvtier.disk_process")
-
-
-class MappedSlots:
-    """The worker's CPU pool, mapped from its memfd: slot ``i`` is bytes [i*B, (i+1)*B)."""
-
-    def __init__(self, fd: int, num_slots: int, block_bytes: int, populate: bool = False) -> None:
-        self.num_slots = num_slots
-        self.block_bytes = block_bytes
-        # populate: the page tables are filled once at start-up (seconds for a large pool),
-        # not by a fault per 4 KiB page the first time each slot is touched; for a child whose
-        # start nobody waits for, on a path where a fresh hit lands in fresh slots
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        self._map = mmap.mmap(fd, num_slots * block_bytes, flags,
-                              mmap.PROT_READ | mmap.PROT_WRITE)
-        self._view = memoryview(self._map)
-
-    def buffer(self, slot: int) -> memoryview:
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"CPU slot {slot} out of range [0, {self.num_slots})")
-        return self._view[slot * self.block_bytes:(slot + 1) * self.block_bytes]
 
 
 def _handle(op: int, slots: list[int], keys: list[bytes], store: DiskStore, io: SlotIO) -> bytes:
