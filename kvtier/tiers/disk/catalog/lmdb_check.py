@@ -28,6 +28,7 @@ import struct
 from pathlib import Path
 
 import lmdb
+from lmdb import verify as lmdb_verify  # with the rest: not first imported mid-check
 
 from kvtier.tiers.disk.errors import DiskFull, DiskIndexUnreadable, describe_os_error
 from kvtier.tiers.disk.catalog.index import MAX_READERS
@@ -228,8 +229,6 @@ def check_data_file(ix_fd: int, ix_path: Path, root: Path, *, full: bool) -> Non
 
 
 def _verify(ix_fd: int, path: Path, root: Path) -> None:
-    from lmdb import verify as lmdb_verify
-
     try:
         problems = lmdb_verify.verify(f"/proc/self/fd/{ix_fd}/data.mdb", subdir=False) \
             if os.path.isdir("/proc/self/fd") else lmdb_verify.verify(str(path), subdir=False)
