@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from support.stopped import stop
+
 from kvtier.config import load_config
 from kvtier.config.errors import ConfigError
 from kvtier.config.schema import DiskTierConfig
@@ -56,7 +58,7 @@ def test_a_stopped_child_fails_the_load_within_the_deadline_and_is_replaced(pool
     pool.slot(0).fill_(5)
     proc.put_slots([0], [key(1)])
     stopped = proc.pid
-    os.kill(stopped, signal.SIGSTOP)
+    stop(stopped)
     t0 = time.monotonic()
     # two loads at once, one per connection: both come back failed, neither hangs
     results: list = []
@@ -93,13 +95,13 @@ def test_stats_answer_while_a_hung_child_is_being_replaced(pool, proc):
     before = proc.stats()
     assert before.num_blocks == 1
     proc.respawn_after_s = 3600.0  # the replacement is not due while the report runs
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop(proc.pid)
     assert proc.fetch_slots([key(1)], [1])[0] == [0]  # past its deadline: lost
     assert proc.stats() == before
 
 
 def test_a_stopped_child_fails_a_write_within_the_deadline(pool, proc):
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop(proc.pid)
     t0 = time.monotonic()
     with pytest.raises(DiskProcessGone, match="hung"):
         proc.put_slots([0], [key(9)])

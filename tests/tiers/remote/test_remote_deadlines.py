@@ -19,6 +19,7 @@ from kvtier.tiers.remote.health import RemoteHealth
 from kvtier.tiers.remote.secrets import RemoteSecrets
 from support.fake_resp import FakeResp
 from support.remote_blocks import remote_cfg
+from support.stopped import stop
 from support.valkey_fixtures import valkey  # noqa: F401 - a pytest fixture
 
 
@@ -87,7 +88,7 @@ def test_a_stopped_io_process_is_replaced_within_its_byte_budget(tmp_path, valke
         # the old budget: ~one socket timeout per try and block, here over 250 s
         assert io._deadline_s(16) <= DEADLINE_BASE_S + 2 * 16 * BLOCK / DEADLINE_SPEED_FLOOR
         stopped = io._children[0].proc.pid
-        os.kill(stopped, signal.SIGSTOP)
+        stop(stopped)
         try:
             r = io.fetch_slots(keys_of(16), list(range(16, 32)))
         finally:
