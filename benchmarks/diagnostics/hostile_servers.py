@@ -9,9 +9,9 @@ their own processes too, so their buffers do not count in the measured process's
   with an endless array and one with a 1 GB bulk; ``flood_slots_big`` announces 60,000 slot
   entries (under the item cap) with 8 KiB host names each. The production ``RemoteDirectory``
   is asked about batches of 16 keys, polled every 2 ms (what the scheduler does each step):
-  the longest any lookup stays pending, against ``remote.lookup_deadline_s``;
-  the longest one presence batch holds the asker thread; the process's RSS growth (VmHWM after - VmRSS before) over the
-  floods, against 16 MiB.
+  the longest any lookup stays pending, against ``remote.lookup_deadline_s``; the longest one
+  presence batch holds the asker thread; the process's RSS growth (VmHWM after - VmRSS
+  before) over the floods, against 16 MiB.
 * ``stopped_child``: real Valkey, the real ``RemoteIOProcesses`` (4 children, 64 KiB blocks):
   a 256-block fetch with every child answering (the measured speed), then the same fetch with
   one child SIGSTOPped: its wall time against 2 s + 2 x bytes / measured speed.
