@@ -19,6 +19,7 @@ from rig import (  # noqa: E402
 )
 
 from kvtier.connectors.vllm import KVTierConnector  # noqa: E402
+from kvtier.connectors.vllm.metadata import StoreJob  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
 
 
@@ -90,12 +91,12 @@ def test_unregister_waits_for_stores_in_flight(model_dir):
     for _ in range(3):
         rig.loop.step()
     ws = rig.worker_side()
-    assert any(r.kind == "store" for r in ws.jobs.running.values())
+    assert any(isinstance(r, StoreJob) for r in ws.jobs.running.values())
+    t0 = time.monotonic()  # before the gate's timer starts: the wait is measured from here
     threading.Timer(0.3, gate.open).start()
-    t0 = time.monotonic()
     rig.workers[0].unregister_kv_caches()
     assert time.monotonic() - t0 >= 0.25
-    assert not any(r.kind == "store" for r in ws.jobs.running.values())
+    assert not any(isinstance(r, StoreJob) for r in ws.jobs.running.values())
     rig.workers[0].restore_kv_caches()
     settle(rig)
     assert bad_checks(rig) == []
