@@ -159,13 +159,13 @@ class TieredOffloadingManager(OffloadingManager):
         if n < len(keys) and (self.disk is not None or self.remote is not None):
             self._extend_local(keys, tiers)
         if self.remote_tier.extend_lookup(keys, tiers):  # the server's answer is on its way
-            return LookupResult(tuple(tiers[:self._cpu_run(tiers)]), pending=True)
+            return LookupResult(tuple(tiers[:self._cpu_run(tiers, n)]), pending=True)
         if self.cost is not None and tiers:
             keep = self.cost.worth_loading(tiers, ends_prompt and len(tiers) == len(keys))
             for medium in tiers[keep:]:  # resident, but recomputing them is faster
                 self.stats.skipped_slower_than_recompute[medium.value] += 1
             del tiers[keep:]
-        first = self._cpu_run(tiers)
+        first = self._cpu_run(tiers, n)
         if first == len(tiers):
             return LookupResult(tuple(tiers))
         # Blocks below the CPU tier: promoted into it first; the hit is "not yet" until then
@@ -176,10 +176,13 @@ class TieredOffloadingManager(OffloadingManager):
         return LookupResult(tuple(tiers[:first]))
 
     @staticmethod
-    def _cpu_run(tiers: Sequence[Medium]) -> int:
-        """Length of the leading run of CPU hits in ``tiers``."""
-        for i, medium in enumerate(tiers):
-            if medium is not Medium.CPU:
+    def _cpu_run(tiers: Sequence[Medium], known: int) -> int:
+        """Length of the leading run of CPU hits in ``tiers``, whose first ``known`` are CPU
+        hits already (the READY prefix): a plain CPU hit walks no list here."""
+        if len(tiers) <= known:
+            return len(tiers)
+        for i in range(known, len(tiers)):
+            if tiers[i] is not Medium.CPU:
                 return i
         return len(tiers)
 

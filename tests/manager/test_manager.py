@@ -18,7 +18,7 @@ from kvtier.manager.events import BlockRemoved, BlockStored
 from kvtier.manager.specs import Medium, RequestContext
 from kvtier.manager.index.tier_index import BlockState
 from kvtier.manager.tiered import TieredOffloadingManager
-from support.promotions import is_promotion, lookup_promoted, settle_promotions
+from support.promotions import is_promotion, settle_promotions
 
 
 def k(i: int) -> bytes:

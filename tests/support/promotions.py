@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Collection, Sequence
 
-from kvtier.manager.specs import BackgroundTransfer, BlockKey, LookupResult, Medium
+from kvtier.manager.specs import BackgroundTransfer, BlockKey, LookupResult
+from kvtier.runtime.load_job import is_promotion as promotes
 
 
 def is_promotion(t: BackgroundTransfer) -> bool:
-    return t.dst.medium is Medium.CPU and t.src.medium in (Medium.DISK, Medium.REMOTE)
+    return promotes(t.src.medium, t.dst.medium)
 
 
 def _tiered(m):
