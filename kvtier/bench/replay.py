@@ -19,6 +19,7 @@ about the path vLLM runs.
 
 from __future__ import annotations
 
+import os
 import time
 from array import array
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from kvtier.bench.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.config import KvtierConfig
 from kvtier.observe.events import EventPublisher, ManagerFeed, MetadataCache
 from kvtier.manager.factory import build_manager
+from kvtier.manager.host import open_host_tier
 from kvtier.manager.specs import BackgroundTransfer, LoadStoreSpec, Medium, RequestContext
 from kvtier.observe.metrics import MetricsExporter
 from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops,
@@ -157,14 +159,18 @@ class Replay:
         self.gpu = {f"layer.{i}": torch.zeros((2, gpu_blocks, g.page_bytes), dtype=torch.uint8)
                     for i in range(g.num_layers)}
         self.view = GpuKvView(self.gpu, layout="kv_first")
-        self.worker = WorkerRuntime.create(config, self.view, g)
+        instance = f"bench-{os.getpid()}-{id(self):x}"  # the host tier's name for this run
+        self.worker = WorkerRuntime.create(config, self.view, g, instance=instance)
         # a trace block is one kvtier block of 512 tokens, whatever block_tokens the YAML says
         # (the manager's cost model prices recompute per block with it)
         # the presence directory on its own connection, as the connector's scheduler side opens
         # it; the worker's I/O processes move the bytes
         self.remote = open_remote_directory(config.remote, g, world_size=1, replicated=False)
+        self.host = (open_host_tier(config, g.fingerprint(), g.block_bytes, instance)
+                     if config.host is not None else None)
         self.manager = build_manager(replace(config, block_tokens=TRACE_BLOCK_TOKENS),
-                                     g.block_bytes, self.worker.disk_keys(), remote=self.remote)
+                                     g.block_bytes, self.worker.disk_keys(), remote=self.remote,
+                                     host=self.host)
         self.lookup_wait_s = 0.0  # time lookups answered "not yet" (presence, promotions)
         self.call_timer = call_timer
         self._scheduler_call = call_timer.call if call_timer is not None else _untimed
@@ -391,6 +397,8 @@ class Replay:
         if self.remote is not None:
             self.remote.close()
             self.remote.store.close()
+        if self.host is not None:
+            self.host.close()
         self.worker.close()
 
 

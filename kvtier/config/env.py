@@ -45,6 +45,8 @@ ENV_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "KVTIER_REMOTE_URL": ("tiers.remote.url", str),
     "KVTIER_REMOTE_NODES": ("tiers.remote.nodes", str),
     "KVTIER_REMOTE_NAMESPACE": ("tiers.remote.namespace", str),
+    "KVTIER_HOST_CAPACITY": ("tiers.host.capacity", str),
+    "KVTIER_HOST_DIR": ("tiers.host.dir", str),
     "KVTIER_STORE_THRESHOLD": ("admission.store_threshold", _env_int),
     "KVTIER_OFFLOAD_RATIO": ("admission.offload_ratio", _env_float),
     "KVTIER_EVENTS_ENDPOINT": ("events.endpoint", str),

@@ -61,6 +61,8 @@ from kvtier.config.schema import (
     CostConfig,
     CpuTierConfig,
     DiskTierConfig,
+    HostTierConfig,
+    default_host_dir,
     EventsConfig,
     KvtierConfig,
     MetricsConfig,
@@ -121,6 +123,7 @@ class _Builder(_Reader):
                                       lambda s: s >= 0),
         )
         disk = self.build_disk() if "tiers.disk" in self.items else None
+        host = self.build_host(cpu.capacity) if "tiers.host" in self.items else None
         remote = (build_remote(self, ADMISSION_POLICIES, COMPRESSIONS)
                   if "tiers.remote" in self.items else None)
         admission = AdmissionConfig(
@@ -144,7 +147,7 @@ class _Builder(_Reader):
             for key, item in self.items.items()
         }
         return KvtierConfig(block_tokens=block_tokens, gil_switch_interval_ms=switch_ms,
-                            cpu=cpu, disk=disk, remote=remote, admission=admission,
+                            cpu=cpu, disk=disk, remote=remote, host=host, admission=admission,
                             stats=stats, events=events, metrics=metrics, cost=cost,
                             source=self.source,
                             origins=origins)
@@ -224,6 +227,32 @@ class _Builder(_Reader):
                       f"{name!r} contradicts store_threshold: {store_threshold}",
                       "threshold (or drop store_threshold)")
         return name
+
+    def build_host(self, cpu_capacity: int) -> HostTierConfig:
+        """``tiers.host``: the pool holds at least this instance's region (its CPU tier) and
+        fits in this machine's memory."""
+        key = "tiers.host.capacity"
+        if key not in self.items:
+            self.fail(key, None, "missing: the host tier's pool size", SIZE_ALLOWED)
+        capacity = self.get_size(key, 0)
+        memory = physical_memory()
+        if memory is not None and capacity > memory:
+            self.fail(key, self.items[key], f"{format_size(capacity)} is more than this "
+                      f"machine's memory ({format_size(memory)})",
+                      f"{SIZE_ALLOWED}, below {format_size(memory)}")
+        if capacity < cpu_capacity:
+            self.fail(key, self.items[key], f"{format_size(capacity)} cannot hold this "
+                      f"instance's region, tiers.cpu.capacity = {format_size(cpu_capacity)}",
+                      f"{SIZE_ALLOWED}, at least tiers.cpu.capacity (the sum over the "
+                      "host's instances)")
+        group = self.get_str("tiers.host.group", None, "a group name or null", nullable=True)
+        return HostTierConfig(
+            capacity=capacity,
+            dir=self.get_path("tiers.host.dir") or default_host_dir(),
+            group=group,
+            idle_exit_s=self.get_float("tiers.host.idle_exit_s", 600.0,
+                                       "a number of seconds >= 0", lambda s: s >= 0),
+        )
 
     def build_disk(self) -> DiskTierConfig:
         path = self.get_path("tiers.disk.path")

@@ -35,8 +35,9 @@ _ADMISSION = "admission policy"
 _LAYOUT: dict[str, tuple[str, ...]] = {
     "": ("block_tokens", "gil_switch_interval_ms", "tiers", "admission", "stats", "events",
          "metrics", "cost"),
-    "tiers": ("cpu", "disk", "remote"),
+    "tiers": ("cpu", "disk", "remote", "host"),
     "tiers.cpu": ("capacity", "eviction", "pin", "admission", "pin_wait_s"),
+    "tiers.host": ("capacity", "dir", "group", "idle_exit_s"),
     "tiers.disk": ("path", "capacity", "eviction", "compression", "zstd_level", "fsync",
                    "segment_bytes", "store_threshold", "admission", "io_process",
                    "request_timeout_s"),
@@ -51,7 +52,7 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
 }
 
 # Sections that exist only when configured: a KVTIER_* variable for one of their keys enables it.
-_OPTIONAL_SECTIONS = ("tiers.disk", "tiers.remote", "events", "metrics", "cost")
+_OPTIONAL_SECTIONS = ("tiers.disk", "tiers.remote", "tiers.host", "events", "metrics", "cost")
 
 
 @dataclass(frozen=True)

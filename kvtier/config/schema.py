@@ -8,6 +8,7 @@ then and still cites the config line the value came from (kept in ``origins``).
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -70,6 +71,28 @@ class CpuTierConfig:
     pin: bool | None = None  # None: pin when CUDA is available
     admission: str = "all"  # which new blocks are written: all | threshold (2nd sighting) | reuse_gate
     pin_wait_s: float = DEFAULT_PIN_WAIT_S  # start-up waits this long for the pool's pinning
+
+
+def default_host_dir() -> Path:
+    """Where the host tier's socket lives unless ``tiers.host.dir`` says: per user, in
+    memory (``/dev/shm``), so a reboot leaves nothing stale behind."""
+    return Path(f"/dev/shm/kvtier-host-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    """One CPU pool per host shared by every instance on it (``kvtier/tiers/host/``): each
+    instance's CPU tier (``tiers.cpu.capacity``) is its region of this pool."""
+
+    capacity: int  # the whole pool: at least the sum of the instances' tiers.cpu.capacity
+    dir: Path = field(default_factory=default_host_dir)
+    group: str | None = None  # a group whose members' instances may share it (else: the user)
+    idle_exit_s: float = 600.0  # the service exits this long after its last instance
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", Path(self.dir))
+        if not self.idle_exit_s >= 0:
+            raise ValueError("tiers.host.idle_exit_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -219,6 +242,7 @@ class KvtierConfig:
     cpu: CpuTierConfig = field(default_factory=lambda: CpuTierConfig(DEFAULT_CPU_CAPACITY))
     disk: DiskTierConfig | None = None
     remote: RemoteTierConfig | None = None
+    host: HostTierConfig | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     stats: StatsConfig = field(default_factory=StatsConfig)
     events: EventsConfig | None = None
@@ -242,6 +266,8 @@ class KvtierConfig:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         one = f"at least one block: {format_size(block_bytes)} ({block_bytes} bytes)"
         tiers = [("tiers.cpu.capacity", self.cpu.capacity)]
+        if self.host is not None:
+            tiers.append(("tiers.host.capacity", self.host.capacity))
         if self.disk is not None:
             tiers.append(("tiers.disk.capacity", self.disk.capacity))
         for key, value in tiers:
@@ -273,6 +299,10 @@ class KvtierConfig:
             f"than half of this machine's {format_size(memory)}",
             f"tiers totalling at most {format_size(most)} at this block size")
 
+    def host_slots(self, block_bytes: int) -> int:
+        """Slots of the host tier's pool (0 without one)."""
+        return 0 if self.host is None else self.host.capacity // block_bytes
+
     def cpu_slots(self, block_bytes: int) -> int:
         return self.cpu.capacity // block_bytes
 
@@ -291,6 +321,8 @@ class KvtierConfig:
         out.pop("origins")
         if self.disk is not None:
             out["disk"]["path"] = str(self.disk.path)
+        if self.host is not None:
+            out["host"]["dir"] = str(self.host.dir)
         snapshot = self.stats.snapshot_path
         out["stats"]["snapshot_path"] = None if snapshot is None else str(snapshot)
         return out

@@ -29,7 +29,8 @@ class CpuEviction:
 
     def __init__(self, *, cpu: TierIndex, admission: AdmissionPolicy, disk_backed: bool,
                  health: DiskHealth, stats: ManagerStats, events: EventBus, budget: int,
-                 declines_test: Callable[[], Callable[[BlockKey], bool] | None]) -> None:
+                 declines_test: Callable[[], Callable[[BlockKey], bool] | None],
+                 retire: Callable[[Sequence[BlockKey]], set] | None = None) -> None:
         self.cpu = cpu
         self.admission = admission
         self.disk_backed = disk_backed
@@ -38,6 +39,9 @@ class CpuEviction:
         self.events = events
         self.budget = budget
         self._declines_test = declines_test
+        # host tier: takes the victims back from the other instances first; those being
+        # read there stay (``HostTier.retire``)
+        self._retire = retire
         # The last eviction had to drop dirty blocks: the next one searches only as deep as
         # the blocks demotions made clean since (none: it takes the coldest straight away).
         self.write_back_behind = False
@@ -80,15 +84,20 @@ class CpuEviction:
             self.stats.evicted_unwritten += unwritten
             self.write_back_behind = unwritten > 0
             self._cleaned_since_behind = 0
-        self._drop(victims)
-        return victims
+        return self._drop(victims)
 
-    def _drop(self, keys: Sequence[BlockKey]) -> None:
-        """Evict ``keys`` from the CPU tier: one event for the batch, not one per block."""
+    def _drop(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Evict ``keys`` from the CPU tier (but those another instance is reading): one
+        event for the batch, not one per block. Returns the keys evicted."""
+        if self._retire is not None and keys:
+            busy = self._retire(keys)
+            if busy:
+                keys = [k for k in keys if k not in busy]
         gone = self.cpu.remove_many(keys)
         self.admission.on_evicts(gone)
         self.stats.evicted_blocks["CPU"] += len(gone)
         self.events.emit(BlockRemoved(Medium.CPU, tuple(gone)))
+        return gone
 
     def make_room(self, n: int) -> bool:
         """Evict until ``n`` CPU slots are free; whether they are."""

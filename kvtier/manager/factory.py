@@ -46,11 +46,13 @@ def build_manager(
     stale_disk_keys: Iterable[BlockKey] = (),
     *,
     remote=None,
+    host=None,
 ) -> OffloadingManager:
     """``TieredOffloadingManager`` sized for ``block_bytes`` blocks, wrapped by the admission
     the config asks for. ``stale_disk_keys``: records found on some ranks only, deleted on
     every rank. ``remote``: the shared tier's ``RemoteDirectory`` when ``tiers.remote`` is
-    configured. Callers use only the ``OffloadingManager`` contract."""
+    configured; ``host``: the instance's ``HostTier`` (``manager/host.py``) when ``tiers.host``
+    is. Callers use only the ``OffloadingManager`` contract."""
     config.check_block_bytes(block_bytes)
     cpu_blocks = config.cpu_slots(block_bytes)
     disk = config.disk
@@ -70,6 +72,7 @@ def build_manager(
         stale_disk_keys=stale_disk_keys,
         cost=build_cost_model(config, block_bytes),
         block_bytes=block_bytes,
+        host=host,
         **_remote_args(config, block_bytes, remote),
     )
     adm = config.admission

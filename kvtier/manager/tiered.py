@@ -43,6 +43,7 @@ from kvtier.manager.events import BlockAccessed, BlockRemoved, BlockStored, Even
 from kvtier.manager.policies import make_policy
 from kvtier.manager.remote.tier import RemoteTier
 from kvtier.manager.hints import HintBook, RetentionHint
+from kvtier.manager.host import HostTier
 from kvtier.manager.retention import RetentionHints
 from kvtier.manager.specs import (
     BackgroundTransfer,
@@ -83,8 +84,13 @@ class TieredOffloadingManager(OffloadingManager):
         remote_max_writes: int = 256,
         remote_capacity_blocks: int | None = None,
         block_bytes: int = 0,
+        host: HostTier | None = None,
     ) -> None:
-        self.cpu = TierIndex(Medium.CPU, cpu_blocks, make_policy(cpu_eviction, cpu_blocks), True)
+        base = host.base if host is not None else 0  # the region's slots in the host's pool
+        self.host = host
+        self.cpu = TierIndex(Medium.CPU, cpu_blocks,
+                             make_policy(cpu_eviction, cpu_blocks, handle_limit=base + cpu_blocks),
+                             True, first_handle=base)
         self.disk = (
             TierIndex(Medium.DISK, disk_blocks, make_policy(disk_eviction, disk_blocks), False)
             if disk_blocks > 0
@@ -117,7 +123,8 @@ class TieredOffloadingManager(OffloadingManager):
             # how far past the batch an eviction looks for a block it can drop losslessly:
             # the flush window and the demotions in flight (write-back keeps those clean), twice
             budget=2 * (self.writeback.flush_reserve + self.writeback.max_demotions_in_flight),
-            declines_test=self.writeback.declines_test)
+            declines_test=self.writeback.declines_test,
+            retire=host.retire if host is not None else None)
         self.remote = remote  # a RemoteDirectory, or None without a shared tier
         self.remote_tier = RemoteTier(
             remote, admission=remote_admission, max_writes=remote_max_writes,
@@ -156,7 +163,8 @@ class TieredOffloadingManager(OffloadingManager):
                 self.disk_admission.record_lookup(keys)
         n = self.cpu.ready_prefix(keys)
         tiers: list[Medium] = [Medium.CPU] * n
-        if n < len(keys) and (self.disk is not None or self.remote is not None):
+        if n < len(keys) and (self.disk is not None or self.remote is not None
+                              or self.host is not None):
             self._extend_local(keys, tiers)
         if self.remote_tier.extend_lookup(keys, tiers):  # the server's answer is on its way
             return LookupResult(tuple(tiers[:self._cpu_run(tiers, n)]), pending=True)
@@ -187,12 +195,18 @@ class TieredOffloadingManager(OffloadingManager):
         return len(tiers)
 
     def _extend_local(self, keys: Sequence[BlockKey], tiers: list[Medium]) -> None:
-        """Extend ``tiers`` past the READY CPU prefix: READY CPU blocks, blocks being promoted
-        (their source tier) and disk blocks, up to the first key none of those holds."""
+        """Extend ``tiers`` past the READY CPU prefix: READY CPU blocks, other instances'
+        blocks in the host tier (CPU hits too), blocks being promoted (their source tier) and
+        disk blocks, up to the first key none of those holds."""
         cpu, disk, promotions = self.cpu, self.disk, self.remote_tier.promotions
-        for key in keys[len(tiers):]:
+        rest = keys[len(tiers):]
+        elsewhere = self.host.held(rest) if self.host is not None else None
+        for i, key in enumerate(rest):
             entry = cpu.get(key)
-            if entry is not None:
+            if elsewhere is not None and elsewhere[i] and (
+                    entry is None or entry.state is not BlockState.READY):
+                tiers.append(Medium.CPU)
+            elif entry is not None:
                 if entry.state is BlockState.READY:
                     tiers.append(Medium.CPU)
                 elif entry.promoted:
@@ -215,7 +229,7 @@ class TieredOffloadingManager(OffloadingManager):
         if not wanted:
             return promoting
         # the hit's READY blocks must not make room for the rest of it
-        held = [k for k, m in zip(keys, tiers) if m is Medium.CPU]
+        held = [k for k, m in zip(keys, tiers) if m is Medium.CPU and self.cpu.is_ready(k)]
         for key in held:
             self.cpu.ready(key).readers += 1
         try:
@@ -294,13 +308,28 @@ class TieredOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
         slots = self.cpu.pin_ready_prefix(keys)  # CPU handles are slot ids
-        got = list(keys[:len(slots)])
+        theirs: list[BlockKey] = []  # other instances' blocks (host tier): no local state
+        if len(slots) < len(keys) and self.host is not None:
+            rest = keys[len(slots):]
+            more, theirs = self.host.pin(rest, [self.cpu.is_ready(k) for k in rest],
+                                         lambda k: self.cpu.pin_ready_prefix((k,))[0])
+            slots += more
+        plan = LoadPlan(tuple(keys[:len(slots)]), tuple(slots))
+        got = list(plan.keys)
+        if theirs:  # counted here, announced and ordered by the instance that holds them
+            self.stats.hit_blocks["CPU"] += len(theirs)
+            theirs_set = set(theirs)
+            mine = [i for i, k in enumerate(got) if k not in theirs_set]
+            got, slots = [got[i] for i in mine], [slots[i] for i in mine]
         sources: tuple[Medium, ...] = ()
         if self._promoted_from:  # blocks promoted for this load: counted as their tier's hits
             pop = self._promoted_from.pop
-            origin = [pop(key, Medium.CPU) for key in got]
+            origin = [pop(key, Medium.CPU) for key in plan.keys]
             if any(m is not Medium.CPU for m in origin):
                 sources = tuple(origin)
+                plan = LoadPlan(plan.keys, plan.cpu_slots, sources)
+                if theirs:
+                    sources = tuple(origin[i] for i in mine)
         self.cpu_admission.on_hits(got)
         # Last-to-first, so the prefix's first block ends up the most recent: it is needed
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
@@ -320,7 +349,7 @@ class TieredOffloadingManager(OffloadingManager):
         else:
             self.stats.hit_blocks["CPU"] += len(got)
             self.events.emit(BlockAccessed(Medium.CPU, tuple(got)))
-        return LoadPlan(tuple(got), tuple(slots), sources)
+        return plan
 
     def peek_cpu_slots(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
         return tuple(self.cpu.ready_handles(keys))
@@ -335,7 +364,8 @@ class TieredOffloadingManager(OffloadingManager):
         # A load only read its CPU slots: the pins drop, failed or not. A key whose read
         # failed is forgotten once nothing else reads it (a CPU -> GPU copy that failed is not
         # a failed key: the caller reports only keys whose tier could not be read).
-        self.stats.protocol_errors += len(self.cpu.unpin_ready(keys))
+        own = self.host.unpin(keys) if self.host is not None else keys
+        self.stats.protocol_errors += len(self.cpu.unpin_ready(own))
         failed = set(failed)
         forgotten: list[BlockKey] = []
         for key in failed:
@@ -345,8 +375,11 @@ class TieredOffloadingManager(OffloadingManager):
             # disk under this key (issue 14.1)
             if (entry is not None and entry.readers == 0 and not entry.flushing
                     and entry.state is BlockState.READY):
-                self.cpu.remove(key)
                 forgotten.append(key)
+        if forgotten and self.host is not None:  # another instance may be reading it
+            busy = self.host.retire(forgotten)
+            forgotten = [k for k in forgotten if k not in busy]
+        self.cpu.remove_many(forgotten)
         self.events.emit(BlockRemoved(Medium.CPU, tuple(forgotten)))  # it was announced
         self.stats.failed_loads += len(failed)
         self.stats.failed_loads_transient += len(failed.intersection(transient))
@@ -386,6 +419,7 @@ class TieredOffloadingManager(OffloadingManager):
                                   self._clock() - started)
         self.writeback.drop_everywhere(unreadable)
         self.events.emit(BlockStored(Medium.CPU, tuple(published)))
+        self._publish(published)
         self.writeback.plan(completion=True)
 
     def _release_disk_reader(self, key: BlockKey, bad: bool) -> bool:
@@ -417,6 +451,11 @@ class TieredOffloadingManager(OffloadingManager):
             self.cpu.access(resident)
         else:
             wanted = self._admitted(keys)
+        if self.host is not None and wanted:  # another instance holds it: one copy per host
+            held = self.host.held(wanted)
+            if any(held):
+                self.host.store_skipped_held += sum(held)
+                wanted = [k for k, h in zip(wanted, held) if not h]
         evicted: list[BlockKey] = []
         need = len(wanted) - self.cpu.free_count
         if need > 0:
@@ -468,10 +507,18 @@ class TieredOffloadingManager(OffloadingManager):
             self.stats.stored_blocks["CPU"] += len(stored)
             self.events.emit(BlockStored(Medium.CPU, tuple(stored)))
             self.remote_tier.queue_writes(stored)
+            self._publish(stored)
         else:
             self.cpu.remove_many(stored)
             self.stats.failed_stores["CPU"] += len(stored)
         self.writeback.plan(completion=True)
+
+    def _publish(self, keys: Sequence[BlockKey]) -> None:
+        """Blocks whose bytes are complete on every rank: readable by the host's other
+        instances (host tier)."""
+        if self.host is not None and keys:
+            get = self.cpu.get
+            self.host.publish(keys, [get(k).slot for k in keys])
 
     # ------------------------------------------------------------------ background work
     def take_background_transfers(self) -> list[BackgroundTransfer]:
@@ -519,4 +566,5 @@ class TieredOffloadingManager(OffloadingManager):
     def pins(self) -> int:
         """Outstanding pins across tiers (0 when nothing is in flight; tests check leaks)."""
         n = self.cpu.pins() + (self.disk.pins() if self.disk is not None else 0)
+        n += self.host.pins() if self.host is not None else 0
         return n + len(self.background)

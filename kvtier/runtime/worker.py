@@ -10,6 +10,7 @@ background moves): there is no second, bench-only way to submit a job.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from kvtier.tiers.remote.io.process import RemoteIOProcesses
 from kvtier.runtime.gil import SwitchInterval
 from kvtier.tiers.disk.io.replicated import ReplicatedDisk
 from kvtier.tiers.cpu_pool import CpuBlockPool
+from kvtier.tiers.host import HostAddress, HostClient
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.errors import DiskIndexUnreadable
 from kvtier.tiers.gpu_view import GpuKvView
@@ -45,6 +47,21 @@ def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
     return [GpuToCpuHandler(view, pool), CpuToGpuHandler(view, pool)]
 
 
+def attach_host_pool(config: KvtierConfig, fingerprint: str, geometry: BlockGeometry,
+                     rank: int, instance: str) -> tuple[HostClient, int]:
+    """Connect this rank to the host tier (starting its service if none runs) and take its
+    rank's pool: the connection (held for the rank's life: its end tells the service the
+    rank is gone) and the pool's file descriptor."""
+    client = HostClient.connect(HostAddress.from_config(config.host, fingerprint,
+                                                        geometry.block_bytes),
+                                instance or f"pid-{os.getpid()}")
+    try:
+        return client, client.attach(rank, geometry.block_bytes)
+    except OSError:
+        client.close()
+        raise
+
+
 @dataclass
 class WorkerRuntime:
     geometry: BlockGeometry
@@ -54,19 +71,24 @@ class WorkerRuntime:
     remote: RemoteIOProcesses | None = None  # the shared tier's I/O (tiers/remote/io/process.py)
     replica: ReplicatedDisk | None = None  # rank > 0 of a replicated layout: rank 0's disk
     switch: SwitchInterval | None = None  # lowered GIL switch interval, put back on close
+    host: HostClient | None = None  # the host tier's connection: held while this rank lives
 
     @classmethod
     def create(cls, config: KvtierConfig, view: GpuKvView, geometry: BlockGeometry, *,
                rank: int = 0, world_size: int = 1, rank0_geometry: BlockGeometry | None = None,
                replicated: bool = False, rank0_disk: Path | None = None,
-               fill: str = "now") -> "WorkerRuntime":
+               fill: str = "now", instance: str = "",
+               host_fingerprint: str = "") -> "WorkerRuntime":
         """``replicated``: every rank holds the same bytes (MLA), so the shared tier keeps one
         value per block: rank 0 writes it (under ``rank0_geometry``, rank 0's), every rank
         reads it. The disk tier too, when ``rank0_disk`` (rank 0's directory) is given: a rank
         > 0 reads rank 0's records and writes none (see tiers/disk/io/replicated.py). ``fill``: when
         the CPU pool allocates its chunks after the first (``CpuBlockPool``); vLLM's worker
         passes ``"on_start"`` and starts it once vLLM's start-up is over, since page-locking
-        holds up the process's other CUDA calls meanwhile."""
+        holds up the process's other CUDA calls meanwhile. ``instance``: the engine this rank
+        belongs to (the host tier: the name its scheduler registered its region under);
+        ``host_fingerprint``: the model geometry its host tier serves (rank 0's, the same for
+        every rank; default: this rank's)."""
         config.check_block_bytes(geometry.block_bytes)
         d = config.disk
         reads_rank0 = replicated and rank > 0 and rank0_disk is not None  # tiers/disk/io/replicated.py
@@ -77,8 +99,14 @@ class WorkerRuntime:
         # after start-up would run while the I/O processes read into it, and a fresh
         # instance's first REMOTE promotion would wait for the registration (figures:
         # docs/design-measurements.md). A private pool defers as asked.
-        pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes), pin=config.cpu.pin,
-                            shared=shared, fill="now" if shared else fill)
+        host = None
+        if config.host is not None:  # the host's pool: every slot id of it, mapped and pinned
+            host, fd = attach_host_pool(config, host_fingerprint or geometry.fingerprint(),
+                                        geometry, rank, instance)
+            pool = CpuBlockPool(geometry, host.total_slots, pin=config.cpu.pin, pool_fd=fd)
+        else:
+            pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes),
+                                pin=config.cpu.pin, shared=shared, fill="now" if shared else fill)
         store = replica = None
         handlers = gpu_handlers(view, pool)
         if d is not None:
@@ -110,7 +138,7 @@ class WorkerRuntime:
                                        RemoteSecrets.load(config.remote))
             handlers += [CpuToRemoteHandler(pool, remote, write=rank == 0 or not replicated),
                          RemoteToCpuHandler(pool, remote)]
-        rt = cls(geometry, pool, store, TransferEngine(handlers), remote, replica)
+        rt = cls(geometry, pool, store, TransferEngine(handlers), remote, replica, host=host)
         rt.switch = SwitchInterval(config.gil_switch_interval_ms)
         return rt
 
@@ -132,3 +160,6 @@ class WorkerRuntime:
             self.replica.close()
         if self.remote is not None:
             self.remote.close()
+        if self.host is not None:
+            self.host.close()
+            self.host = None

@@ -64,10 +64,13 @@ class CpuBlockPool:
         background: bool = True,
         shared: bool = False,
         fill: str = "now",
+        pool_fd: int | None = None,
     ) -> None:
         """``background``: chunks after the first are allocated by a thread (False: all of
         them here). ``fill``: when that thread starts: ``"now"``, or ``"on_start"`` at
-        ``start_filling()`` or the first need of a chunk not allocated yet (module docstring)."""
+        ``start_filling()`` or the first need of a chunk not allocated yet (module docstring).
+        ``pool_fd``: the memory to map instead of a new ``memfd`` (shared; this pool owns the
+        descriptor from now on): the host tier's pool, which its service created."""
         if num_slots <= 0:
             raise ValueError(f"CPU pool needs at least one slot, got {num_slots}")
         if fill not in FILL_MODES:
@@ -81,9 +84,17 @@ class CpuBlockPool:
         self.slots_per_chunk = max(1, chunk_bytes // geometry.block_bytes)
         self.shared_fd: int | None = None  # the memfd another process maps (shared=True)
         self._map: mmap.mmap | None = None
-        if shared:
+        if pool_fd is not None:
+            size = os.fstat(pool_fd).st_size
+            if size < self.capacity_bytes:
+                os.close(pool_fd)
+                raise ValueError(f"the CPU pool's memory holds {size} bytes, {num_slots} slots "
+                                 f"need {self.capacity_bytes}")
+            shared, self.shared_fd = True, pool_fd
+        elif shared:
             self.shared_fd = os.memfd_create("kvtier-cpu-pool", os.MFD_CLOEXEC)
             os.ftruncate(self.shared_fd, self.capacity_bytes)  # pages come on first touch
+        if shared:
             self._map = mmap.mmap(self.shared_fd, self.capacity_bytes, mmap.MAP_SHARED,
                                   mmap.PROT_READ | mmap.PROT_WRITE)
             # a registration outlives its mapping unless undone: a later pool mapped at the

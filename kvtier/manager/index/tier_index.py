@@ -43,27 +43,35 @@ class TierIndex:
     """Entries, eviction order and capacity of one tier (its walks: ``TierWalks``)."""
 
     def __init__(self, medium: Medium, capacity_blocks: int, policy: EvictionPolicy,
-                 with_slots: bool) -> None:
+                 with_slots: bool, first_handle: int = 0) -> None:
+        """``first_handle``: the tier's handles are ``first_handle ..`` + capacity (the CPU
+        tier's region of a host tier pool, whose slot ids are the pool's)."""
         if capacity_blocks <= 0:
             raise ValueError(f"{medium.value} tier capacity must be at least one block")
+        if first_handle < 0:
+            raise ValueError(f"{medium.value}: first handle must be >= 0, got {first_handle}")
         n = self.capacity = capacity_blocks
-        if getattr(policy, "capacity", n) < n:  # handles (< n) index the policy's columns
-            raise ValueError(f"{medium.value}: eviction policy sized for {policy.capacity} "
-                             f"blocks, tier holds {n}")
+        end = self.handle_end = first_handle + n
+        # handles (< end) index the policy's columns
+        limit = getattr(policy, "handle_limit", getattr(policy, "capacity", end))
+        if limit < end:
+            raise ValueError(f"{medium.value}: eviction policy sized for handles below "
+                             f"{limit}, tier's go up to {end}")
         self.medium = medium
         self.policy = policy
         self.with_slots = with_slots
         self._handles = KeyShards(n)  # key -> handle
         self._shards, self._nshards = self._handles.shards, self._handles.n
         self._len = 0
-        self.columns = TierColumns(n, with_slots)
+        self.columns = TierColumns(end, with_slots)
         # the columns bound once: _FREE / _WRITING / _READY, flag bits, pin counts
         self._state, self._flags = self.columns.state, self.columns.flags
         self._readers = self.columns.readers
-        # Free handles, chained: _free_next[h] is the next free one; n ends the chain. The
-        # lowest handle goes first while the tier fills (the CPU pool fills front to back).
-        self._free_next = array("i", range(1, n + 1))
-        self._free_head = 0
+        # Free handles, chained: _free_next[h] is the next free one; ``end`` ends the chain.
+        # The lowest handle goes first while the tier fills (the CPU pool fills front to back).
+        self._free_next = array("i", bytes(4 * first_handle)) + array(
+            "i", range(first_handle + 1, end + 1))
+        self._free_head = first_handle
         self._walks = TierWalks(self._shards, self.columns)
         self.entries = Entries(self)
 
@@ -295,7 +303,7 @@ class TierIndex:
     def free_handles(self) -> list[int]:
         """The free chain, in the order it hands handles out. O(capacity): checks only."""
         out, h = [], self._free_head
-        while h < self.capacity and len(out) <= self.capacity:
+        while h < self.handle_end and len(out) <= self.capacity:
             out.append(h)
             h = self._free_next[h]
         return out

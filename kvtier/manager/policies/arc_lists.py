@@ -37,7 +37,7 @@ def _splice(nxt, prev, first: int, last: int, src: int, dst: int) -> None:
 class ARCLists:
     """The four lists, the target ``p`` of T1, and the tier-handle <-> node notes."""
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, handle_limit: int | None = None) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         c = self.capacity = capacity_blocks
@@ -60,8 +60,10 @@ class ARCLists:
             self._next[s + i] = self._prev[s + i] = s + i
         self._free = 0
         # handle -> node of the key holding it, for the ``*_at`` calls of the tier (whose
-        # handles are < capacity): an array read instead of a key lookup
-        self._node_of = array("i", bytes(4 * c))
+        # handles are < handle_limit, the capacity unless the tier's handles start past 0):
+        # an array read instead of a key lookup
+        self.handle_limit = max(c, handle_limit or 0)
+        self._node_of = array("i", bytes(4 * self.handle_limit))
         self._handle_of = array("i", [-1]) * n  # node -> that handle (-1: none)
         self._no_handle = array("i", [0])  # where insert_many's "no handle" notes go
         self._n1 = self._n2 = self._nb1 = self._nb2 = 0  # sizes of T1, T2, B1, B2

@@ -98,22 +98,25 @@ class EvictionPolicy(ABC):
         return ()
 
 
-_REGISTRY: dict[str, Callable[[int], EvictionPolicy]] = {}
+_REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {}
 
 
-def register_policy(name: str, factory: Callable[[int], EvictionPolicy]) -> None:
-    """Register ``factory(capacity_blocks) -> EvictionPolicy`` under ``name``."""
+def register_policy(name: str, factory: Callable[..., EvictionPolicy]) -> None:
+    """Register ``factory(capacity_blocks[, handle_limit]) -> EvictionPolicy`` under ``name``."""
     _REGISTRY[name] = factory
 
 
-def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
+def make_policy(name: str, capacity_blocks: int, handle_limit: int | None = None) -> EvictionPolicy:
+    """The policy ``name`` for ``capacity_blocks`` blocks whose tier handles are below
+    ``handle_limit`` (default: the capacity)."""
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(
             f"unknown eviction policy {name!r}; allowed: {', '.join(sorted(_REGISTRY))}"
         ) from None
-    return factory(capacity_blocks)
+    return factory(capacity_blocks) if handle_limit is None else factory(capacity_blocks,
+                                                                          handle_limit)
 
 
 def policy_names() -> list[str]:

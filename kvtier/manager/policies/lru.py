@@ -15,13 +15,15 @@ from kvtier.manager.specs import BlockKey
 class LRUPolicy(EvictionPolicy):
     name = "lru"
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, handle_limit: int | None = None) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self._order = KeyedList(capacity_blocks)  # oldest first
         # handle -> the list node of the key holding it (``insert_at``): ``access_at`` reads
-        # an array instead of looking the key up
-        self._node_of = array("i", bytes(4 * capacity_blocks))
+        # an array instead of looking the key up. Handles are < ``handle_limit`` (a tier whose
+        # handles start past 0: a region of the host tier's pool)
+        self.handle_limit = max(capacity_blocks, handle_limit or 0)
+        self._node_of = array("i", bytes(4 * self.handle_limit))
 
     # The list's value of a key is the tier handle ``insert_at`` gave it (-1: none).
     def insert(self, key: BlockKey, parent: BlockKey | None = None) -> None:

@@ -47,6 +47,7 @@ are collaborators built here, with their own state and explicit methods.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Iterable
 
@@ -76,6 +77,7 @@ from kvtier.connectors.vllm.stats import KVTierStats
 from kvtier.observe.timeline import ms_since, timeline
 from kvtier.manager.admission.wrappers import OffloadRatioAdmission
 from kvtier.manager.factory import build_manager
+from kvtier.manager.host import open_host_tier
 from kvtier.manager.retention import apply_retention_hint
 from kvtier.manager.specs import BlockKey, Medium
 
@@ -92,7 +94,12 @@ class SchedulerSide:
                                                 settings.disk_geometries())
         self.remote = open_remote_directory(settings.config.remote, settings.geometry(0),
                                             settings.world_size, settings.replicated)
-        manager = build_manager(settings.config, bb, disk_keys, partial_keys, remote=self.remote)
+        # the host tier: this engine's CPU tier is its region of the host's shared pool
+        self.host = (open_host_tier(settings.config, settings.geometry(0).fingerprint(), bb,
+                                    settings.engine_id or f"pid-{os.getpid()}")
+                     if settings.config.host is not None else None)
+        manager = build_manager(settings.config, bb, disk_keys, partial_keys, remote=self.remote,
+                                host=self.host)
         if not isinstance(manager, OffloadRatioAdmission):
             # a no-op by default; lets per-request kv_transfer_params limit offloading
             manager = OffloadRatioAdmission(manager, 1.0, None)
@@ -426,6 +433,8 @@ class SchedulerSide:
         if self.remote is not None:
             self.remote.close()
             self.remote.store.close()
+        if self.host is not None:
+            self.host.close()
 
     def take_stats(self) -> KVTierStats | None:
         return self._stats.take()

@@ -112,7 +112,8 @@ class WorkerSide:
             config, view, geometry, rank=self.tp_rank, world_size=self.settings.world_size,
             rank0_geometry=self.settings.geometry(0) if replicated else None,
             replicated=replicated, rank0_disk=(self.settings.disk_paths() or [None])[0],
-            fill="on_start")
+            fill="on_start", instance=self.settings.engine_id,
+            host_fingerprint=self.settings.geometry(0).fingerprint())
         self.jobs.bind_runtime(self.runtime)
         self._pin_wait_s = config.cpu.pin_wait_s
         if isinstance(self.runtime.store, DiskStore):  # a child's store: LMDB opens it here too
