@@ -65,8 +65,8 @@ class HostService:
         if self._listener is None:
             self.bind()
         self._listener.settimeout(0.5)
-        log.info("kvtier host tier: serving %d slots at %s", self.directory.total_slots,
-                 self.socket_path)
+        log.info("kvtier host tier: serving %d slots at %s (pid=%d)",
+                 self.directory.total_slots, self.socket_path, os.getpid())
         try:
             while not self._stop.is_set():
                 try:

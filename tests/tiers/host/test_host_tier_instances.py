@@ -1,0 +1,168 @@
+"""Two kvtier instances on one host tier, through the production path (``kvtier bench``'s
+replay: the real manager, worker runtime, transfer engine and pool), and a real service
+process that the first instance starts: what one stored is a CPU hit for the other, loaded
+from the other's slots byte for byte; a block being read is never evicted under its reader;
+a dead service leaves each instance its own region."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvtier.bench.replay import Replay, block_key
+from kvtier.bench.trace import load_trace
+from kvtier.config import load_config
+from kvtier.manager.host import QUARANTINE_S
+from kvtier.tiers.host import HostAddress, HostClient, HostTierUnavailable
+
+BB = 64 << 10
+
+
+@pytest.fixture(autouse=True)
+def stop_services(tmp_path):
+    """Each test's service (started by its first instance) is stopped by its PID."""
+    yield
+    for log in (tmp_path / "host").glob("*.log"):
+        for line in log.read_text().splitlines():
+            if "pid=" in line:
+                pid = int(line.rsplit("pid=", 1)[1].rstrip(")"))
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def host_config(tmp_path, cpu="4MiB", host="16MiB"):
+    d = tmp_path / "host"
+    return load_config(data={"tiers": {"cpu": {"capacity": cpu, "pin": False},
+                                       "host": {"capacity": host, "dir": str(d),
+                                                "idle_exit_s": 30}}})
+
+
+def service_stats(cfg, fingerprint) -> dict:
+    client = HostClient.connect(HostAddress.from_config(cfg.host, fingerprint, BB), "probe",
+                                start=False)
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def trace():
+    return load_trace(limit=60)
+
+
+def gpu_blocks(trace):
+    return 2 * max(len(r.hash_ids) for r in trace) + 1
+
+
+def test_a_fresh_instance_hits_what_another_stored_byte_for_byte(tmp_path, trace):
+    cfg = host_config(tmp_path)
+    a = Replay(cfg, BB, gpu_blocks(trace))
+    b = None
+    try:
+        a.run(trace)
+        assert a.result.wrong_blocks == 0
+        b = Replay(cfg, BB, gpu_blocks(trace))
+        b.run(trace)
+        # b stored nothing before: its CPU hits are a's blocks, loaded from a's slots
+        assert b.manager.host.foreign_hit_blocks > 0
+        assert b.result.blocks["CPU"] >= b.manager.host.foreign_hit_blocks > 0
+        assert b.result.wrong_blocks == 0 and b.result.failed_loads == 0
+        # one copy per host: no block is held by both
+        assert not set(a.manager.cpu.keys()) & set(b.manager.cpu.keys())
+        a.run(trace)  # and a, running the trace again, stores none of b's blocks
+        assert not set(a.manager.cpu.keys()) & set(b.manager.cpu.keys())
+        stats = service_stats(cfg, a.geometry.fingerprint())
+        by_name = {i["name"]: i for i in stats["instances"]}
+        assert sum(i["hits_taken"] for i in by_name.values()) >= b.manager.host.foreign_hit_blocks
+        assert stats["pinned_slots"] == 0  # every load released its pins
+        regions = sorted((i["base"], i["slots"]) for i in by_name.values() if i["slots"])
+        assert regions[0][0] + regions[0][1] <= regions[1][0]  # disjoint regions
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+def test_a_block_another_instance_is_reading_is_not_evicted_under_it(tmp_path, trace):
+    cfg = host_config(tmp_path, cpu="1MiB", host="4MiB")  # 16 slots each: evictions
+    a = Replay(cfg, BB, gpu_blocks(trace))
+    b = Replay(cfg, BB, gpu_blocks(trace))
+    try:
+        keys = [block_key(h) for h in trace[0].hash_ids[:4]]
+        a.run([trace[0]])
+        held = [k for k, h in zip(keys, b.manager.host.held(keys)) if h]
+        assert held, "a published none of its first request's blocks"
+        plan = b.manager.prepare_load(held)  # b pins a's blocks, as a load does
+        assert len(plan.keys) == len(held)
+        slots_a = {k: a.manager.cpu.get(k).slot for k in held}
+        assert list(plan.cpu_slots) == [slots_a[k] for k in held]  # a's own slots
+        a.run(trace[1:])  # a stores on, evicting its coldest blocks
+        for k in held:  # still a's, same slot: nothing rewrote it under b
+            assert a.manager.cpu.get(k) is not None and a.manager.cpu.get(k).slot == slots_a[k]
+        assert a.manager.host.evictions_held > 0
+        b.manager.complete_load(plan.keys)
+        assert b.manager.pins() == 0
+        a.run(trace[1:])
+        assert a.result.wrong_blocks == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_instances_go_on_alone_when_the_service_dies(tmp_path, trace):
+    cfg = host_config(tmp_path)
+    a = Replay(cfg, BB, gpu_blocks(trace))
+    b = Replay(cfg, BB, gpu_blocks(trace))
+    try:
+        a.run(trace[:20])
+        pid = service_stats(cfg, a.geometry.fingerprint())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        b.run(trace)  # no hits on a's blocks any more, no wrong ones
+        a.run(trace)  # a still hits its own region
+        assert b.result.wrong_blocks == 0 and a.result.wrong_blocks == 0
+        assert not a.manager.host.up and not b.manager.host.up
+        assert a.result.blocks["CPU"] > 0
+        assert a.manager.host.retire([b"x"]) == {b"x"}  # quarantined for QUARANTINE_S
+        assert QUARANTINE_S > 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_instance_refuses_a_host_tier_of_another_geometry(tmp_path):
+    cfg = host_config(tmp_path)
+    address = HostAddress.from_config(cfg.host, "a" * 32, BB)
+    first = HostClient.connect(address, "one")
+    try:
+        other = HostAddress(address.directory, "b" * 24 + "a" * 8, address.total_slots)
+        assert other.socket_path != address.socket_path  # another geometry: its own service
+        # the same socket, a different fingerprint (a forged or stale hello): refused
+        forged = HostAddress(address.directory, "a" * 24 + "b" * 8, address.total_slots)
+        assert forged.socket_path == address.socket_path
+        with pytest.raises(HostTierUnavailable, match="serves model geometry"):
+            HostClient.connect(forged, "two", start=False)
+    finally:
+        first.close()
+
+
+def test_a_directory_others_may_enter_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    address = HostAddress(d, "c" * 32, 16)
+    with pytest.raises(HostTierUnavailable, match="mode 755: other users could reach"):
+        HostClient.connect(address, "x")
+    assert not list(d.iterdir())  # nothing started, nothing created
