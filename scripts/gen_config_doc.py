@@ -47,6 +47,9 @@ SECTIONS = {
                   "(`<path>/rank<r>` with tensor parallelism). See [reliability](reliability.md).",
     "tiers.remote": "The tier shared by many instances on Redis or Valkey. "
                     "See [shared tier](shared-tier.md).",
+    "tiers.host": "One CPU pool per host shared by every instance on it: each instance's "
+                  "CPU tier is its region of the pool, and what one stored is a CPU hit for "
+                  "the others. See [host tier](host-tier.md).",
     "admission": "Which of a request's blocks are offloaded at all.",
     "stats": "The live stats snapshot `kvtier stats` reads.",
     "events": "kvtier's KV-event stream (vLLM's wire format). "
@@ -73,6 +76,17 @@ MEANINGS = {
                             "the pool to finish pinning; what is left pins while the server "
                             "serves, which holds up the engine's CUDA calls (its first requests "
                             "wait). 0: pin entirely in the background.",
+    "tiers.host.capacity": "The whole pool, the same on every instance of the host: at least "
+                           "the sum of their `tiers.cpu.capacity` (each one's region). "
+                           "Required.",
+    "tiers.host.dir": "Directory of the host tier's socket: it must belong to the user and let "
+                      "nobody else in (0700; 0770 with `group`). Default "
+                      "`/dev/shm/kvtier-host-<uid>`.",
+    "tiers.host.group": "A group whose members' instances may share the pool (the directory "
+                        "becomes 0770 and the service admits the group); null: the user only.",
+    "tiers.host.idle_exit_s": "The service (started by the first instance) exits this long "
+                              "after the last instance left, and the pool's memory with it; "
+                              "0: never.",
     "tiers.disk.path": "Directory of the store (required). Created 0700 with its parents; "
                        "relative paths are relative to the YAML file.",
     "tiers.disk.capacity": "Logical (uncompressed) bytes the tier holds, per rank.",
@@ -183,6 +197,7 @@ EXTRA_MEANINGS = {
 
 NOT_A_DEFAULT = {
     "tiers.disk.path": "required",
+    "tiers.host.capacity": "required",
     "tiers.remote.url": "one of url / nodes",
     "tiers.remote.nodes": "one of url / nodes",
     "cost.recompute_us_per_token": "one of the two",
@@ -209,7 +224,8 @@ UNACCEPTABLE = [["probe"]]
 def _probe_config(disk_dir: str) -> dict[str, Any]:
     """A config with every optional section present and only its required keys set."""
     return {
-        "tiers": {"disk": {"path": disk_dir}, "remote": {"url": "redis://127.0.0.1:6379"}},
+        "tiers": {"disk": {"path": disk_dir}, "remote": {"url": "redis://127.0.0.1:6379"},
+                  "host": {"capacity": "4GiB"}},
         "events": {},
         "metrics": {},
         "cost": {"recompute_us_per_token": 1.0},

@@ -1,5 +1,6 @@
 """``kvtier`` command line: ``bench`` (trace replay), ``stats`` (what a tier holds, live
-counters) and ``events`` (tail an instance's KV-event stream); ``--version``."""
+counters), ``events`` (tail an instance's KV-event stream) and ``host-tier`` (the host's
+shared CPU pool); ``--version``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import click
 
 from kvtier.cli.bench_cmd import bench
 from kvtier.cli.events_cmd import events
+from kvtier.cli.host_cmd import host_tier
 from kvtier.cli.stats_cmd import stats
 from kvtier.cli.terminal import echo_error
 
@@ -71,6 +73,7 @@ def cli(verbose: int) -> None:
     kvtier stats --url U      live counters of an instance (metrics endpoint)
     kvtier events --endpoint E
                               tail an instance's KV events
+    kvtier host-tier          what this host's shared CPU pool holds, per instance
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -79,6 +82,7 @@ def cli(verbose: int) -> None:
 cli.add_command(bench)
 cli.add_command(stats)
 cli.add_command(events)
+cli.add_command(host_tier)
 
 
 def main() -> None:

@@ -63,6 +63,18 @@ def _rate(part, total) -> float | None:
     return round(part / total, 4) if isinstance(part, (int, float)) and total else None
 
 
+def host_line(host: dict, m: dict) -> str:
+    """The host tier, for one instance: the pool, and the hits between instances."""
+    if not host:
+        return "host tier DOWN (this instance serves from its own region)"
+    return (f"host tier: {host.get('instances', 0)} instances, {_count(host.get('used_blocks'))}"
+            f" of {_count(host.get('capacity_blocks'))} blocks; hits on others' blocks "
+            f"{m.get('host_foreign_hit_blocks', 0)}, others' hits on this instance's "
+            f"{host.get('hits_given', 0)}; stores skipped (held by another) "
+            f"{m.get('host_store_skipped_held', 0)}, evictions held back "
+            f"{m.get('host_evictions_held', 0)}")
+
+
 def shared_tier_configured(data: dict) -> bool:
     """Whether a shared tier is part of this setup: the config names one, or the instance
     reports its usage (the manager lists REMOTE usage only when it has the tier) or its
@@ -301,6 +313,9 @@ def print_stats(data: dict, console: Console) -> None:
         parts.append(f"shared tier {state} ({m.get('remote_degradations', 0)} degradations, "
                      f"{m.get('remote_writes_skipped', 0)} write-backs skipped, "
                      f"{m.get('remote_writes_already_held', 0)} already held)")
+    host = (inst.get("usage") or {}).get("HOST")
+    if host is not None:
+        parts.append(host_line(host, m))
     r = inst.get("remote") or {}
     if r:
         named = "".join(f", {label} {r[k]}" for k, label in (

@@ -27,6 +27,7 @@ import time
 from typing import Callable, Sequence
 
 from kvtier.manager.specs import BlockKey
+from kvtier.manager.stats import ManagerStats
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,7 @@ class HostTier:
         self._clock = clock
         self._pinned: dict[BlockKey, list[int]] = {}  # another instance's blocks a load pins
         self.down_since: float | None = None
-        # what operators see (ManagerStats.host): hits on blocks another instance stored,
-        # stores skipped because another instance holds the block, evictions held back
-        self.foreign_hit_blocks = 0
-        self.store_skipped_held = 0
-        self.evictions_held = 0
+        self.stats = ManagerStats()  # the manager's own, once it binds this tier (host_*)
 
     @property
     def up(self) -> bool:
@@ -56,6 +53,7 @@ class HostTier:
     def _lost(self, exc: OSError) -> None:
         if self.down_since is None:
             self.down_since = self._clock()
+            self.stats.host_degraded = True
             log.error("kvtier host tier: the service is gone (%s); going on with this "
                       "instance's region alone", exc)
         self._pinned.clear()
@@ -99,7 +97,7 @@ class HostTier:
         spare = [s for s in acquired[used:] if s >= 0]
         if spare:
             self._release(spare)
-        self.foreign_hit_blocks += len(theirs)
+        self.stats.host_foreign_hit_blocks += len(theirs)
         return out, theirs
 
     def unpin(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
@@ -149,10 +147,10 @@ class HostTier:
             except OSError as exc:
                 self._lost(exc)
             else:
-                self.evictions_held += len(busy)
+                self.stats.host_evictions_held += len(busy)
                 return busy
         if self._clock() - self.down_since < QUARANTINE_S:
-            self.evictions_held += len(keys)
+            self.stats.host_evictions_held += len(keys)
             return set(keys)
         return set()
 
@@ -160,11 +158,21 @@ class HostTier:
         """Pins this instance holds on other instances' blocks (loads in flight)."""
         return sum(len(v) for v in self._pinned.values())
 
-    def describe(self) -> dict[str, int | bool]:
-        return {"up": self.up, "region_base": self.base,
-                "foreign_hit_blocks": self.foreign_hit_blocks,
-                "store_skipped_held": self.store_skipped_held,
-                "evictions_held": self.evictions_held}
+    def usage(self) -> dict[str, int]:
+        """The whole pool as the service sees it, and this instance's share of its hits
+        (``usage()["HOST"]``: ``kvtier stats`` and the metrics); empty while it is gone."""
+        if not self.up:
+            return {}
+        try:
+            stats = self.client.stats()
+        except OSError as exc:
+            self._lost(exc)
+            return {}
+        me = next((i for i in stats["instances"] if i.get("base") == self.base), {})
+        return {"used_blocks": stats["published_blocks"],
+                "capacity_blocks": stats["total_slots"],
+                "instances": sum(1 for i in stats["instances"] if i["alive"]),
+                "hits_given": me.get("hits_given", 0), "hits_taken": me.get("hits_taken", 0)}
 
     def close(self) -> None:
         self.client.close()

@@ -41,6 +41,12 @@ class ManagerStats:
     remote_writes_skipped: int = 0  # write-backs not queued: tier degraded or queue full
     remote_writes_already_held: int = 0  # write-backs not needed: the server held the block
     remote_pending_lookups: int = 0  # lookups answered "not yet" (server asked, reply due)
+    # the host tier (manager/host.py): hits on blocks other instances stored, stores skipped
+    # because another instance holds the block, evictions held back while another reads
+    host_foreign_hit_blocks: int = 0
+    host_store_skipped_held: int = 0
+    host_evictions_held: int = 0
+    host_degraded: bool = False  # the host tier's service is gone: this region serves alone
 
     def snapshot(self) -> dict:
         return asdict(self)

@@ -106,6 +106,8 @@ class TieredOffloadingManager(OffloadingManager):
         # forgetting it would let the next REMOTE hit load at the optimistic prior)
         self._early_loads: deque[tuple[bool, Medium, int, float]] = deque(maxlen=EARLY_LOADS)
         self.stats = ManagerStats()
+        if host is not None:
+            host.stats = self.stats
         self.events = EventBus()
         self.block_bytes = block_bytes  # sizes a promotion for the cost model
         self._promotions: dict[int, float] = {}  # promotion transfer id -> when it started
@@ -454,7 +456,7 @@ class TieredOffloadingManager(OffloadingManager):
         if self.host is not None and wanted:  # another instance holds it: one copy per host
             held = self.host.held(wanted)
             if any(held):
-                self.host.store_skipped_held += sum(held)
+                self.stats.host_store_skipped_held += sum(held)
                 wanted = [k for k, h in zip(wanted, held) if not h]
         evicted: list[BlockKey] = []
         need = len(wanted) - self.cpu.free_count
@@ -561,6 +563,8 @@ class TieredOffloadingManager(OffloadingManager):
             out["DISK"] = {"used_blocks": len(self.disk), "capacity_blocks": self.disk.capacity}
         if self.remote is not None:
             out["REMOTE"] = self.remote_tier.usage()
+        if self.host is not None:
+            out["HOST"] = self.host.usage()
         return out
 
     def pins(self) -> int:

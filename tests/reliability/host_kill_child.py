@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         r = replay.result
         counts = {"requests": r.requests, "wrong_blocks": r.wrong_blocks,
                   "failed_loads": r.failed_loads, "cpu_hits": r.blocks["CPU"],
-                  "foreign_hits": replay.manager.host.foreign_hit_blocks}
+                  "foreign_hits": replay.manager.stats.host_foreign_hit_blocks}
         with open(out + ".tmp", "w") as f:
             json.dump(counts, f)
         os.replace(out + ".tmp", out)

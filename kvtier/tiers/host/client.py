@@ -175,8 +175,31 @@ class HostClient:
     def retire(self, keys: Sequence[bytes]) -> list[bytes]:
         return list(self._call({"op": "retire", "keys": list(keys)})["busy"])
 
+    def flush(self) -> None:
+        """Return once the service applied every ``publish`` and ``release`` sent before
+        (they get no reply; requests on one connection are applied in order)."""
+        self.find(())
+
     def stats(self) -> dict[str, Any]:
         return self._call({"op": "stats"})["stats"]
+
+
+def observe(socket_path: Path) -> dict[str, Any]:
+    """The stats of the service at ``socket_path`` (``kvtier host-tier``): an operator's
+    look, which is not an instance and holds nothing."""
+    sock = _try_connect(socket_path)
+    if sock is None:
+        raise HostTierUnavailable(f"no host tier service at {socket_path}")
+    with sock:
+        try:
+            protocol.send(sock, {"op": "observe", "version": protocol.PROTOCOL_VERSION})
+            reply = protocol.read(sock)
+        except OSError as exc:
+            raise HostTierUnavailable(f"host tier at {socket_path}: {exc}") from None
+    if reply is None or not reply.get("ok"):
+        raise HostTierUnavailable(f"host tier at {socket_path} refused: "
+                                  f"{'closed' if reply is None else reply.get('error')}")
+    return reply["stats"]
 
 
 def _try_connect(path: Path) -> socket.socket | None:

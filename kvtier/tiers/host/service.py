@@ -109,6 +109,9 @@ class HostService:
                 hello = protocol.read(conn)
                 if hello is None:
                     return
+                if hello.get("op") == "observe":  # an operator's look: stats only
+                    protocol.send(conn, {"ok": True, "stats": self.describe()})
+                    return
                 reader = self._hello(conn, hello)
                 if reader is None:
                     return

@@ -17,6 +17,7 @@ from kvtier.bench.trace import load_trace
 from kvtier.config import load_config
 from kvtier.manager.host import QUARANTINE_S
 from kvtier.tiers.host import HostAddress, HostClient, HostTierUnavailable
+from kvtier.tiers.host.client import observe
 
 BB = 64 << 10
 
@@ -43,12 +44,7 @@ def host_config(tmp_path, cpu="4MiB", host="16MiB"):
 
 
 def service_stats(cfg, fingerprint) -> dict:
-    client = HostClient.connect(HostAddress.from_config(cfg.host, fingerprint, BB), "probe",
-                                start=False)
-    try:
-        return client.stats()
-    finally:
-        client.close()
+    return observe(HostAddress.from_config(cfg.host, fingerprint, BB).socket_path)
 
 
 @pytest.fixture
@@ -66,20 +62,22 @@ def test_a_fresh_instance_hits_what_another_stored_byte_for_byte(tmp_path, trace
     b = None
     try:
         a.run(trace)
+        a.manager.host.client.flush()  # its last publications are applied
         assert a.result.wrong_blocks == 0
         b = Replay(cfg, BB, gpu_blocks(trace))
         b.run(trace)
         # b stored nothing before: its CPU hits are a's blocks, loaded from a's slots
-        assert b.manager.host.foreign_hit_blocks > 0
-        assert b.result.blocks["CPU"] >= b.manager.host.foreign_hit_blocks > 0
+        assert b.manager.stats.host_foreign_hit_blocks > 0
+        assert b.result.blocks["CPU"] >= b.manager.stats.host_foreign_hit_blocks > 0
         assert b.result.wrong_blocks == 0 and b.result.failed_loads == 0
         # one copy per host: no block is held by both
         assert not set(a.manager.cpu.keys()) & set(b.manager.cpu.keys())
         a.run(trace)  # and a, running the trace again, stores none of b's blocks
         assert not set(a.manager.cpu.keys()) & set(b.manager.cpu.keys())
+        b.manager.host.client.flush()  # its releases are applied
         stats = service_stats(cfg, a.geometry.fingerprint())
         by_name = {i["name"]: i for i in stats["instances"]}
-        assert sum(i["hits_taken"] for i in by_name.values()) >= b.manager.host.foreign_hit_blocks
+        assert sum(i["hits_taken"] for i in by_name.values()) >= b.manager.stats.host_foreign_hit_blocks
         assert stats["pinned_slots"] == 0  # every load released its pins
         regions = sorted((i["base"], i["slots"]) for i in by_name.values() if i["slots"])
         assert regions[0][0] + regions[0][1] <= regions[1][0]  # disjoint regions
@@ -96,6 +94,7 @@ def test_a_block_another_instance_is_reading_is_not_evicted_under_it(tmp_path, t
     try:
         keys = [block_key(h) for h in trace[0].hash_ids[:4]]
         a.run([trace[0]])
+        a.manager.host.client.flush()
         held = [k for k, h in zip(keys, b.manager.host.held(keys)) if h]
         assert held, "a published none of its first request's blocks"
         plan = b.manager.prepare_load(held)  # b pins a's blocks, as a load does
@@ -105,7 +104,7 @@ def test_a_block_another_instance_is_reading_is_not_evicted_under_it(tmp_path, t
         a.run(trace[1:])  # a stores on, evicting its coldest blocks
         for k in held:  # still a's, same slot: nothing rewrote it under b
             assert a.manager.cpu.get(k) is not None and a.manager.cpu.get(k).slot == slots_a[k]
-        assert a.manager.host.evictions_held > 0
+        assert a.manager.stats.host_evictions_held > 0
         b.manager.complete_load(plan.keys)
         assert b.manager.pins() == 0
         a.run(trace[1:])
