@@ -35,7 +35,7 @@ def test_page_is_what_the_script_generates(tmp_path, capsys):
 
 def test_every_flag_of_every_command_is_on_the_page():
     page = PAGE.read_text()
-    sections = dict(re.findall(r"^## `kvtier (\w+)`\n\n```\n(.*?)^```", page, flags=re.M | re.S))
+    sections = dict(re.findall(r"^## `kvtier ([\w-]+)`\n\n```\n(.*?)^```", page, flags=re.M | re.S))
     assert set(sections) == set(cli.commands)
     for name, command in cli.commands.items():
         for param in command.params:
@@ -49,7 +49,7 @@ def test_each_section_is_what_the_installed_command_prints_on_an_80_column_termi
     terminal of 80 columns or wider; click's help is never laid out wider)."""
     page = PAGE.read_text()
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
-    for args in ([], ["bench"], ["stats"], ["events"]):
+    for args in ([], ["bench"], ["stats"], ["events"], ["host-tier"]):
         out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", *args, "--help"],
                              capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr
