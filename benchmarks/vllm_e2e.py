@@ -41,6 +41,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from host_probe import add_host_flags
@@ -74,31 +75,45 @@ def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict
     cmd = [sys.executable, os.path.join(HERE, "vllm_e2e_child.py"), *args]
     print("$", " ".join(cmd[1:]), f"  (log: {log_path})", flush=True)
     t0 = time.perf_counter()
-    # own session: on a timeout the whole group goes (vLLM's engine-core process included,
-    # or it would keep the GPU memory the next configuration needs)
+    # own session: once the child printed its result (or on a timeout) the whole group goes:
+    # vLLM's engine-core process included, or it would keep the GPU memory the next
+    # configuration needs; and it holds the stdout pipe open (vLLM 0.34's outlives the
+    # child's os._exit), so the result is read line by line, not at end of file
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
                              start_new_session=True)
+        lines: list[str] = []
+        done = threading.Event()
+
+        def read() -> None:
+            for line in p.stdout:
+                lines.append(line)
+                if line.startswith("RESULT "):
+                    break
+            done.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.5):
+            if time.monotonic() > deadline:
+                break
+            if p.poll() is not None and not done.wait(5.0):  # exited, no result line
+                break
+        timed_out = not done.is_set() and p.poll() is None
         try:
-            stdout, _ = p.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            stdout = ""
-        finally:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # whatever the child left behind
-            except ProcessLookupError:
-                pass
+            os.killpg(p.pid, signal.SIGKILL)  # whatever the child left behind
+        except ProcessLookupError:
+            pass
+        p.wait()
     with open(log_path, errors="replace") as f:
         stderr = "\n".join(x for x in f.read().splitlines() if "Capturing CUDA" not in x)
-    if timed_out:
-        return {"error": f"timed out after {timeout:.0f}s", "stderr": stderr[-3000:]}
-    for line in stdout.splitlines():
+    for line in lines:
         if line.startswith("RESULT "):
             out = json.loads(line[7:])
             out["wall_s"] = round(time.perf_counter() - t0, 1)
             return out
+    if timed_out:
+        return {"error": f"timed out after {timeout:.0f}s", "stderr": stderr[-3000:]}
     return {"error": f"exit {p.returncode}", "stderr": stderr[-4000:]}
 
 

@@ -10,8 +10,9 @@ What changes for the tiered manager (``tiered.py``), and only where a host tier 
   lookup ends the hit there: a shorter load, never another block's bytes) and the load is
   the same one CPU -> GPU job, its slot ids pointing into the other instance's region;
   ``complete_load`` releases them;
-* a store skips the keys another instance holds (one copy per host); a completed store, or
-  a promotion from disk or the shared tier, publishes its blocks;
+* a store skips the keys another instance holds (one copy per host), in the same round trip
+  that brings the hits other instances took on this region's blocks into its eviction order;
+  a completed store, or a promotion from disk or the shared tier, publishes its blocks;
 * an eviction first retires its blocks in the service: one another instance is reading stays
   (the store is cut short instead), so a slot is never rewritten under a reader.
 
@@ -67,6 +68,17 @@ class HostTier:
         except OSError as exc:
             self._lost(exc)
             return [False] * len(keys)
+
+    def held_and_touched(self, keys: Sequence[BlockKey]) -> tuple[list[bool], list[BlockKey]]:
+        """``held``, and this instance's blocks other instances loaded since it last asked
+        (its eviction order counts their hits too): one round trip, before a store."""
+        if not self.up:
+            return [False] * len(keys), []
+        try:
+            return self.client.find_and_touched(keys)
+        except OSError as exc:
+            self._lost(exc)
+            return [False] * len(keys), []
 
     def pin(self, keys: Sequence[BlockKey], local: Sequence[bool],
             pin_local: Callable[[BlockKey], int]) -> tuple[list[int], list[BlockKey]]:

@@ -453,8 +453,10 @@ class TieredOffloadingManager(OffloadingManager):
             self.cpu.access(resident)
         else:
             wanted = self._admitted(keys)
-        if self.host is not None and wanted:  # another instance holds it: one copy per host
-            held = self.host.held(wanted)
+        if self.host is not None:  # another instance holds it: one copy per host
+            held, touched = self.host.held_and_touched(wanted)
+            if touched:  # other instances' hits on this region's blocks, before it evicts
+                self.cpu.access(touched)
             if any(held):
                 self.stats.host_store_skipped_held += sum(held)
                 wanted = [k for k, h in zip(wanted, held) if not h]

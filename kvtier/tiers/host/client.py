@@ -163,6 +163,11 @@ class HostClient:
     def find(self, keys: Sequence[bytes]) -> list[bool]:
         return list(self._call({"op": "find", "keys": list(keys)})["held"])
 
+    def find_and_touched(self, keys: Sequence[bytes]) -> tuple[list[bool], list[bytes]]:
+        """``find``, and this instance's blocks other instances read since it last asked."""
+        reply = self._call({"op": "find", "keys": list(keys), "touched": True})
+        return list(reply["held"]), list(reply.get("touched", ()))
+
     def acquire(self, keys: Sequence[bytes]) -> list[int]:
         return list(self._call({"op": "acquire", "keys": list(keys)})["slots"])
 

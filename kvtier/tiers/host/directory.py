@@ -22,6 +22,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+MAX_TOUCHED = 1 << 16  # hits kept for an owner that does not ask (older ones just age)
+
+
 class HostTierError(ValueError):
     """A request the host tier cannot serve (no room for a region, a slot outside it)."""
 
@@ -39,6 +42,9 @@ class Instance:
     stored: int = 0  # blocks it published
     hits_given: int = 0  # its blocks acquired by other instances
     hits_taken: int = 0  # other instances' blocks it acquired
+    # its blocks other instances acquired since it last asked (``touched``): its eviction
+    # order then counts every instance's hits, not only its own
+    touched: list = field(default_factory=list)
 
     def owns(self, slot: int) -> bool:
         return self.base <= slot < self.base + self.slots
@@ -158,6 +164,12 @@ class HostDirectory:
         where = self._where
         return [key in where for key in keys]
 
+    def touched(self, reader: Reader) -> list[bytes]:
+        """The reader's instance's blocks other instances acquired since it last asked."""
+        inst = reader.instance
+        out, inst.touched = inst.touched, []
+        return out
+
     def acquire(self, reader: Reader, keys: list[bytes]) -> list[int]:
         """Pin the published ``keys`` for ``reader``: their slots, -1 for a key not held."""
         out: list[int] = []
@@ -173,6 +185,8 @@ class HostDirectory:
             if owner is not me:
                 owner.hits_given += 1
                 me.hits_taken += 1
+                if len(owner.touched) < MAX_TOUCHED:
+                    owner.touched.append(key)
             out.append(slot)
         return out
 

@@ -65,27 +65,28 @@ class HostService:
         if self._listener is None:
             self.bind()
         self._listener.settimeout(0.5)
+        bound = os.stat(self.socket_path).st_ino  # ours to remove at the end (not a successor's)
         log.info("kvtier host tier: serving %d slots at %s (pid=%d)",
                  self.directory.total_slots, self.socket_path, os.getpid())
         try:
             while not self._stop.is_set():
+                if self._idle():  # checked on every turn: a stream of looks does not defer it
+                    log.info("kvtier host tier: no instance for %.0fs, exiting",
+                             self.idle_exit_s)
+                    return
                 try:
                     conn, _ = self._listener.accept()
                 except socket.timeout:
-                    if self._idle():
-                        log.info("kvtier host tier: no instance for %.0fs, exiting",
-                                 self.idle_exit_s)
-                        return
                     continue
                 threading.Thread(target=self._serve_one, args=(conn,), daemon=True,
                                  name="kvtier-host-conn").start()
         finally:
-            self._listener.close()
             try:
-                if os.stat(self.socket_path).st_ino == os.fstat(self._listener.fileno()).st_ino:
+                if os.stat(self.socket_path).st_ino == bound:
                     os.unlink(self.socket_path)
             except OSError:
                 pass
+            self._listener.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -160,6 +161,8 @@ class HostService:
                 d = self.directory
                 if op == "find":
                     reply["held"] = d.find(msg["keys"])
+                    if msg.get("touched"):
+                        reply["touched"] = d.touched(reader)
                 elif op == "acquire":
                     reply["slots"] = d.acquire(reader, msg["keys"])
                 elif op == "release":

@@ -106,3 +106,40 @@ def test_releasing_a_pin_never_taken_is_counted_not_applied():
     d.acquire(b, [b"k"])
     assert d.release(a, [0]) == 1  # a holds no pin on it
     assert d.retire(a, [b"k"]) == [b"k"]
+
+
+def test_an_owner_learns_the_hits_others_took_on_its_blocks_once():
+    d = HostDirectory(10)
+    a, b = d.connect("a"), d.connect("b")
+    d.register(a, 5)
+    d.publish(a, [b"k1", b"k2"], [0, 1])
+    d.acquire(b, [b"k2", b"k1"])
+    d.acquire(a, [b"k1"])  # its own read is its own business
+    assert d.touched(a) == [b"k2", b"k1"]
+    assert d.touched(a) == []
+
+
+def test_an_idle_service_exits_and_removes_its_socket(tmp_path):
+    import threading
+    import time
+
+    from kvtier.tiers.host.client import HostTierUnavailable, observe
+    from kvtier.tiers.host.service import HostService
+
+    sock = tmp_path / "s.sock"
+    service = HostService(str(sock), total_slots=4, fingerprint="f", idle_exit_s=0.3)
+    service.bind()
+    t = threading.Thread(target=service.serve, daemon=True)
+    t.start()
+    looks = 0
+    deadline = time.monotonic() + 10
+    while t.is_alive() and time.monotonic() < deadline:  # looks do not keep it alive
+        try:
+            observe(sock)
+            looks += 1
+        except HostTierUnavailable:
+            pass
+        time.sleep(0.05)
+    t.join(5)
+    assert not t.is_alive() and looks > 0
+    assert not sock.exists()

@@ -114,6 +114,29 @@ def test_a_block_another_instance_is_reading_is_not_evicted_under_it(tmp_path, t
         b.close()
 
 
+def test_hits_from_another_instance_count_in_the_owners_eviction_order(tmp_path, trace):
+    cfg = host_config(tmp_path)
+    a = Replay(cfg, BB, gpu_blocks(trace))
+    b = Replay(cfg, BB, gpu_blocks(trace))
+    try:
+        first, second = trace[0], next(r for r in trace if not set(r.hash_ids) & set(
+            trace[0].hash_ids))
+        a.run([first, second])  # first's blocks are a's coldest
+        a.manager.host.client.flush()
+        keys = [block_key(h) for h in first.hash_ids]
+        plan = b.manager.prepare_load(keys)  # b reads first's blocks from a's region
+        assert plan.keys
+        b.manager.complete_load(plan.keys)
+        coldest = a.manager.cpu.victims(len(plan.keys))
+        assert set(coldest) & set(plan.keys)  # a alone does not know they are hot
+        a.manager.prepare_store([])  # the round trip before a store brings b's hits
+        coldest = a.manager.cpu.victims(len(plan.keys))
+        assert not set(coldest) & set(plan.keys)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_instances_go_on_alone_when_the_service_dies(tmp_path, trace):
     cfg = host_config(tmp_path)
     a = Replay(cfg, BB, gpu_blocks(trace))
