@@ -37,7 +37,6 @@ class ManagerFeed:
     def __init__(self, manager: OffloadingManager, publisher: EventPublisher) -> None:
         self.manager = manager
         self.publisher = publisher
-        publisher.set_resident_source(lambda: resident_blocks(manager))  # one-shot fallback
         publisher.set_resident_walk(lambda: walk_resident(manager))
         self._bus_dropped = self._dropped()
         manager.take_events()  # already reflected in the initial resync
