@@ -1,19 +1,16 @@
 """How a finished load or promotion reads: failed keys, untrusted engine blocks, measurements.
 
-A load is one CPU -> GPU copy of READY CPU slots (blocks held below the CPU tier were promoted
-into it first, as background transfers). The vLLM connector's worker side, ``kvtier bench``
-and the reliability rig all read their transfer results through these functions, so the
-bytes the benchmark and the fault-injection figures check move along the path vLLM runs:
+The vLLM connector's worker side, ``kvtier bench`` and the reliability rig all read their
+transfer results through these functions, so what the benchmark and the fault-injection
+figures check is the path vLLM runs:
 
-* ``load_outcome``: a CPU -> GPU copy fails no key (the CPU copy is intact, whatever
-  happened to the copy); when it raised, none of its engine blocks may be trusted and vLLM
-  recomputes them. Treating that as a bad record made the manager forget (and leak) a block
-  that was intact;
+* ``load_outcome``: a CPU -> GPU copy fails no key (the CPU copy is intact, whatever happened
+  to the copy); when it raised, none of its engine blocks may be trusted and vLLM recomputes
+  them. Treating that as a bad record would make the manager forget (and leak) an intact block;
 * ``promotion_outcome``: the keys a promotion (DISK or REMOTE -> CPU) could not read from
   their tier, and which of those failed transiently (the record may be intact); a read that
   raised failed all of them, since nothing reached the CPU slots;
-* ``measured_hops``: what a transfer that worked measured, for the manager's cost model.
-"""
+* ``measured_hops``: what a transfer that worked measured, for the manager's cost model."""
 
 from __future__ import annotations
 

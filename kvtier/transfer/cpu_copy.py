@@ -2,18 +2,15 @@
 
 A GPU spec lists ``engine_blocks_per_block`` (k) engine block ids per kvtier block, in order:
 GPU ids ``[i*k:(i+1)*k]`` belong to CPU slot ``i``. A slot holds the block in the slot layout
-``[layer][kv_part][engine_block_in_block][page_bytes]``, so per layer one batched gather and
-one batched scatter move every block of a job: with ``ids`` shaped ``[n, k]``,
-``pages[:, ids]`` is ``[kv_part, n, k, page]``, which is the slot order with the first two
-axes swapped. The pool splits slots into chunks, so the work is done per chunk.
+``[layer][kv_part][engine_block_in_block][page_bytes]``, so per layer and pool chunk one
+batched gather and one batched scatter move every block of a job (``pages[:, ids]`` is
+``[kv_part, n, k, page]``: the slot order with the first two axes swapped).
 
-Bytes are moved as the widest integer word that divides the page (int64 for every real
-model): torch's index kernels copy element by element, so on uint8 they run about ten times
-slower than on int64 (docs/design-measurements.md).
+Bytes are moved as the widest integer word that divides the page: torch's index kernels copy
+element by element, so uint8 is far slower than int64 (docs/design-measurements.md).
 
 The copies also run on CUDA tensors (one host staging copy per layer): correct but not fast;
-the fast CUDA path lives elsewhere. Copies run on the handler's thread, never on the event loop.
-"""
+the fast CUDA path lives elsewhere. Copies run on the handler's thread, never on the event loop."""
 
 from __future__ import annotations
 

@@ -1,24 +1,19 @@
 """Layer-by-layer loads straight from pinned CPU slots into the engine's pages.
 
-Why: a CPU hit of a long prompt costs the copy (1 GiB for 8k tokens of a Llama-8B shape, tens
-of ms over PCIe) plus the forward of the few tokens left to compute. The staged path
-(:mod:`pipeline`) moves a job in slot order (block by block, every layer of a block together),
-so no layer is complete before the whole job is, and the forward has to wait for all of it.
-Here a job is copied *layer by layer*, one kernel launch per layer, each followed by an event:
-layer ``l``'s attention waits (on the GPU, through ``wait_for_layer_load``) only for layer
-``l``'s pages, so the forward's first layers run while later layers are still on the wire and
-a hit costs about the copy alone.
+Why: a CPU hit of a long prompt costs the copy plus the forward of the few tokens left to
+compute. The staged path (:mod:`pipeline`) moves a job in slot order (every layer of a block
+together), so no layer is complete before the whole job is. Here a job is copied *layer by
+layer*, one kernel launch per layer, each followed by an event: layer ``l``'s attention waits
+(on the GPU, through ``wait_for_layer_load``) only for layer ``l``'s pages, so the forward's
+first layers run while later layers are still on the wire.
 
-How a layer gets there: a layer's bytes of a slot are one contiguous run (page ``(l, k, e)``
-of a slot sits at ``slot + ((l * kv_parts + k) * per_block + e) * page_bytes``, the slot
-layout of :mod:`kvtier.tiers.layout`), so a layer of a run of neighbouring slots is one
-*strided* copy (row = that run, pitch = the slot size): one cudaMemcpy2DAsync per (layer,
-chunk, run of slots) into a staging buffer, then a kernel scatters the chunk into the engine's
-pages (addresses computed as in the staged kernel). That keeps the copy engines' full rate;
-one DMA request per (slot, layer) piece would be tens of thousands of small requests for one
-8k hit. Without CuPy's 2-D copy, the kernel reads the pinned slots through their unified
-(UVA) addresses instead (no staging; somewhat slower than the DMA).
-"""
+How: a layer's bytes of a slot are one contiguous run (the slot layout of
+:mod:`kvtier.tiers.layout`), so a layer of a run of neighbouring slots is one *strided* copy
+(row = that run, pitch = the slot size): one cudaMemcpy2DAsync per (layer, chunk, run of
+slots) into a staging buffer, then a kernel scatters the chunk into the engine's pages. That
+keeps the copy engines' full rate, where one DMA request per (slot, layer) piece would be
+thousands of small requests. Without CuPy's 2-D copy, the kernel reads the pinned slots
+through their unified (UVA) addresses instead (no staging; somewhat slower than the DMA)."""
 
 from __future__ import annotations
 
