@@ -21,13 +21,10 @@ Sockets are bound (never connected); a ``tcp`` port of 0 or ``*`` takes any free
 ``endpoint`` / ``replay_endpoint`` then report the real one; ``ipc://`` files are 0600 (bind.py).
 
 Memory held for clients is bounded in bytes, whatever they do (the process is vLLM's
-scheduler): each subscriber's queue by ``subscriber_max_bytes`` (every message is at most
-``MAX_MESSAGE_BYTES``, the socket queues at most ``subscriber_max_bytes / MAX_MESSAGE_BYTES``
-of them per subscriber, then drops for that subscriber alone), at most ``max_subscribers``
-connections per socket, a client that stops reading is disconnected after ``stall_timeout_s``
-(peers.py); the replay buffer by ``replay_max_bytes``, and replay answers are streamed, at most
-``replay_client_max_bytes`` queued per client and ``replay_max_clients`` answers at once
-(replay_streams.py). Drops are counted in ``stats()`` and logged once.
+scheduler; the keys and the worst case: docs/security.md): each subscriber's queue (peers.py,
+sender.py), the number of connections per socket, stalled clients (peers.py), the replay
+buffer and the replay answers under way (replay_streams.py). Drops are counted in ``stats()``
+and logged once.
 """
 
 from __future__ import annotations
