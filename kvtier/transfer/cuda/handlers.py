@@ -27,7 +27,8 @@ that forward nothing. Above it the layered copy wins: its DMAs start at the look
 staging ring is the fallback: without a pinned pool or CuPy, or when no argument buffer is free.
 
 Loads run on higher-priority streams than stores, and the two directions use separate
-streams and staging rings, so both PCIe directions run at once.
+streams and staging rings, so both PCIe directions run at once. A slot whose pinned pool
+chunk is still being allocated (right after start-up) makes the enqueue wait for that chunk.
 """
 
 from __future__ import annotations
