@@ -14,6 +14,8 @@ the fast CUDA path lives elsewhere. Copies run on the handler's thread, never on
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
@@ -68,12 +70,23 @@ class _GpuCpuHandler(TransferHandler):
         ids = torch.tensor(gpu.ids, dtype=torch.long).view(n, self.k)
         return ids, slots
 
-    def _chunk5(self, chunk: torch.Tensor) -> torch.Tensor:
-        """A pool chunk ``[rows, block_bytes]`` as words ``[rows, layer, kv_part, k, page]``."""
+    async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
+        self.check_media(src, dst)
+        to_gpu = self.direction[1] is Medium.GPU
+        ids, slots = self._plan(*((dst, src) if to_gpu else (src, dst)), unique_gpu=to_gpu)
+        if slots:
+            await self.run_blocking(self._copy, ids, slots)
+        return TransferOutcome(bytes=len(slots) * self.pool.geometry.block_bytes)
+
+    def _chunks(self, ids: torch.Tensor, slots: list[int]) -> Iterator[tuple]:
+        """Per pool chunk of ``slots``: the chunk as words ``[rows, layer, kv_part, k, page]``,
+        its row count, the rows' engine block ids (on the KV device) and the row indices."""
         g = self.pool.geometry
-        return chunk.view(self.word).view(
-            chunk.shape[0], g.num_layers, g.kv_parts, self.k, self.words_per_page
-        )
+        for chunk, pos, rows in self.pool.group_by_chunk(slots):
+            chunk5 = chunk.view(self.word).view(
+                chunk.shape[0], g.num_layers, g.kv_parts, self.k, self.words_per_page)
+            gpu_idx = ids[torch.tensor(pos, dtype=torch.long)].reshape(-1).to(self.view.device)
+            yield chunk5, len(rows), gpu_idx, torch.tensor(rows, dtype=torch.long)
 
     def _sync(self) -> None:
         if self.view.device.type == "cuda":
@@ -85,26 +98,15 @@ class GpuToCpuHandler(_GpuCpuHandler):
 
     direction = (Medium.GPU, Medium.CPU)
 
-    async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
-        self.check_media(src, dst)
-        ids, slots = self._plan(src, dst, unique_gpu=False)
-        if slots:
-            await self.run_blocking(self._copy, ids, slots)
-        return TransferOutcome(bytes=len(slots) * self.pool.geometry.block_bytes)
-
     def _copy(self, ids: torch.Tensor, slots: list[int]) -> None:
         k, words = self.k, self.words_per_page
-        for chunk, pos, rows in self.pool.group_by_chunk(slots):
-            chunk5 = self._chunk5(chunk)
-            m = len(rows)
-            gpu_idx = ids[torch.tensor(pos, dtype=torch.long)].reshape(-1).to(self.view.device)
-            rows_t = torch.tensor(rows, dtype=torch.long)
+        for chunk5, m, gpu_idx, rows_t in self._chunks(ids, slots):
             for layer_no, pages in enumerate(self.pages):
                 for part in range(pages.shape[0]):
                     # per part, dim 0: fast for strided (blocks_first) pages too
                     got = pages[part].index_select(0, gpu_idx)  # [m*k, words], contiguous
-                    if got.device != chunk.device:
-                        got = got.to(chunk.device)
+                    if got.device != chunk5.device:
+                        got = got.to(chunk5.device)
                     chunk5[:, layer_no, part].index_copy_(0, rows_t, got.view(m, k, words))
 
 
@@ -113,20 +115,9 @@ class CpuToGpuHandler(_GpuCpuHandler):
 
     direction = (Medium.CPU, Medium.GPU)
 
-    async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
-        self.check_media(src, dst)
-        ids, slots = self._plan(dst, src, unique_gpu=True)
-        if slots:
-            await self.run_blocking(self._copy, ids, slots)
-        return TransferOutcome(bytes=len(slots) * self.pool.geometry.block_bytes)
-
     def _copy(self, ids: torch.Tensor, slots: list[int]) -> None:
         k, words, parts = self.k, self.words_per_page, self.view.kv_parts
-        for chunk, pos, rows in self.pool.group_by_chunk(slots):
-            chunk5 = self._chunk5(chunk)
-            m = len(rows)
-            gpu_idx = ids[torch.tensor(pos, dtype=torch.long)].reshape(-1).to(self.view.device)
-            rows_t = torch.tensor(rows, dtype=torch.long)
+        for chunk5, m, gpu_idx, rows_t in self._chunks(ids, slots):
             staged = torch.empty((parts, m * k, words), dtype=self.word)
             for layer_no, pages in enumerate(self.pages):
                 for part in range(parts):
