@@ -31,15 +31,13 @@ def gpu_untrusted(result: JobResult) -> bool:
 
 def measured_hops(result: JobResult) -> list[tuple[Medium, int, float]]:
     """(source medium, bytes, seconds) of a transfer that worked: what feeds the manager's
-    cost model (``OffloadingManager.record_load``). A shared-tier read also tells how long
-    its first bytes took (``JobResult.progress``): points of at least ``MIN_SAMPLE_BYTES`` are
-    samples too, so the first REMOTE hit already splits the tier's per-job latency from its
-    bandwidth. Read as bytes over seconds, a first hit of 256 MiB made an 8k hit look slower
-    than recomputing it. Smaller points are left out: the cost model reads small loads as a
-    fixed cost, which a point within a read does not measure. At most ``PROGRESS_SAMPLES``
-    points per read are kept (a third and two thirds of the way): the model forgets per
-    sample, and a read reports dozens of points, so all of them would make one job (a cold
-    first one, say) outweigh the next several."""
+    cost model (``OffloadingManager.record_load``). A shared-tier read also tells how long its
+    first bytes took (``JobResult.progress``): points of at least ``MIN_SAMPLE_BYTES`` are samples
+    too, so the first REMOTE hit already splits the tier's per-job latency from its bandwidth.
+    Smaller points are left out (the cost model reads small loads as a fixed cost, which a point
+    within a read does not measure). At most ``PROGRESS_SAMPLES`` points per read are kept: the
+    model forgets per sample, so dozens of points would make one job outweigh the next several
+    (docs/design-measurements.md)."""
     if result.error is not None or result.bytes <= 0:
         return []
     src = result.direction[0]

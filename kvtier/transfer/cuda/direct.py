@@ -97,14 +97,11 @@ MIN_AVG_RUN = 16  # blocks per run of neighbouring slots below which a job reads
 
 
 def scattered(runs: int, blocks: int) -> bool:
-    """Whether a job's slots are too scattered for one strided DMA per (layer, run).
-
-    Each DMA request costs the host several times longer to enqueue than a block's layer
-    (32-64 KiB) takes to cross PCIe, so short runs leave the copy engines waiting on the host
-    (a long hit of single-slot runs, the slots a LIFO free chain had reversed, took a few
-    times as long: docs/design-measurements.md). The kernel reading the slots through their
-    UVA addresses is one launch per layer whatever the runs, a little slower than the DMA on
-    long runs."""
+    """Whether a job's slots are too scattered for one strided DMA per (layer, run): each DMA
+    request costs the host longer to enqueue than a block's layer takes to cross PCIe
+    (docs/design-measurements.md), while the kernel reading the slots through their UVA
+    addresses is one launch per layer whatever the runs, a little slower than the DMA on long
+    runs."""
     return runs > max(4, blocks // MIN_AVG_RUN)
 
 
