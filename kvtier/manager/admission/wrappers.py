@@ -2,8 +2,8 @@
 
 Wrappers filter what reaches ``prepare_store``; every other call of the ``OffloadingManager``
 contract passes straight through, one method per method of the contract (no attribute
-forwarding: what a wrapper stack offers is exactly the contract), so it behaves like the manager underneath for loads,
-events, completions, background work, the cost model and stats.
+forwarding: what a wrapper stack offers is exactly the contract), so it behaves like the
+manager underneath for loads, events, completions, background work, the cost model and stats.
 """
 
 from __future__ import annotations

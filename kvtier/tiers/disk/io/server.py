@@ -4,8 +4,9 @@ worker's CPU pool, which it maps from the memfd the worker passed in (see proces
 Started by the worker (``DiskProcess``: ``python -I -c`` calling :func:`main`, isolated from
 the starting directory and PYTHON* variables); never by hand. The spec names the store's
 settings, the pool's memfd and the socket descriptors to serve, one thread per socket. The
-first reply on the first socket says whether the store opened (or which error it raised). When the worker goes away its sockets close, every thread ends, and
-the store is closed cleanly.
+first reply on the first socket says whether the store opened (or which error it raised).
+When the worker goes away its sockets close, every thread ends, and the store is closed
+cleanly.
 """
 
 from __future__ import annotations
