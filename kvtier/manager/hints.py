@@ -4,27 +4,17 @@ A router (or the client) may say, per request, through vLLM's ``kv_transfer_para
 
     {"kvtier_retention": {"priority": 1, "ttl_s": 600, "continues": true, "session": "abc"}}
 
-- ``continues: true`` (the conversation will send another turn) or ``priority > 0``: the
-  request's blocks are *kept*: admitted even by a closed gate, and evicted only after every
-  unhinted block;
-- ``continues: false`` (a one-off) or ``priority < 0``: its never-seen blocks are not written
-  (blocks seen before, e.g. a shared system prompt, still are);
-- ``ttl_s``: the hint lapses after this many seconds (default ``DEFAULT_TTL_S``);
-- ``session``: an id the router gives the conversation (recorded, for the metrics of a hint
-  source; ranking does not need it).
-
-The same hint may come as a vLLM 0.33 ``kv_hints`` action (``KvHintsEnvelope.actions``; vLLM
-leaves each action's payload schema to its implementer), read by ``RetentionHint.from_kv_hints``:
-``action_type`` ``"kvtier_retention"`` or ``"retention"``, ``action_version`` ``"1"``, payload
-the fields above, also spelled ``ttl`` / ``ttl_seconds`` (for ``ttl_s``), ``session_id`` (for
-``session``) and ``one_off: true`` (for ``continues: false``); other payload fields (another
-component's) are ignored. ``kv_transfer_params`` wins when a request carries both.
+``continues: true`` or ``priority > 0`` keeps the request's blocks (admitted even by a closed
+gate, evicted only after every unhinted block); ``continues: false`` or ``priority < 0`` marks
+a one-off, whose never-seen blocks are not written; ``ttl_s`` ends the hint (default
+``DEFAULT_TTL_S``); ``session`` is recorded only. The same hint may come as a vLLM 0.33
+``kv_hints`` action (``RetentionHint.from_kv_hints``; ``kv_transfer_params`` wins when a
+request carries both). The fields and their spellings: docs/placement.md, "Retention hints".
 
 Hints are optional and never needed for correctness: a missing, malformed or expired hint
 ranks the block like any other (a malformed one is counted in ``HintBook.ignored``), and a kept
 block is still evicted when nothing unhinted is left. The book holds at most ``max_keys`` blocks
-(oldest hint dropped first), so a router that marks everything cannot pin the tier.
-"""
+(oldest hint dropped first), so a router that marks everything cannot pin the tier."""
 
 from __future__ import annotations
 

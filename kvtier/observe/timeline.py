@@ -2,19 +2,15 @@
 
 Off unless ``KVTIER_TIMELINE`` names a file. Then both halves record one mark per event:
 ``{"t": seconds, "pid": ..., "who": "sched" | "worker", "ev": name, ...fields}``. ``t`` is
-``time.monotonic()``, a clock every process on the host shares, so the scheduler's lines, the
-workers' lines and a client's own marks fall on one axis, and the steps of one hit can be
-read in order. When off, a mark costs one attribute test.
+``time.monotonic()``, a clock every process on the host shares, so the scheduler's, the
+workers' and a client's own marks fall on one axis. When off, a mark costs one attribute test.
 
 Marks are kept in memory and written as JSON lines by :meth:`Timeline.flush` (every
-``FLUSH_EVERY`` marks, at exit, when vLLM shuts the connector down, or when a caller asks):
-writing each mark as it came cost a system call and a JSON encoding per mark, the same order
-as the steps being timed, and slowed the marked process itself. ``vllm serve``'s engine
-processes may be killed without running exit handlers or the connector's shutdown: with
-``KVTIER_TIMELINE_FLUSH_S`` set, the first mark that many seconds after the last write also
-writes, losing at most that much at a kill. It is off otherwise, so a write never lands inside a
-request an in-process benchmark is timing.
-"""
+``FLUSH_EVERY`` marks, at exit, when vLLM shuts the connector down, or when a caller asks): a
+write per mark slowed the marked process itself. ``vllm serve``'s engine processes may be
+killed without running exit handlers: with ``KVTIER_TIMELINE_FLUSH_S`` set, the first mark that
+many seconds after the last write also writes, losing at most that much at a kill. It is off
+otherwise, so a write never lands inside a request an in-process benchmark is timing."""
 
 from __future__ import annotations
 

@@ -1,19 +1,16 @@
 """How a finished load or promotion reads: failed keys, untrusted engine blocks, measurements.
 
-A load is one CPU -> GPU copy of READY CPU slots (blocks held below the CPU tier were promoted
-into it first, as background transfers). The vLLM connector's worker side, ``kvtier bench``
-and the reliability rig all read their transfer results through these functions, so the
-bytes the benchmark and the fault-injection figures check move along the path vLLM runs:
+The vLLM connector's worker side, ``kvtier bench`` and the reliability rig all read their
+transfer results through these functions, so what the benchmark and the fault-injection
+figures check is the path vLLM runs:
 
-* ``load_outcome``: a CPU -> GPU copy fails no key (the CPU copy is intact, whatever
-  happened to the copy); when it raised, none of its engine blocks may be trusted and vLLM
-  recomputes them. Treating that as a bad record made the manager forget (and leak) a block
-  that was intact;
+* ``load_outcome``: a CPU -> GPU copy fails no key (the CPU copy is intact, whatever happened
+  to the copy); when it raised, none of its engine blocks may be trusted and vLLM recomputes
+  them. Treating that as a bad record would make the manager forget (and leak) an intact block;
 * ``promotion_outcome``: the keys a promotion (DISK or REMOTE -> CPU) could not read from
   their tier, and which of those failed transiently (the record may be intact); a read that
   raised failed all of them, since nothing reached the CPU slots;
-* ``measured_hops``: what a transfer that worked measured, for the manager's cost model.
-"""
+* ``measured_hops``: what a transfer that worked measured, for the manager's cost model."""
 
 from __future__ import annotations
 
@@ -34,15 +31,13 @@ def gpu_untrusted(result: JobResult) -> bool:
 
 def measured_hops(result: JobResult) -> list[tuple[Medium, int, float]]:
     """(source medium, bytes, seconds) of a transfer that worked: what feeds the manager's
-    cost model (``OffloadingManager.record_load``). A shared-tier read also tells how long
-    its first bytes took (``JobResult.progress``): points of at least ``MIN_SAMPLE_BYTES`` are
-    samples too, so the first REMOTE hit already splits the tier's per-job latency from its
-    bandwidth. Read as bytes over seconds, a first hit of 256 MiB made an 8k hit look slower
-    than recomputing it. Smaller points are left out: the cost model reads small loads as a
-    fixed cost, which a point within a read does not measure. At most ``PROGRESS_SAMPLES``
-    points per read are kept (a third and two thirds of the way): the model forgets per
-    sample, and a read reports dozens of points, so all of them would make one job (a cold
-    first one, say) outweigh the next several."""
+    cost model (``OffloadingManager.record_load``). A shared-tier read also tells how long its
+    first bytes took (``JobResult.progress``): points of at least ``MIN_SAMPLE_BYTES`` are samples
+    too, so the first REMOTE hit already splits the tier's per-job latency from its bandwidth.
+    Smaller points are left out (the cost model reads small loads as a fixed cost, which a point
+    within a read does not measure). At most ``PROGRESS_SAMPLES`` points per read are kept: the
+    model forgets per sample, so dozens of points would make one job outweigh the next several
+    (docs/design-measurements.md)."""
     if result.error is not None or result.bytes <= 0:
         return []
     src = result.direction[0]

@@ -2,14 +2,6 @@
 
 from kvtier.transfer.engine import TransferEngine
 from kvtier.transfer.handlers import TransferHandler
-from kvtier.transfer.jobs import DirectionStats, JobResult, Route, TransferOutcome, route_name
+from kvtier.transfer.jobs import JobResult, TransferOutcome
 
-__all__ = [
-    "DirectionStats",
-    "JobResult",
-    "Route",
-    "TransferEngine",
-    "TransferHandler",
-    "TransferOutcome",
-    "route_name",
-]
+__all__ = ["JobResult", "TransferEngine", "TransferHandler", "TransferOutcome"]

@@ -2,20 +2,19 @@
 
 A GPU spec lists ``engine_blocks_per_block`` (k) engine block ids per kvtier block, in order:
 GPU ids ``[i*k:(i+1)*k]`` belong to CPU slot ``i``. A slot holds the block in the slot layout
-``[layer][kv_part][engine_block_in_block][page_bytes]``, so per layer one batched gather and
-one batched scatter move every block of a job: with ``ids`` shaped ``[n, k]``,
-``pages[:, ids]`` is ``[kv_part, n, k, page]``, which is the slot order with the first two
-axes swapped. The pool splits slots into chunks, so the work is done per chunk.
+``[layer][kv_part][engine_block_in_block][page_bytes]``, so per layer and pool chunk one
+batched gather and one batched scatter move every block of a job (``pages[:, ids]`` is
+``[kv_part, n, k, page]``: the slot order with the first two axes swapped).
 
-Bytes are moved as the widest integer word that divides the page (int64 for every real
-model): torch's index kernels copy element by element, so on uint8 they run about ten times
-slower than on int64 (docs/design-measurements.md).
+Bytes are moved as the widest integer word that divides the page: torch's index kernels copy
+element by element, so uint8 is far slower than int64 (docs/design-measurements.md).
 
 The copies also run on CUDA tensors (one host staging copy per layer): correct but not fast;
-the fast CUDA path lives elsewhere. Copies run on the handler's thread, never on the event loop.
-"""
+the fast CUDA path lives elsewhere. Copies run on the handler's thread, never on the event loop."""
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 
@@ -71,12 +70,23 @@ class _GpuCpuHandler(TransferHandler):
         ids = torch.tensor(gpu.ids, dtype=torch.long).view(n, self.k)
         return ids, slots
 
-    def _chunk5(self, chunk: torch.Tensor) -> torch.Tensor:
-        """A pool chunk ``[rows, block_bytes]`` as words ``[rows, layer, kv_part, k, page]``."""
+    async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
+        self.check_media(src, dst)
+        to_gpu = self.direction[1] is Medium.GPU
+        ids, slots = self._plan(*((dst, src) if to_gpu else (src, dst)), unique_gpu=to_gpu)
+        if slots:
+            await self.run_blocking(self._copy, ids, slots)
+        return TransferOutcome(bytes=len(slots) * self.pool.geometry.block_bytes)
+
+    def _chunks(self, ids: torch.Tensor, slots: list[int]) -> Iterator[tuple]:
+        """Per pool chunk of ``slots``: the chunk as words ``[rows, layer, kv_part, k, page]``,
+        its row count, the rows' engine block ids (on the KV device) and the row indices."""
         g = self.pool.geometry
-        return chunk.view(self.word).view(
-            chunk.shape[0], g.num_layers, g.kv_parts, self.k, self.words_per_page
-        )
+        for chunk, pos, rows in self.pool.group_by_chunk(slots):
+            chunk5 = chunk.view(self.word).view(
+                chunk.shape[0], g.num_layers, g.kv_parts, self.k, self.words_per_page)
+            gpu_idx = ids[torch.tensor(pos, dtype=torch.long)].reshape(-1).to(self.view.device)
+            yield chunk5, len(rows), gpu_idx, torch.tensor(rows, dtype=torch.long)
 
     def _sync(self) -> None:
         if self.view.device.type == "cuda":
@@ -88,26 +98,15 @@ class GpuToCpuHandler(_GpuCpuHandler):
 
     direction = (Medium.GPU, Medium.CPU)
 
-    async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
-        self.check_media(src, dst)
-        ids, slots = self._plan(src, dst, unique_gpu=False)
-        if slots:
-            await self.run_blocking(self._copy, ids, slots)
-        return TransferOutcome(bytes=len(slots) * self.pool.geometry.block_bytes)
-
     def _copy(self, ids: torch.Tensor, slots: list[int]) -> None:
         k, words = self.k, self.words_per_page
-        for chunk, pos, rows in self.pool.group_by_chunk(slots):
-            chunk5 = self._chunk5(chunk)
-            m = len(rows)
-            gpu_idx = ids[torch.tensor(pos, dtype=torch.long)].reshape(-1).to(self.view.device)
-            rows_t = torch.tensor(rows, dtype=torch.long)
+        for chunk5, m, gpu_idx, rows_t in self._chunks(ids, slots):
             for layer_no, pages in enumerate(self.pages):
                 for part in range(pages.shape[0]):
                     # per part, dim 0: fast for strided (blocks_first) pages too
                     got = pages[part].index_select(0, gpu_idx)  # [m*k, words], contiguous
-                    if got.device != chunk.device:
-                        got = got.to(chunk.device)
+                    if got.device != chunk5.device:
+                        got = got.to(chunk5.device)
                     chunk5[:, layer_no, part].index_copy_(0, rows_t, got.view(m, k, words))
 
 
@@ -116,20 +115,9 @@ class CpuToGpuHandler(_GpuCpuHandler):
 
     direction = (Medium.CPU, Medium.GPU)
 
-    async def run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferOutcome:
-        self.check_media(src, dst)
-        ids, slots = self._plan(dst, src, unique_gpu=True)
-        if slots:
-            await self.run_blocking(self._copy, ids, slots)
-        return TransferOutcome(bytes=len(slots) * self.pool.geometry.block_bytes)
-
     def _copy(self, ids: torch.Tensor, slots: list[int]) -> None:
         k, words, parts = self.k, self.words_per_page, self.view.kv_parts
-        for chunk, pos, rows in self.pool.group_by_chunk(slots):
-            chunk5 = self._chunk5(chunk)
-            m = len(rows)
-            gpu_idx = ids[torch.tensor(pos, dtype=torch.long)].reshape(-1).to(self.view.device)
-            rows_t = torch.tensor(rows, dtype=torch.long)
+        for chunk5, m, gpu_idx, rows_t in self._chunks(ids, slots):
             staged = torch.empty((parts, m * k, words), dtype=self.word)
             for layer_no, pages in enumerate(self.pages):
                 for part in range(parts):

@@ -1,11 +1,9 @@
 """``KVTierConnector``: kvtier as a vLLM 0.32-0.34 KV connector (``KVConnectorBase_V1``).
 
-Load it with ``kv_connector="KVTierConnector"``, ``kv_connector_module_path=
-"kvtier.connectors.vllm"``, ``kv_role="kv_both"`` and ``kv_connector_extra_config=
-{"config": "/etc/kvtier.yaml"}`` (or ``{"kvtier": {...}}`` inline). vLLM builds one instance
-per role: the SCHEDULER one (engine-core process) owns kvtier's manager
-(:mod:`.scheduler.side`), each WORKER one owns that worker's CPU pool, disk store and transfer
-engine (:mod:`.worker.side`). They share nothing but the metadata of :mod:`metadata`.
+How to load it: docs/vllm.md. vLLM builds one instance per role: the SCHEDULER one
+(engine-core process) owns kvtier's manager (:mod:`.scheduler.side`), each WORKER one owns that
+worker's CPU pool, disk store and transfer engine (:mod:`.worker.side`). They share nothing but
+the metadata of :mod:`metadata`.
 
 Hybrid models: kvtier is ``SupportsHMA``: with vLLM's hybrid allocator (on by default for
 such connectors) full-attention, sliding-window and Mamba/SSM state groups are stored and
@@ -14,9 +12,9 @@ so a hit ends at a boundary whose state kvtier holds); Mamba without prefix cach
 refused at start-up (settings). Their hits load asynchronously and a failed load is reported
 as its request, which vLLM recomputes (:mod:`compat.load_failures`: it cannot take their
 block ids).
+
 Sleep mode: ``supports_sleep_mode()`` is True; the worker's unregister/restore hooks are in
-:mod:`compat.sleep`. Differences between vLLM releases live in :mod:`compat`.
-"""
+:mod:`compat.sleep`. Differences between vLLM releases live in :mod:`compat`."""
 
 from __future__ import annotations
 

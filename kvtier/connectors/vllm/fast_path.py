@@ -1,33 +1,24 @@
 """The fast path: with TP 1 the scheduler side drives its own engine's worker directly.
 
 Why: vLLM spends milliseconds between the end of ``schedule()`` and the connector's first
-worker hook of the step (the model runner adds the new requests to its persistent batch and
-prepares inputs first), and between ``get_num_new_matched_tokens`` and
-``update_state_after_alloc`` it allocates the request's blocks while kvtier pins and plans the
-load; a CPU hit of a long prompt is a copy of tens of milliseconds. With one worker in the
-engine-core process (TP 1 and vLLM's uni-process executor: ``vllm serve`` and ``LLM`` both run
-that way) the scheduler side can start that copy early, twice (figures:
-docs/design-measurements.md):
+worker hook of the step, and between ``get_num_new_matched_tokens`` and
+``update_state_after_alloc`` it allocates the request's blocks; a CPU hit of a long prompt is
+a copy of tens of milliseconds. With one worker in the engine-core process (TP 1 and vLLM's
+uni-process executor, as ``vllm serve`` and ``LLM`` run) the scheduler side can start that
+copy early, twice (figures: docs/design-measurements.md):
 
-* at the lookup (``FastPath.prefetch``): it names the hit's CPU slots to the worker, whose load
-  handler starts the host -> staging half of the copy's first pieces
-  (:mod:`kvtier.transfer.cuda.prefetch`). The load planned right after uses them if its
-  slots are the same; any other step of the scheduler (the next lookup, ``build_meta``)
-  drops an unused prefetch first (``FastPath.drop``), so a prefetch never outlives the pass
-  in which its slots were read as READY;
+* at the lookup (``FastPath.prefetch``): the worker's load handler starts the host -> staging
+  half of the hit's first pieces (:mod:`kvtier.transfer.cuda.prefetch`). The load planned
+  right after uses them if its slots are the same; any other step of the scheduler drops an
+  unused prefetch first (``FastPath.drop``), so a prefetch never outlives the pass in which
+  its slots were read as READY;
 * when the load is planned (``FastPath.submit``): the engine blocks are the request's from
   then on, so the worker submits the synchronous load at once instead of at its first hook.
 
-vLLM builds the two halves separately, so :class:`KVTierConnector` (the composition root)
-gives both halves of one engine the same :class:`WorkerHandoff`, found by vLLM's ``engine_id``
-with :func:`handoff_for`: the worker attaches itself, the scheduler's :class:`FastPath` asks
-:meth:`WorkerHandoff.worker_here`. The worker is called only when that is safe: a worker
-attached and the scheduler running on the thread that runs the worker's step hooks (the worker
-side is single-threaded). Anything else, or the switch off
-(``kv_connector_extra_config.same_thread_fast_path: false``), takes the usual path: the worker
-submits the load at its first hook of the step. Nothing else crosses between the halves
-outside the per-step metadata.
-"""
+Both halves of one engine share a :class:`WorkerHandoff`, found by vLLM's ``engine_id`` with
+:func:`handoff_for`. The worker is called only from the thread that runs its step hooks (the
+worker side is single-threaded). Anything else, or the switch off
+(``kv_connector_extra_config.same_thread_fast_path: false``), takes the usual path."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ finished and which blocks it could not read. A job is done once every worker rep
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -106,17 +107,15 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """A worker's report for one step (or the sum over workers after ``aggregate``).
 
     ``done``: job id -> number of workers that finished it. ``failed``: job id -> keys that
-    could not be read (a promotion's disk or shared-tier miss or corruption; the manager
-    forgets them), and ``transient``:
-    those of them whose read failed transiently (EIO, EMFILE: counted apart from corruption;
-    after ``aggregate``, only keys no worker failed otherwise). ``errors``: job id
-    -> number of workers on which the job raised (a store or demotion that must not be
-    published). ``load_hops``: (source medium, bytes, seconds) of each finished load (CPU)
-    and promotion read (DISK, REMOTE) on each worker, and ``forwards``: (tokens, seconds) of large forward passes:
-    the scheduler's cost model learns load bandwidth and recompute time from them.
-    ``tainted``: requests whose synchronous load failed on a worker after their forward ran on
-    it (kvtier.connectors.vllm.worker.load_taint); the scheduler acknowledges them in ``untaint``.
-    """
+    could not be read (a promotion's miss or corruption; the manager forgets them), and
+    ``transient`` those of them whose read failed transiently (EIO, EMFILE: counted apart from
+    corruption; after ``aggregate``, only keys no worker failed otherwise). ``errors``: job id ->
+    number of workers on which the job raised (a store or demotion that must not be published).
+    ``load_hops``: (source medium, bytes, seconds) of each finished load (CPU) and promotion read
+    (DISK, REMOTE), and ``forwards``: (tokens, seconds) of large forward passes: the scheduler's
+    cost model learns load bandwidth and recompute time from them. ``tainted``: requests whose
+    synchronous load failed on a worker after their forward ran on it (:mod:`worker.load_taint`);
+    the scheduler acknowledges them in ``untaint``."""
 
     done: dict[int, int] = field(default_factory=dict)
     failed: dict[int, tuple[BlockKey, ...]] = field(default_factory=dict)
@@ -129,12 +128,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVTierWorkerMetadata":
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate KVTierWorkerMetadata with {type(other).__name__}")
-        done = dict(self.done)
-        for job, n in other.done.items():
-            done[job] = done.get(job, 0) + n
-        errors = dict(self.errors)
-        for job, n in other.errors.items():
-            errors[job] = errors.get(job, 0) + n
+        done = dict(Counter(self.done) + Counter(other.done))
+        errors = dict(Counter(self.errors) + Counter(other.errors))
         failed = dict(self.failed)
         for job, keys in other.failed.items():
             failed[job] = tuple(dict.fromkeys(failed.get(job, ()) + tuple(keys)))

@@ -7,30 +7,21 @@ so it is always admitted. A *first-timer* is admitted only while first-timers of
 measured to be read before they would be evicted, and only when evictions are hurting:
 
 - classes: whether the block extends a prefix already seen, whether it is the first new block
-  of its lookup or a deeper one, and whether it is the lookup's last block. Chats reuse
-  extensions, system-prompt traffic never does, partial tails are rarely reused; the gate
-  learns which from the outcomes, so no trace needs its own parameters.
+  of its lookup or a deeper one, and whether it is the lookup's last block; the gate learns
+  from the outcomes which classes get reused, so no trace needs its own parameters.
 - outcome of an admitted first-timer: hit before eviction (1) or evicted unread (0); of a
-  refused one: sighted again within the time it would have stayed, i.e. before ``capacity``
-  more blocks were admitted (1), or not (0). Both feed one running mean per class, so refusing
-  does not stop the measurement and the gate reopens when the traffic changes.
+  refused one: sighted again before ``capacity`` more blocks were admitted (1), or not (0).
+  Both feed one running mean per class, so refusing does not stop the measurement.
 - pressure: the share of recent evictions that threw out a block that was not an unread
-  first-timer. Without pressure the tier only evicts its own dead weight and the gate stays
-  open, so a large tier never loses hits to admit-all; under pressure the bar is
+  first-timer. Without pressure the gate stays open; under pressure the bar is
   ``GATE_BAR * pressure``.
-- payoff: all of the above only decides *which* first-timers a gate would refuse. Whether to
-  gate at all is measured by :class:`ShadowCaches`: two sampled key-only caches replay every
-  lookup, one storing every miss, one refusing as the gate would; the gate refuses only
-  while the gated one leads significantly and the real tier has not lost its small budget of
-  hits against the admit-all one (LRU's hits). A tier that is nearly big enough for its traffic
-  therefore behaves like admit-all (a refused block that comes back costs its hit and every
-  block behind it), and a small one keeps the write savings.
+- payoff: whether to gate at all is measured by :class:`ShadowCaches` (shadow.py), so a tier
+  that is nearly big enough for its traffic behaves like admit-all and a small one keeps the
+  write savings.
 
-Every call is O(1) per key, with no pause proportional to the history (the maps are
-:class:`KeyedList`, values packed into ints). Memory: a two-generation bitset doorkeeper (16-32
-bytes per tier block) plus maps of keys awaiting a decision or an outcome, bounded to 1x
-(sighted, admitted) and 2x (refused) the tier's capacity.
-"""
+Every call is O(1) per key (the maps are :class:`KeyedList`, values packed into ints). Memory:
+a two-generation bitset doorkeeper (16-32 bytes per tier block) plus maps of keys awaiting a
+decision or an outcome, bounded to 1x (sighted, admitted) and 2x (refused) the tier's capacity."""
 
 from __future__ import annotations
 

@@ -4,29 +4,17 @@ A gate that refuses first-timers wins when the tier is small (what it refuses wo
 evicted unread, and what it keeps stays longer) and loses when the tier is nearly big enough
 (a refused block that comes back costs its hit *and* every block behind it, since a prefix hit
 stops at the first missing block). Where the crossover lies depends on the trace and the
-capacity, so it is measured, not configured: the gate runs two key-only LRU caches side by
-side on the same lookups,
+capacity, so it is measured, not configured: two key-only LRU caches run side by side on the
+same lookups, ``admit_all`` storing every missed block (what LRU would do) and ``gated``
+storing missed blocks up to the first one the gate would refuse. Gating starts once ``gated``
+leads clearly and stops once it trails (``gating_pays``), or once the *real* tier has lost its
+budget of hits against the admit-all cache (``within_budget``): what gating can cost against
+LRU over a run is bounded by what was measured on the real tier itself.
 
-- ``admit_all``: stores every missed block (what LRU would do);
-- ``gated``: stores missed blocks up to the first one the gate would refuse (what the gate
-  would do),
-
-and gating may start once ``gated`` leads in (decayed) hits by ``ON_MARGIN`` of the blocks
-looked up and by ``SIGMAS`` standard deviations of the per-lookup differences (a lead made of a
-few lumps, e.g. one long document that came back, is not evidence yet). It stops once ``gated``
-trails by ``TOLERANCE`` (over ``WINDOW``) or by ``FAST_TOLERANCE`` over the last ``FAST_WINDOW``
-miniature capacities, or once the *real* tier has lost its budget: the tier's own hits on the
-sample are compared with the admit-all cache's (LRU's), and a gating period that has lost
-``BUDGET`` of all sampled lookups so far against them ends (the tier admits everything, i.e.
-becomes LRU); each such stop doubles the lead the next period needs. This bounds what gating
-can cost against LRU over a run by what was measured on the real tier, including what the
-shadows cannot see (the lag after a switch, a tier whose content differs from the gated
-shadow's). Both see a spatial sample of the keys (a fixed
-hash subset, as in miniature simulation / SHARDS) scaled to ``MINI_BLOCKS`` slots, so the cost
-per block is O(1) and the memory is bounded whatever the tier's size; small tiers are simulated
-in full. A sampled block counts as a hit only while every earlier sampled block of its lookup
-hit too (prefix semantics on the sample).
-"""
+Both see a spatial sample of the keys (a fixed hash subset, as in miniature simulation /
+SHARDS) scaled to ``MINI_BLOCKS`` slots, so the cost per block is O(1) and the memory is
+bounded whatever the tier's size; small tiers are simulated in full. A sampled block counts as
+a hit only while every earlier sampled block of its lookup hit too (prefix semantics)."""
 
 from __future__ import annotations
 

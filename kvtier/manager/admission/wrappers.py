@@ -1,106 +1,46 @@
 """Admission added by wrapping a manager (the way vLLM composes it).
 
 Wrappers filter what reaches ``prepare_store``; every other call of the ``OffloadingManager``
-contract passes straight through, method by method (no attribute forwarding: what a wrapper
-stack offers is exactly the contract), so it behaves like the manager underneath for loads,
-events, completions, background work, the cost model and stats.
+contract passes straight through, one method per method of the contract (no attribute
+forwarding: what a wrapper stack offers is exactly the contract), so it behaves like the
+manager underneath for loads, events, completions, background work, the cost model and stats.
 """
 
 from __future__ import annotations
 
+import abc
 import math
-from typing import TYPE_CHECKING, Any, Collection, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.admission.base import SightingThreshold
-from kvtier.manager.events import Event
-from kvtier.manager.specs import (
-    BackgroundTransfer,
-    BlockKey,
-    LoadPlan,
-    LookupResult,
-    Medium,
-    RequestContext,
-    StorePlan,
-)
-from kvtier.manager.stats import ManagerStats
+from kvtier.manager.specs import BlockKey, LookupResult, Medium, RequestContext, StorePlan
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from kvtier.manager.cost import LoadCostModel
-    from kvtier.manager.index.tier_index import TierIndex
+
+def _pass_through(name: str) -> Callable[..., Any]:
+    def method(self: "ManagerWrapper", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = getattr(OffloadingManager, name).__doc__
+    return method
 
 
 class ManagerWrapper(OffloadingManager):
-    """Delegates everything to ``inner``; subclasses override what they filter."""
+    """Delegates every method of the contract to ``inner``; subclasses override what they
+    filter."""
 
     def __init__(self, inner: OffloadingManager) -> None:
         self.inner = inner
 
-    def lookup(self, keys: Sequence[BlockKey], sighting: bool = True,
-               ends_prompt: bool = False) -> LookupResult:
-        return self.inner.lookup(keys, sighting, ends_prompt)
+    stats = property(lambda self: self.inner.stats)  # type: ignore[assignment]
+    cost = property(lambda self: self.inner.cost)  # type: ignore[assignment]
 
-    def prepare_load(self, keys: Sequence[BlockKey]) -> LoadPlan:
-        return self.inner.prepare_load(keys)
 
-    def peek_cpu_slots(self, keys: Sequence[BlockKey]) -> tuple[int, ...]:
-        return self.inner.peek_cpu_slots(keys)
-
-    def touch(self, keys: Sequence[BlockKey]) -> None:
-        self.inner.touch(keys)
-
-    def complete_load(self, keys: Sequence[BlockKey], failed: Collection[BlockKey] = (),
-                      transient: Collection[BlockKey] = ()) -> None:
-        self.inner.complete_load(keys, failed, transient)
-
-    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
-        return self.inner.prepare_store(keys, ctx)
-
-    def complete_store(self, keys: Sequence[BlockKey], success: bool = True) -> None:
-        self.inner.complete_store(keys, success)
-
-    def take_background_transfers(self) -> list[BackgroundTransfer]:
-        return self.inner.take_background_transfers()
-
-    def complete_background(self, transfer_id: int, success: bool = True,
-                            failed: Collection[BlockKey] = (),
-                            transient: Collection[BlockKey] = ()) -> None:
-        self.inner.complete_background(transfer_id, success, failed, transient)
-
-    def record_load(self, medium: Medium, nbytes: int, seconds: float) -> None:
-        self.inner.record_load(medium, nbytes, seconds)
-
-    def record_promotion(self, medium: Medium, nbytes: int, seconds: float) -> None:
-        self.inner.record_promotion(medium, nbytes, seconds)
-
-    def measured_recompute(self, s_per_token: float, block_tokens: int, block_bytes: int) -> None:
-        self.inner.measured_recompute(s_per_token, block_tokens, block_bytes)
-
-    def set_retention(self, request_id: str, hint: Any) -> None:
-        self.inner.set_retention(request_id, hint)
-
-    def take_events(self) -> Iterable[Event]:
-        return self.inner.take_events()
-
-    def events_dropped(self) -> int:
-        return self.inner.events_dropped()
-
-    def usage(self) -> dict[str, dict[str, int]]:
-        return self.inner.usage()
-
-    def pins(self) -> int:
-        return self.inner.pins()
-
-    def tier(self, medium: Medium) -> "TierIndex | None":
-        return self.inner.tier(medium)
-
-    @property
-    def stats(self) -> ManagerStats:  # type: ignore[override]
-        return self.inner.stats
-
-    @property
-    def cost(self) -> "LoadCostModel | None":  # type: ignore[override]
-        return self.inner.cost
+for _name, _member in list(vars(OffloadingManager).items()):
+    if callable(_member) and not _name.startswith("_"):
+        setattr(ManagerWrapper, _name, _pass_through(_name))
+abc.update_abstractmethods(ManagerWrapper)
 
 
 class StoreThresholdAdmission(ManagerWrapper):

@@ -2,32 +2,26 @@
 
 :class:`RemoteTier` is built by the tiered manager with the shared tier's presence directory,
 its admission, the CPU tier, counters, event bus, background queue and the CPU eviction's
-``make_room``; its own state is the writes in flight and the keys being promoted. Without a
-directory (no shared tier configured) every method is a no-op answering "not here".
-
-The manager cannot index the shared tier (other instances write and the server evicts), so:
+``make_room``. Without a directory (no shared tier configured) every method is a no-op
+answering "not here". The manager cannot index the shared tier (other instances write and the
+server evicts), so:
 
 * ``lookup`` asks a :class:`~kvtier.tiers.remote.directory.RemoteDirectory` about the keys
-  after the local hits. It never waits: keys still being asked make the result ``pending``
-  (the connector answers vLLM "not yet", and vLLM asks again next step).
-* A remote hit is promoted like a disk hit: the lookup that finds it reserves a CPU slot
-  (WRITING, ``promoted``) and queues a REMOTE -> CPU read; settling it publishes the block,
-  or, when the read missed (evicted meanwhile, corrupt, server down), frees the slot and
-  forgets the answer.
-* ``complete_store`` queues a CPU -> REMOTE write of the newly stored blocks that the shared
-  tier admits and does not hold yet, at most ``max_writes`` blocks at once. The CPU slot is
-  pinned (a reader) until the write is reported, so it cannot be evicted or reused under it.
-  What exceeds ``max_writes`` waits in a backlog (oldest first, unpinned, at most the CPU
-  tier's size) and is written as earlier writes are reported: a long prompt is shared whole,
-  not cut at the first ``max_writes`` blocks. A backlogged block evicted from CPU memory
-  before its turn is skipped (counted in ``remote_writes_skipped``). The backlog's next
-  ``max_writes`` blocks are asked about again before their turn (``RemoteDirectory.recheck``,
-  without waiting): where the store is the limit, the instance that recomputed a block the
-  tier missed is often writing it while the instance that computed it first still is, and a
-  block found held by then is not written twice (``remote_writes_already_held``). "Held"
-  means a valid record for the key (``RemoteDirectory.known_held``), never a bare EXISTS: junk
-  planted under a key, or a record under an old MAC key, is overwritten.
-"""
+  after the local hits, never waiting: keys still being asked make the result ``pending``
+  (vLLM asks again next step).
+* A remote hit is promoted like a disk hit: a CPU slot reserved (WRITING, ``promoted``) and a
+  REMOTE -> CPU read queued; settling publishes the block or, when the read missed, frees the
+  slot and forgets the answer.
+* ``complete_store`` queues a CPU -> REMOTE write of the newly stored blocks the shared tier
+  admits and does not hold yet, at most ``max_writes`` blocks at once, each CPU slot pinned
+  until its write is reported. The rest waits in a backlog (oldest first, unpinned, at most
+  the CPU tier's size), so a long prompt is shared whole; a backlogged block evicted before
+  its turn is skipped (``remote_writes_skipped``). The backlog's next ``max_writes`` blocks
+  are asked about again before their turn (``RemoteDirectory.recheck``): another instance
+  that recomputed a block the tier missed is often writing it too, and a block found held by
+  then is not written twice (``remote_writes_already_held``). "Held" means a valid record
+  (``RemoteDirectory.known_held``), never a bare EXISTS: junk planted under a key, or a
+  record under an old MAC key, is overwritten."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 ``pump()`` drains ``take_events()`` into the publisher. Whatever the manager holds when the
 feed starts (disk blocks restored from a previous run emit no events) is announced by an
 initial resync, and a live walk of the manager's resident blocks is the publisher's resync
-source: a resync goes out a chunk per ``pump`` (``kvtier.observe.events.resync``), so neither start-up
-with a large restored disk tier nor a resync later stalls the scheduler thread. If the
+source: a resync goes out a chunk per ``pump`` (``kvtier.observe.events.resync``), so neither
+start-up with a large restored disk tier nor a resync later stalls the scheduler thread. If the
 manager's event bus itself dropped events (nobody drained it for too long), the publisher is
 told the stream is lost and resyncs.
 
@@ -37,7 +37,6 @@ class ManagerFeed:
     def __init__(self, manager: OffloadingManager, publisher: EventPublisher) -> None:
         self.manager = manager
         self.publisher = publisher
-        publisher.set_resident_source(lambda: resident_blocks(manager))  # one-shot fallback
         publisher.set_resident_walk(lambda: walk_resident(manager))
         self._bus_dropped = self._dropped()
         manager.take_events()  # already reflected in the initial resync

@@ -9,27 +9,22 @@ requests. The two sides share only a ``Handoff`` (handoff.py).
 When the queue is full, new events are dropped and counted, and the stream is marked *lost*:
 consumers can no longer rebuild state from it. The next ``publish`` then repairs it with a
 resync: ``AllBlocksCleared`` followed by ``BlockStored`` for every resident block. With a
-``resident_walk`` (``kvtier.observe.events.resync``; ``ManagerFeed`` sets one) the blocks go out a
+resident walk (``kvtier.observe.events.resync``; ``ManagerFeed`` sets one) the blocks go out a
 chunk per ``publish`` call, interleaved with live events, so no call walks more than
-``resync_chunk`` blocks (a one-shot walk of a large tier would stall vLLM's scheduler thread
-for seconds).
-A ``resident`` source (what each tier holds now, read on the caller's thread, so consistent
-with the events given so far) is sent in one go. Without either it sends ``AllBlocksCleared``
-alone, so consumers forget this instance's blocks (a miss, never a wrong hit). A consumer that
-asked replay for batches no longer buffered also triggers a resync (at most one per
-``min_resync_interval_s``, and none while one is under way), so a late consumer converges.
+``DEFAULT_CHUNK`` blocks (a one-shot walk of a large tier would stall vLLM's scheduler thread
+for seconds). Without one it sends ``AllBlocksCleared`` alone, so consumers forget this
+instance's blocks (a miss, never a wrong hit). A consumer that asked replay for batches no
+longer buffered also triggers a resync (at most one per ``min_resync_interval_s``, and none
+while one is under way), so a late consumer converges.
 
 Sockets are bound (never connected); a ``tcp`` port of 0 or ``*`` takes any free port and
 ``endpoint`` / ``replay_endpoint`` then report the real one; ``ipc://`` files are 0600 (bind.py).
 
 Memory held for clients is bounded in bytes, whatever they do (the process is vLLM's
-scheduler): each subscriber's queue by ``subscriber_max_bytes`` (every message is at most
-``MAX_MESSAGE_BYTES``, the socket queues at most ``subscriber_max_bytes / MAX_MESSAGE_BYTES``
-of them per subscriber, then drops for that subscriber alone), at most ``max_subscribers``
-connections per socket, a client that stops reading is disconnected after ``stall_timeout_s``
-(peers.py); the replay buffer by ``replay_max_bytes``, and replay answers are streamed, at most
-``replay_client_max_bytes`` queued per client and ``replay_max_clients`` answers at once
-(replay_streams.py). Drops are counted in ``stats()`` and logged once.
+scheduler; the keys and the worst case: docs/security.md): each subscriber's queue (peers.py,
+sender.py), the number of connections per socket, stalled clients (peers.py), the replay
+buffer and the replay answers under way (replay_streams.py). Drops are counted in ``stats()``
+and logged once.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ import stat
 import threading
 import time
 from dataclasses import asdict
-from typing import Callable, Iterable, Mapping
+from typing import Iterable
 
 import zmq
 
@@ -55,11 +50,8 @@ from kvtier.observe.events.replay_streams import ReplayStreams
 from kvtier.observe.events.resync import DEFAULT_CHUNK, ChunkedWalk, ResidentWalk
 from kvtier.observe.events.sender import MAX_MESSAGE_BYTES, EventSender
 from kvtier.manager import events as mgr
-from kvtier.manager.specs import BlockKey, Medium
 
 log = logging.getLogger(__name__)
-
-Resident = Callable[[], Mapping[Medium, Iterable[BlockKey]]]
 
 
 def _messages(max_bytes: int) -> int:
@@ -86,14 +78,11 @@ class EventPublisher:
         *,
         block_tokens: int,
         metadata: MetadataLookup | None = None,
-        resident: Resident | None = None,
         wire_hash: WireHash | None = None,
         data_parallel_rank: int | None = None,
         max_queue_events: int = 100_000,
         replay_max_bytes: int | None = None,
         min_resync_interval_s: float = 1.0,
-        resident_walk: ResidentWalk | None = None,
-        resync_chunk: int = DEFAULT_CHUNK,
     ) -> None:
         for name in ("endpoint", "replay_endpoint"):  # EventsConfig checks too; be sure
             value = getattr(config, name)
@@ -102,9 +91,7 @@ class EventPublisher:
                 raise ValueError(f"events.{name}: {problem}")
         self.config = config
         self._converter = EventConverter(block_tokens, metadata, wire_hash)
-        self._resident = resident
-        self._resident_walk = resident_walk
-        self._resync_chunk = resync_chunk
+        self._resident_walk: ResidentWalk | None = None
         self._walk: ChunkedWalk | None = None  # a resync under way (caller's thread only)
         self._max_queue = max_queue_events
         self._min_resync = min_resync_interval_s
@@ -183,7 +170,7 @@ class EventPublisher:
         self._wake()
 
     def _resync_due(self, now: float) -> bool:
-        if (self._resident is None and self._resident_walk is None) or self._handoff.resync_queued:
+        if self._resident_walk is None or self._handoff.resync_queued:
             return False
         if self._handoff.lost:
             return True
@@ -206,21 +193,12 @@ class EventPublisher:
 
     def resync(self) -> None:
         """Publish ``AllBlocksCleared`` then every resident block (call on the caller's
-        thread: the source must describe the state after every event published so far).
-        With a ``resident_walk`` this queues the clear and the first chunk; each later
-        ``publish`` queues one more chunk until the walk is done (``wants_resync`` till then)."""
-        if self._resident_walk is not None:
-            self._start_resync({}, walk=ChunkedWalk(self._resident_walk(), self._resync_chunk))
-            self._next_chunk(self._last_resync)
-            self._wake()
-            return
-        if self._resident is None:
-            raise RuntimeError("resync needs a resident-blocks source")
-        self._start_resync({Medium(m): list(keys) for m, keys in self._resident().items()})
-        self._wake()
-
-    def _start_resync(self, resident: Mapping[Medium, list[BlockKey]],
-                      walk: ChunkedWalk | None = None) -> None:
+        thread: the walk must describe the state after every event published so far). This
+        queues the clear and the first chunk; each later ``publish`` queues one more chunk
+        until the walk is done (``wants_resync`` till then)."""
+        if self._resident_walk is None:
+            raise RuntimeError("resync needs a resident walk (set_resident_walk)")
+        walk = ChunkedWalk(self._resident_walk(), DEFAULT_CHUNK)
         h = self._handoff
         with h.lock:
             self._walk = walk
@@ -232,15 +210,12 @@ class EventPublisher:
             h.queue.clear()
             h.queued_events = 0
             h.resync_queued = True
-            h.enqueue_locked(Item(self._last_resync, [], cleared=True, resident=resident))
-
-    def set_resident_source(self, resident: Resident | None) -> None:
-        """What each tier holds now (called on the caller's thread, for one-shot resyncs)."""
-        self._resident = resident
+            h.enqueue_locked(Item(self._last_resync, [], cleared=True))
+        self._next_chunk(self._last_resync)
+        self._wake()
 
     def set_resident_walk(self, walk: ResidentWalk | None) -> None:
-        """A live walk of the resident blocks (``kvtier.observe.events.resync``): resyncs then go
-        out in chunks. Preferred over ``set_resident_source`` when both are set."""
+        """A live walk of the resident blocks (``kvtier.observe.events.resync``)."""
         self._resident_walk = walk
 
     @property

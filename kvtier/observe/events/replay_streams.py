@@ -1,19 +1,17 @@
 """``ReplayStreams``: replay answers sent a few batches at a time, to a bounded set of clients.
 
-Why: an answer used to be queued whole, up to the replay buffer's bytes, into the ZMQ pipe of
-the client that asked, in vLLM's scheduler process; a client that asked and never read pinned
-all of it, and every further client as much again. Now each answer is a stream with a cursor:
-each pass of the publisher's thread sends up to ``CHUNK_BATCHES`` batches per stream, until the
-client's pipe is full (the replay socket refuses with EAGAIN: ``ROUTER_MANDATORY`` and a send
-limit of ``events.replay_client_max_bytes``), and continues when the client has read. So a
-client holds at most its own budget, however much history it asked for.
+Why: an answer queued whole into the ZMQ pipe of the client that asked (in vLLM's scheduler
+process) would let a client that never reads pin up to the replay buffer's bytes, and every
+further client as much again. So each answer is a stream with a cursor: each pass of the
+publisher's thread sends up to ``CHUNK_BATCHES`` batches per stream, until the client's pipe
+is full (``ROUTER_MANDATORY`` and a send limit of ``events.replay_client_max_bytes``: EAGAIN),
+and continues when the client has read.
 
 At most ``events.replay_max_clients`` streams run at once; a request beyond that is answered
 with the end marker alone (the consumer sees no progress, reports a gap and asks again later).
 A stream that makes no progress for ``events.stall_timeout_s`` is abandoned (its client's
 connection is dropped by the peer watch too); both are counted. History evicted from the buffer
-while a stream is behind it is announced with a ``ReplayGap``, never skipped silently.
-"""
+while a stream is behind it is announced with a ``ReplayGap``, never skipped silently."""
 
 from __future__ import annotations
 

@@ -1,27 +1,23 @@
 """Incremental resync: the resident blocks announced a chunk at a time, on the manager's thread.
 
 A resync tells consumers everything the manager holds (``AllBlocksCleared``, then
-``BlockStored`` per resident block). Walking a million blocks at once holds vLLM's scheduler
-thread for seconds (docs/design-measurements.md), and the walk cannot move to another thread:
-the manager is not thread-safe.
-So the walk is spread over the owner's ``publish`` calls, ``chunk`` units of work each, with
-the manager's own events published in between, in the order things happened.
+``BlockStored`` per resident block). Walking a million blocks at once would hold vLLM's
+scheduler thread for seconds, and the walk cannot move to another thread (the manager is not
+thread-safe), so it is spread over the owner's ``publish`` calls, ``chunk`` units of work
+each, with the manager's own events published in between, in the order things happened.
 
 Why consumers still end with the exact state, and never hold a block the manager does not:
 
-* every chunk is read on the manager's thread at the moment it is queued, after the events
-  queued before it and before the ones queued after it, so each ``BlockStored`` it carries is
-  true at its place in the stream;
-* a key is yielded only if it is READY when yielded (a snapshot taken earlier could announce a
+* every chunk is read on the manager's thread at the moment it is queued, so each
+  ``BlockStored`` it carries is true at its place in the stream;
+* a key is yielded only if it is READY when yielded (an earlier snapshot could announce a
   block evicted since: a wrong hit);
 * keys are walked shard by shard (a key's shard never changes, and each small shard is copied
   in one go, so the walk never iterates a dict that changes under it): a key resident for the
   whole walk is announced; one that arrives or leaves meanwhile has its own event, after the
   ``AllBlocksCleared``.
 
-Until the walk ends consumers hold a subset of the truth (misses, not wrong hits), as they did
-between the batches of a one-shot resync.
-"""
+Until the walk ends consumers hold a subset of the truth (misses, not wrong hits)."""
 
 from __future__ import annotations
 

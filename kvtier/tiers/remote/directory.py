@@ -2,26 +2,21 @@
 
 The shared tier belongs to every instance, so no instance can index it; the scheduler asks the
 server instead. ``query`` never blocks: a key whose answer is cached (fresh for ``ttl_s``) is
-answered at once; the others are asked in one batch on the store's loop and read ``None``
-("not yet") until the reply lands, which the manager turns into vLLM's "ask again next step".
-A failed or degraded server answers "absent", so a dead tier costs only its hits. With tensor
-parallelism each rank stores its own shard of a block; the block is "held" only when every
-rank's shard is (``shards``: one EXISTS of a block's shard keys counts them), so no rank finds
-its shard evicted after the scheduler promised the block. Answers are hints: a key can be
-evicted between the answer and the read, which the read then reports as a miss (recomputed),
-never as wrong bytes.
+answered at once; the others are queued and read ``None`` ("not yet") until the reply lands,
+which the manager turns into vLLM's "ask again next step". A failed or degraded server answers
+"absent", so a dead tier costs only its hits. With tensor parallelism a block is "held" only
+when every rank's shard is (``shards``), so no rank finds its shard evicted after the
+scheduler promised the block. Answers are hints: a key evicted between the answer and the read
+is a miss (recomputed), never wrong bytes.
 
-The scheduler's thread never asks the server itself: it only queues the keys and sets an
-event. The directory's asker thread sends the EXISTS of every queued key in one pipeline on
-its own blocking connections (:mod:`.exists`) and files the answers; it never goes through the
-store's asyncio loop, whose per-command coroutines had to win the GIL from vLLM's busy engine
-loop step by step (slower than recomputing the prompt: docs/design-measurements.md).
+The scheduler's thread only queues the keys and sets an event. The directory's asker thread
+sends the EXISTS of every queued key in one pipeline on its own blocking connections
+(:mod:`.exists`), never through the store's asyncio loop (docs/design-measurements.md).
 
 A lookup is pending at most ``lookup_deadline_s``: a key asked longer ago reads "absent" (the
 request recomputes it) whatever the asker is stuck on, and the asker's own reads stop at the
 same deadline. Write-back trusts only what it can vouch for: a key this instance wrote, or one
-whose value's header was read and checked (``recheck``); EXISTS alone counts junk as held.
-"""
+whose value's header was read and checked (``recheck``); EXISTS alone counts junk as held."""
 
 from __future__ import annotations
 

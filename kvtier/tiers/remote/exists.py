@@ -1,20 +1,15 @@
 """Which of many keys the shared tier holds: pipelined EXISTS on plain RESP connections.
 
 Why not the asyncio client (redis-py) that the store's upkeep uses: a lookup asks one EXISTS
-per block (2,048 for a 32k-token prompt of 16-token blocks), and each command there is a
-coroutine and a future on a loop thread that must win the GIL from vLLM's busy engine loop
-for every step of every command. Beside vLLM's engine loop a lookup's answer took longer that
-way than recomputing the prompt. Here the directory's asker thread sends every key's
-EXISTS to its node in one write and reads the integer replies back in order: a few system
-calls and a parse per buffer read, and the thread blocks in the kernel (GIL released)
-meanwhile. The pipeline is built as one buffer and its replies parsed in bulk: built and read
-command by command, a 2,048-key lookup cost about ten times the Python, every slice of which
-had to be won back from the engine loop at the GIL switch interval (docs/design-measurements.md).
+per block (thousands for a long prompt), and each command there is a coroutine and a future on
+a loop thread that must win the GIL from vLLM's busy engine loop for every step; a lookup then
+took longer than recomputing the prompt. Here the directory's asker thread sends every key's
+EXISTS to its node as one buffer and parses the integer replies in bulk: a few system calls,
+blocked in the kernel (GIL released) meanwhile (docs/design-measurements.md).
 
 Failures are contained as in the store: a key whose node failed reads ``None`` (absent); if
 every node failed, the tier is marked degraded (``RemoteHealth``) and later lookups answer
-"absent" without touching a socket until a probe finds the server again.
-"""
+"absent" without touching a socket until a probe finds the server again."""
 
 from __future__ import annotations
 

@@ -8,16 +8,5 @@ CuPy; building a handler needs CUDA.
 """
 
 from kvtier.transfer.cuda.handlers import CudaCpuToGpuHandler, CudaGpuToCpuHandler
-from kvtier.transfer.cuda.page_movers import CupyPageMover, TorchPageMover, make_page_mover
-from kvtier.transfer.cuda.pipeline import EnqueuedJob, PagedCopier, StagingRing
 
-__all__ = [
-    "CudaCpuToGpuHandler",
-    "CudaGpuToCpuHandler",
-    "CupyPageMover",
-    "EnqueuedJob",
-    "PagedCopier",
-    "StagingRing",
-    "TorchPageMover",
-    "make_page_mover",
-]
+__all__ = ["CudaCpuToGpuHandler", "CudaGpuToCpuHandler"]

@@ -1,24 +1,19 @@
 """Layer-by-layer loads straight from pinned CPU slots into the engine's pages.
 
-Why: a CPU hit of a long prompt costs the copy (1 GiB for 8k tokens of a Llama-8B shape, tens
-of ms over PCIe) plus the forward of the few tokens left to compute. The staged path
-(:mod:`pipeline`) moves a job in slot order (block by block, every layer of a block together),
-so no layer is complete before the whole job is, and the forward has to wait for all of it.
-Here a job is copied *layer by layer*, one kernel launch per layer, each followed by an event:
-layer ``l``'s attention waits (on the GPU, through ``wait_for_layer_load``) only for layer
-``l``'s pages, so the forward's first layers run while later layers are still on the wire and
-a hit costs about the copy alone.
+Why: a CPU hit of a long prompt costs the copy plus the forward of the few tokens left to
+compute. The staged path (:mod:`pipeline`) moves a job in slot order (every layer of a block
+together), so no layer is complete before the whole job is. Here a job is copied *layer by
+layer*, one kernel launch per layer, each followed by an event: layer ``l``'s attention waits
+(on the GPU, through ``wait_for_layer_load``) only for layer ``l``'s pages, so the forward's
+first layers run while later layers are still on the wire.
 
-How a layer gets there: a layer's bytes of a slot are one contiguous run (page ``(l, k, e)``
-of a slot sits at ``slot + ((l * kv_parts + k) * per_block + e) * page_bytes``, the slot
-layout of :mod:`kvtier.tiers.layout`), so a layer of a run of neighbouring slots is one
-*strided* copy (row = that run, pitch = the slot size): one cudaMemcpy2DAsync per (layer,
-chunk, run of slots) into a staging buffer, then a kernel scatters the chunk into the engine's
-pages (addresses computed as in the staged kernel). That keeps the copy engines' full rate;
-one DMA request per (slot, layer) piece would be tens of thousands of small requests for one
-8k hit. Without CuPy's 2-D copy, the kernel reads the pinned slots through their unified
-(UVA) addresses instead (no staging; somewhat slower than the DMA).
-"""
+How: a layer's bytes of a slot are one contiguous run (the slot layout of
+:mod:`kvtier.tiers.layout`), so a layer of a run of neighbouring slots is one *strided* copy
+(row = that run, pitch = the slot size): one cudaMemcpy2DAsync per (layer, chunk, run of
+slots) into a staging buffer, then a kernel scatters the chunk into the engine's pages. That
+keeps the copy engines' full rate, where one DMA request per (slot, layer) piece would be
+thousands of small requests. Without CuPy's 2-D copy, the kernel reads the pinned slots
+through their unified (UVA) addresses instead (no staging; somewhat slower than the DMA)."""
 
 from __future__ import annotations
 
@@ -102,14 +97,11 @@ MIN_AVG_RUN = 16  # blocks per run of neighbouring slots below which a job reads
 
 
 def scattered(runs: int, blocks: int) -> bool:
-    """Whether a job's slots are too scattered for one strided DMA per (layer, run).
-
-    Each DMA request costs the host several times longer to enqueue than a block's layer
-    (32-64 KiB) takes to cross PCIe, so short runs leave the copy engines waiting on the host
-    (a long hit of single-slot runs, the slots a LIFO free chain had reversed, took a few
-    times as long: docs/design-measurements.md). The kernel reading the slots through their
-    UVA addresses is one launch per layer whatever the runs, a little slower than the DMA on
-    long runs."""
+    """Whether a job's slots are too scattered for one strided DMA per (layer, run): each DMA
+    request costs the host longer to enqueue than a block's layer takes to cross PCIe
+    (docs/design-measurements.md), while the kernel reading the slots through their UVA
+    addresses is one launch per layer whatever the runs, a little slower than the DMA on long
+    runs."""
     return runs > max(4, blocks // MIN_AVG_RUN)
 
 

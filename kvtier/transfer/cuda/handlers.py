@@ -16,24 +16,19 @@ the GPU, never by host syncs:
 * ``poll`` queries the job's completion event (never blocks); ``finish`` synchronises on it.
   Timing events give the copy's device time, which feeds the cost model.
 
-One rule picks a load's path (figures: docs/design-measurements.md). When the pool is pinned and CuPy is there, a load of
-``layered_min_bytes`` (``LAYERED_MIN_BYTES``) or more goes layer by layer straight from the
-pinned slots; a smaller one goes whole, since enqueueing a layered job costs the host a fixed
-amount per layer whatever its size and a forward gains nothing from following a short copy
-layer by layer. A whole load is one kernel launch over all layers with its arguments in
-reusable pinned memory (:mod:`one_launch`: a few CUDA calls instead of ~15). A load whose
-reader waits for all of it (``LoadStoreSpec.whole``: the forward computes only the prompt's
-last token) also goes in one launch up to ``whole_max_bytes`` (``WHOLE_ONE_LAUNCH_MAX_BYTES``):
-layer events buy that forward nothing and the layered enqueue costs the engine thread more.
-Above it the layered copy wins anyway: its DMAs start at the lookup (:mod:`prefetch`) and need
-not wait for the compute stream's earlier work, which the one launch, writing the engine's
-pages, must. The staging ring is the fallback, not a choice: every load goes through it
-without a pinned pool or CuPy, and a whole load does when no argument buffer is free.
+One rule picks a load's path (figures: docs/design-measurements.md). With a pinned pool and
+CuPy, a load of ``layered_min_bytes`` or more goes layer by layer straight from the pinned
+slots; a smaller one goes whole (a layered enqueue costs the host a fixed amount per layer,
+and a short copy gains the forward nothing), in one kernel launch with its arguments in
+reusable pinned memory (:mod:`one_launch`). A load whose reader waits for all of it
+(``LoadStoreSpec.whole``) also goes in one launch up to ``whole_max_bytes``: layer events buy
+that forward nothing. Above it the layered copy wins: its DMAs start at the lookup
+(:mod:`prefetch`), while the one launch must wait for the compute stream's earlier work. The
+staging ring is the fallback: without a pinned pool or CuPy, or when no argument buffer is free.
 
 Loads run on higher-priority streams than stores, and the two directions use separate
-streams and staging rings, so both PCIe directions run at once. Enqueueing a job costs a few
-microseconds per staging chunk (32 MiB); a slot whose pinned pool chunk is still being
-allocated (only right after start-up) makes the enqueue wait for that chunk.
+streams and staging rings, so both PCIe directions run at once. A slot whose pinned pool
+chunk is still being allocated (right after start-up) makes the enqueue wait for that chunk.
 """
 
 from __future__ import annotations

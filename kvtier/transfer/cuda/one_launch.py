@@ -1,22 +1,17 @@
 """Small loads in one kernel launch: the job's arguments in reusable pinned host memory.
 
-Why: a CPU hit is planned inside vLLM's ``schedule()`` and its copy is enqueued on the engine
-thread before the step's forward is launched, so every host microsecond of the enqueue is on
-the request's first-token path. The staged path (:mod:`pipeline`) issues ~15 CUDA calls for
-a one-chunk job (fresh events, stream waits, a pinned upload of the engine block ids, a DMA,
-a scatter kernel), and with the GPU busy (the previous step's forward still running, as under
-vLLM's async scheduling) each call costs several times its idle time, so the enqueue of a
-one-block load costs far more host time than its copy takes on the GPU
-(docs/design-measurements.md). A small load
-is instead one launch of the layer kernel over *all* layers (:mod:`direct`), reading the
-pinned slots through their UVA addresses, and the engine block ids and slot addresses are
-written into a pinned buffer the kernel also reads through UVA: no upload, no staging buffer,
-no DMA request; the job issues a stream wait per wait event, two timing events and the launch.
+Why: a CPU hit's copy is enqueued on the engine thread before the step's forward is launched,
+so every host microsecond of the enqueue is on the request's first-token path. The staged path
+(:mod:`pipeline`) issues ~15 CUDA calls for a one-chunk job, each costing several times its
+idle time while the GPU is busy, so a one-block load's enqueue costs far more host time than
+its copy takes on the GPU (docs/design-measurements.md). A small load is instead one launch of
+the layer kernel over *all* layers (:mod:`direct`), reading the pinned slots and a pinned
+buffer of engine block ids and slot addresses through UVA: no upload, no staging buffer, no
+DMA request; the job issues a stream wait per wait event, two timing events and the launch.
 
-The buffers are reused: one is taken again only after the kernel that read it has finished
-(its job's ``done`` event, queried, never waited for); when the next one is still in use or
-a job does not fit, the caller falls back to the staged path.
-"""
+A buffer is taken again only after the kernel that read it has finished (its job's ``done``
+event, queried, never waited for); when the next one is still in use or a job does not fit,
+the caller falls back to the staged path."""
 
 from __future__ import annotations
 

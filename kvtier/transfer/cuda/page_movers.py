@@ -1,14 +1,13 @@
 """Gather pages into a staging buffer and scatter them back: the only SM work of a transfer.
 
 The copy engines (DMA) move large contiguous buffers at full PCIe speed but each request costs
-a few microseconds, so 65k separate 32 KiB pages crawl. A short kernel gathers the scattered
-pages of a chunk into a contiguous staging buffer (HBM to HBM, ~100x faster than PCIe) so the
-DMA that follows is one big request. The kernel's work is ~1 % of the transfer's time.
+a few microseconds, so many separate small pages crawl. A short kernel gathers the scattered
+pages of a chunk into a contiguous staging buffer (HBM to HBM) so the DMA that follows is one
+big request.
 
 Grid size (``max_ctas``, default two CTAs per multiprocessor): while the model computes, a
 gather only gets SMs in the gaps between compute kernels, so it must finish its chunk within
-such a gap. Beside a matmul loop, more CTAs kept the copy faster with no measurable slowdown
-of the matmuls (docs/design-measurements.md).
+such a gap (docs/design-measurements.md).
 
 Two implementations of one interface:
 
@@ -16,8 +15,7 @@ Two implementations of one interface:
   from per-layer bases and strides (any layer address, any stride; 16-byte accesses when
   alignment allows).
 * :class:`TorchPageMover` - ``index_select`` / ``index_copy_`` per (layer, kv_part): no CuPy
-  needed, ~2 launches per layer and part per chunk; the fallback and a cross-check in tests.
-"""
+  needed; the fallback and a cross-check in tests."""
 
 from __future__ import annotations
 

@@ -1,21 +1,18 @@
 """A load's first pieces copied into the staging ring before its engine blocks are known.
 
-Why: in real vLLM a CPU hit's copy can start only once the scheduler has allocated the
-request's engine blocks and planned the load (``update_state_after_alloc``), milliseconds
-after the lookup for a long prompt (vLLM's block allocation, pinning thousands of keys,
-building the job; docs/design-measurements.md). The host -> staging half of a layered load
-(:mod:`direct`) needs only the CPU slots, which the lookup already knows; only the scatter into
-the engine's pages needs the blocks. So the scheduler names the slots at the lookup and the
-first pieces (as many as the ring has buffers: 128 MiB by default) are on the
-wire while vLLM allocates; the load, once planned, scatters them and copies the rest.
+Why: a CPU hit's copy can start only once the scheduler has allocated the request's engine
+blocks and planned the load (``update_state_after_alloc``), milliseconds after the lookup for
+a long prompt (docs/design-measurements.md). The host -> staging half of a layered load
+(:mod:`direct`) needs only the CPU slots, which the lookup already knows. So the scheduler
+names the slots at the lookup and the first pieces (as many as the ring has buffers) are on
+the wire while vLLM allocates; the load, once planned, scatters them and copies the rest.
 
 Safety: the prefetch only *reads* pinned slots into staging buffers that nothing else uses
 until it is consumed or dropped. The load consumes it only if its slots are exactly the
 prefetched ones, in the same scheduler pass (the scheduler drops an unconsumed prefetch before
 anything else can reassign a slot: READY slots are never rewritten before eviction, and nothing
 evicts between a lookup and its own plan). Anything else given to the handler first drops it,
-so the ring's buffers are always taken and freed in order.
-"""
+so the ring's buffers are always taken and freed in order."""
 
 from __future__ import annotations
 

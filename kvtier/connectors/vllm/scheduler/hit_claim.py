@@ -3,16 +3,11 @@
 vLLM computes at least the prompt's last token. A hit that reaches it is reported one token
 short and its last block is still loaded whole (the forward then rewrites that one token's KV,
 ordered after the copy): the step computes one token, a batch vLLM runs as one full CUDA
-graph. A hit cut at the block before would leave a block of tokens to a piecewise forward
-(eager attention per layer: host time per layer that is more than a small hit's whole
-copy). Above ``whole_max_bytes`` the cut is at the block before instead, which lets the
-forward's layers follow a long copy layer by layer (layer_fences.py).
-
-The bound is where the two meet: the whole block wins for small hits per layer, the cut for
-large ones, hence 24 MiB per layer (``whole_tail_layer_bytes``, a
-``kv_connector_extra_config`` key): about what one layer's copy moves in the host time a
-piecewise layer costs (figures: docs/design-measurements.md).
-"""
+graph. A hit cut at the block before would leave a block of tokens to a piecewise forward,
+whose host time per layer exceeds a small hit's whole copy. Above ``whole_max_bytes`` (from
+``whole_tail_layer_bytes`` per layer, a ``kv_connector_extra_config`` key) the cut is at the
+block before instead, which lets the forward's layers follow a long copy layer by layer
+(layer_fences.py). The default is where the two meet (figures: docs/design-measurements.md)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """What recomputing costs on this engine, measured: the time of large forward passes.
 
-Cost-aware loading (``kvtier.manager.cost``) loads a hit only while loading beats
-recomputing it, so it needs the engine's prefill time per token. A fixed guess is wrong by
-an order of magnitude between small and large models or fast and slow GPUs, so the workers
-time the forward passes of steps that compute many tokens (where prefill is compute-bound
-and time grows with tokens) and the scheduler turns them into seconds per token:
-
-* :class:`ForwardTimer` (worker): a pair of timing events around the forward, on the stream
-  the forward runs on (``bind`` before it, ``wait_for_save`` after it was enqueued); read
-  back without blocking once the second event fired. Steps with a synchronous load are not
-  timed (the forward waits for the copy there). On a CPU engine the forward is synchronous,
-  so wall time is used.
-The scheduler turns the reported times into seconds per token (:mod:`..recompute`).
-"""
+Cost-aware loading (``kvtier.manager.cost``) needs the engine's prefill time per token, and a
+fixed guess is wrong by an order of magnitude between models and GPUs. So :class:`ForwardTimer`
+times the forward passes of steps that compute many tokens (where prefill is compute-bound):
+a pair of timing events around the forward, on the stream it runs on (``bind`` before it,
+``wait_for_save`` after it was enqueued), read back without blocking once the second fired.
+Steps with a synchronous load are not timed (the forward waits for the copy there). On a CPU
+engine the forward is synchronous, so wall time is used. The scheduler turns the reported
+times into seconds per token (:mod:`..recompute`)."""
 
 from __future__ import annotations
 

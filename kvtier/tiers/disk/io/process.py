@@ -1,33 +1,26 @@
 """The disk tier served by a separate process, so write-back does not tax vLLM's engine thread.
 
-Why: a disk write-back in a thread of the worker costs the engine loop GIL time for every
-block (record encoding, checksum, index entries: tens of microseconds each) plus a GIL
-hand-off after every system call, so every request served while write-back runs is slower,
-including those kvtier neither loads nor stores. A writer process shares no GIL with the
-engine loop (figures: docs/design-measurements.md).
+Why: a write-back thread in the worker costs the engine loop GIL time for every block (record
+encoding, checksum, index entries) plus a GIL hand-off after every system call, slowing every
+request served meanwhile. A writer process shares no GIL with the engine loop (figures:
+docs/design-measurements.md).
 
-How: the CPU pool lives in a memfd (``CpuBlockPool(shared=True)``) that the child maps too,
-so only slot ids and keys cross a Unix socket, never block bytes. The child owns the store
-(directory lock, LMDB index, segments); each request is one round trip on one of a few
-connections, so a whole write-back job costs this process two GIL hand-offs.
+How: the CPU pool lives in a memfd (``CpuBlockPool(shared=True)``) that the child maps too, so
+only slot ids and keys cross a Unix socket. The child owns the store (directory lock, LMDB
+index, segments); each request is one round trip on one of a few connections.
 
-Failures: a store the child cannot open raises here the same exception ``DiskStore`` would
-(busy, layout mismatch, unreadable index ...). If the child dies, writes raise
-``DiskWriteError`` (the manager then treats them as failed writes) and reads are transient
-misses: the engine recomputes, nothing wrong is ever loaded. A dead child is replaced: the
-first call ``respawn_after_s`` after the loss starts a new one on the same directory and pool
-(the kernel released the dead one's directory lock; records it had indexed are read back and
-checksummed as after any restart, a record it was still writing was never indexed, so its key
-reads as a miss). A replacement that fails to start waits twice as long, up to
-``RESPAWN_MAX_S``, before the next try; the worker log says each time.
+Failures: a store the child cannot open raises here what ``DiskStore`` would (busy, layout
+mismatch, unreadable index ...). If the child dies, writes raise ``DiskWriteError`` (failed
+writes to the manager) and reads are transient misses: the engine recomputes, nothing wrong
+is ever loaded. The first call ``respawn_after_s`` after the loss starts a new child on the
+same directory and pool (the kernel released the dead one's lock; indexed records are
+checksummed as after any restart; a record still being written was never indexed, so it reads
+as a miss). A replacement that fails to start waits twice as long, up to ``RESPAWN_MAX_S``.
 
-Hangs: every request has a deadline (``tiers.disk.request_timeout_s`` for each started
-``DEADLINE_BYTES`` of blocks it moves, at least one; the start-up key listing gets
-``start_timeout``). A child that misses it (stopped, stuck in the kernel on a dead disk ...)
-is declared lost exactly as if it had died: it is killed, so every other request it holds
-fails at once too, the load is reported failed (the engine recomputes), the write fails, and
-it is replaced as above. A caller never waits longer than its deadline.
-"""
+Hangs: every request has a deadline (``tiers.disk.request_timeout_s`` per started
+``DEADLINE_BYTES`` of blocks it moves; the start-up key listing gets ``START_TIMEOUT_S``). A
+child that misses it (stopped, stuck in the kernel on a dead disk ...) is declared lost as if
+it had died: it is killed, so its other requests fail at once too, and replaced as above."""
 
 from __future__ import annotations
 

@@ -3,27 +3,27 @@ worker's CPU pool, which it maps from the memfd the worker passed in (see proces
 
 Started by the worker (``DiskProcess``: ``python -I -c`` calling :func:`main`, isolated from
 the starting directory and PYTHON* variables); never by hand. The spec names the store's
-settings, the pool's memfd and the socket descriptors to serve, one thread per socket. The first reply on the first socket says whether the store opened (or
-which error it raised). When the worker goes away its sockets close, every thread ends, and
-the store is closed cleanly.
+settings, the pool's memfd and the socket descriptors to serve, one thread per socket. The
+first reply on the first socket says whether the store opened (or which error it raised).
+When the worker goes away its sockets close, every thread ends, and the store is closed
+cleanly.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import os
 import socket
 import sys
 import threading
 
 from kvtier.tiers.child import wire
+from kvtier.tiers.child.serve import child_main, serve_requests
 from kvtier.tiers.child.slots import MappedSlots
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.disk.slot_io import SlotIO
 from kvtier.tiers.layout import BlockGeometry
-
-log = logging.getLogger("kvtier.disk_process")
 
 
 def _handle(op: int, slots: list[int], keys: list[bytes], store: DiskStore, io: SlotIO) -> bytes:
@@ -40,43 +40,11 @@ def _handle(op: int, slots: list[int], keys: list[bytes], store: DiskStore, io: 
     return json.dumps(store.stats().to_dict()).encode()  # STATS
 
 
-def serve(sock: socket.socket, store: DiskStore, io: SlotIO) -> None:
-    """Answer one connection's requests in order until the worker closes it."""
-    with sock:
-        while True:
-            try:
-                request = wire.read_request(sock)
-            except ConnectionError:  # the worker went away mid-frame: as between frames
-                return
-            except wire.WireError as exc:  # a damaged stream cannot be resynchronised
-                log.error("kvtier disk process: dropping a connection: %s", exc)
-                return
-            if request is None:
-                return
-            op, slots, keys = request
-            try:
-                payload, status = _handle(op, slots, keys, store, io), wire.OK
-            except Exception as exc:  # noqa: BLE001 - reported to the worker, which raises it
-                payload, status = wire.error_payload(exc), wire.ERROR
-            try:
-                wire.send_reply(sock, payload, status)
-            except OSError:
-                return
-
-
 def main(argv: list[str]) -> int:
-    """Serve until the worker goes away; its going (a closed or reset socket, even before the
-    first reply) is a normal end, status 0, no traceback."""
-    try:
-        return _serve_all(argv)
-    except ConnectionError:
-        return 0
+    return child_main(_serve_all, argv, "kvtier disk process")
 
 
-def _serve_all(argv: list[str]) -> int:
-    spec = json.loads(argv[1])
-    logging.basicConfig(level=spec.get("log_level", logging.WARNING), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [kvtier disk process] %(message)s")
+def _serve_all(spec: dict) -> int:
     if spec.get("gil_switch_interval_ms"):  # reads must not wait 5 ms behind the writer
         sys.setswitchinterval(spec["gil_switch_interval_ms"] / 1000)
     socks = [socket.socket(fileno=fd) for fd in spec["sockets"]]
@@ -90,8 +58,10 @@ def _serve_all(argv: list[str]) -> int:
     try:
         io = SlotIO(store, pool.buffer)
         wire.send_reply(socks[0], json.dumps({"pid": os.getpid()}).encode())
-        threads = [threading.Thread(target=serve, args=(s, store, io), daemon=True,
-                                    name=f"kvtier-disk-io-{i}") for i, s in enumerate(socks)]
+        answer = functools.partial(_handle, store=store, io=io)
+        threads = [threading.Thread(target=serve_requests, args=(s, answer, "kvtier disk process"),
+                                    daemon=True, name=f"kvtier-disk-io-{i}")
+                   for i, s in enumerate(socks)]
         for t in threads:
             t.start()
         for t in threads:
@@ -100,6 +70,3 @@ def _serve_all(argv: list[str]) -> int:
         store.close()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -51,11 +51,8 @@ SPEED_MIN_SAMPLE_BYTES = 1 << 20  # a request moving less says more about latenc
 RESPAWN_AFTER_S = 5.0
 MIN_BLOCKS_PER_CHILD = 8  # a smaller share costs a round trip for too few bytes; larger
 # shares keep each child's pipeline deep and leave the other children to concurrent jobs
-PUT_ROUND_BYTES = 4 << 20  # bytes per child per round of a store (at least one block); a
-# load waiting for a child waits at most its round, so the budget is in bytes, not blocks:
-# 16 blocks a round was 4 MiB of 256 KiB blocks but 32 MiB of an 8B model's 2 MiB blocks,
-# and a load then waited behind every child's round on a server busy with both instances'
-# stores (docs/design-measurements.md)
+PUT_ROUND_BYTES = 4 << 20  # bytes per child per round of a store (at least one block): a
+# load waiting for a child waits at most its round, whatever the block size
 
 
 def _part_positions(payload: memoryview, n: int) -> list[int]:
@@ -411,11 +408,9 @@ class RemoteIOProcesses:
 
         Each child streams its share in rounds of ``put_round_bytes``: the next round goes
         out as its last one is answered, unless a fetch is waiting; then the child's lock is
-        let go and its rounds resume once no fetch waits. A child serves one request at a
-        time, so a load behind a whole store (a 1 GiB store is 128 MiB per child) waited
-        for all of it, and a hit the request is blocked on costs more than a write nobody
-        waits for. Children do not wait for each other between rounds (a round across all
-        of them cost a quarter of the store's speed: docs/design-measurements.md)."""
+        let go and its rounds resume once no fetch waits: a child serves one request at a
+        time, and a hit the request is blocked on costs more than a write nobody waits for.
+        Children do not wait for each other between rounds (docs/design-measurements.md)."""
         if len(slots) != len(keys):
             raise ValueError(f"{len(keys)} keys for {len(slots)} CPU slots")
         ok = [False] * len(keys)

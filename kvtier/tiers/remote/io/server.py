@@ -12,20 +12,16 @@ the socket.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
-import sys
 
 from kvtier.config.remote import RemoteTierConfig
 from kvtier.tiers.child import wire
+from kvtier.tiers.child.serve import child_main, serve_requests
 from kvtier.tiers.child.slots import MappedSlots
 from kvtier.tiers.remote.block_io import BlockIOStats, RemoteBlockIO
 from kvtier.tiers.remote.keys import RemoteKeys
 from kvtier.tiers.remote.secrets import RemoteSecrets
-
-log = logging.getLogger("kvtier.remote_process")
-
 
 def _handle(io: RemoteBlockIO, op: int, slots: list[int], keys: list[bytes],
             sock: socket.socket) -> dict:
@@ -56,20 +52,11 @@ def _widen_affinity() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Serve until the worker goes away. Its instance exiting closes (or resets) the socket
-    at any point, even mid-frame or before the start-up frame: a normal end, status 0, no
-    traceback."""
-    try:
-        return _serve(argv)
-    except ConnectionError:
-        return 0
+    return child_main(_serve, argv, "kvtier remote process")
 
 
-def _serve(argv: list[str]) -> int:
-    spec = json.loads(argv[1])
+def _serve(spec: dict) -> int:
     _widen_affinity()
-    logging.basicConfig(level=spec.get("log_level", logging.WARNING), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [kvtier remote process] %(message)s")
     sock = socket.socket(fileno=spec["socket"])
     status, payload = wire.read_reply(sock)  # the secrets frame
     secrets = RemoteSecrets.from_wire(json.loads(bytes(payload)))
@@ -83,29 +70,7 @@ def _serve(argv: list[str]) -> int:
         wire.send_reply(sock, wire.error_payload(exc), wire.ERROR)
         return 2
     wire.send_reply(sock, json.dumps({"pid": os.getpid(), "warm": io.warm_up()}).encode())
-    with sock:
-        while True:
-            try:
-                request = wire.read_request(sock)
-            except ConnectionError:  # the worker went away mid-frame
-                break
-            except wire.WireError as exc:
-                log.error("kvtier remote process: dropping its connection: %s", exc)
-                break
-            if request is None:
-                break
-            op, slots, keys = request
-            try:
-                payload, status = json.dumps(_handle(io, op, slots, keys, sock)).encode(), wire.OK
-            except Exception as exc:  # noqa: BLE001 - reported to the worker
-                payload, status = wire.error_payload(exc), wire.ERROR
-            try:
-                wire.send_reply(sock, payload, status)
-            except OSError:
-                break
+    serve_requests(sock, lambda op, slots, keys: json.dumps(_handle(io, op, slots, keys, sock))
+                   .encode(), "kvtier remote process")
     io.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
