@@ -5,6 +5,10 @@ Commands arrive as JSON lines on stdin; each answer is one stdout line starting 
 wall milliseconds to the last token, the cached prompt tokens and the tokens), ``reset`` (drop
 vLLM's GPU prefix cache, so a hit can only come from the connector), ``settle`` (let queued
 stores finish), ``stats`` (kvtier's stats snapshot), ``quit``.
+
+Connectors: ``kvtier`` (a private CPU tier), ``kvtier_remote`` (plus the shared tier,
+``--remote``), ``kvtier_host`` (the CPU tier is this instance's region of the host's pool,
+``--host``), ``native`` (vLLM's ``OffloadingConnector``), ``none``.
 """
 
 from __future__ import annotations
@@ -22,25 +26,48 @@ from vllm_e2e_engine import connector_json, write_model  # noqa: E402
 TAG = "@@kv "
 
 
+def transfer_dict(connector: str, cpu_bytes: int, block_size: int, snapshot: str, *,
+                  remote: dict | None = None, host: dict | None = None,
+                  engine_id: str | None = None) -> dict | None:
+    """``--kv-transfer-config`` of one instance as JSON. ``engine_id``: vLLM's engine id (None:
+    vLLM draws a uuid); the host tier names an instance's region by it, so two instances
+    sharing a pool must differ in it, as vLLM's own ids do."""
+    if connector == "none":
+        return None
+    name = "native" if connector == "native" else "kvtier"
+    tiers = {"cpu": {"capacity": cpu_bytes}}
+    if connector == "kvtier_remote":
+        tiers["remote"] = dict(remote or {})
+    if connector == "kvtier_host":
+        if not host:
+            raise ValueError("kvtier_host needs the tiers.host section (--host)")
+        tiers["host"] = dict(host)
+    section = {"stats": {"snapshot_path": snapshot, "interval_s": 0.2}}
+    out = connector_json(name, cpu_bytes, block_size, tiers=tiers, kvtier=section)
+    if engine_id:
+        out["engine_id"] = engine_id
+    return out
+
+
 def kv_transfer(a):
     from vllm.config import KVTransferConfig
 
-    if a.connector == "none":
-        return None
-    name = "native" if a.connector == "native" else "kvtier"
-    tiers = {"cpu": {"capacity": a.cpu_bytes}}
-    if a.connector == "kvtier_remote":
-        remote = json.loads(a.remote)
-        tiers["remote"] = remote
-    section = {"stats": {"snapshot_path": a.snapshot, "interval_s": 0.2}}
-    return KVTransferConfig(**connector_json(name, a.cpu_bytes, a.block_size, tiers=tiers,
-                                             kvtier=section))
+    d = transfer_dict(a.connector, a.cpu_bytes, a.block_size, a.snapshot,
+                      remote=json.loads(a.remote), host=json.loads(a.host),
+                      engine_id=a.engine_id)
+    return None if d is None else KVTransferConfig(**d)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--connector", choices=["none", "kvtier", "kvtier_remote", "native"])
+    ap.add_argument("--connector",
+                    choices=["none", "kvtier", "kvtier_remote", "kvtier_host", "native"])
     ap.add_argument("--remote", default="{}", help="kvtier's tiers.remote section as JSON")
+    ap.add_argument("--host", default="{}", help="kvtier's tiers.host section as JSON")
+    ap.add_argument("--engine-id", default=None, help="vLLM's engine id (default: a uuid)")
+    ap.add_argument("--gpu-util", type=float, default=None,
+                    help="gpu_memory_utilization: with kv_cache_memory_bytes set, only vLLM's "
+                         "start-up check of free GPU memory reads it (default: vLLM's)")
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--max-len", type=int, default=40000)
@@ -48,16 +75,21 @@ def main() -> None:
     ap.add_argument("--cpu-bytes", type=int, default=16 << 30)
     ap.add_argument("--gpu-kv-bytes", type=int, default=24 << 30)
     ap.add_argument("--snapshot", default="/tmp/kvtier-remote-snapshot.json")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = parser().parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     write_model(a.model_dir, a.shape, a.max_len)
     t0 = time.perf_counter()
+    more = {} if a.gpu_util is None else {"gpu_memory_utilization": a.gpu_util}
     llm = LLM(model=a.model_dir, load_format="dummy", skip_tokenizer_init=True,
               block_size=a.block_size, max_model_len=a.max_len, seed=0, dtype="bfloat16",
               enable_prefix_caching=True, kv_transfer_config=kv_transfer(a),
-              kv_cache_memory_bytes=a.gpu_kv_bytes, max_num_seqs=8)
+              kv_cache_memory_bytes=a.gpu_kv_bytes, max_num_seqs=8, **more)
     print(TAG + json.dumps({"ready": True, "start_s": round(time.perf_counter() - t0, 2)}),
           flush=True)
     for line in sys.stdin:
