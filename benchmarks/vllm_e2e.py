@@ -100,6 +100,11 @@ def run_child(args: list[str], env: dict, timeout: float, log_path: str) -> dict
             if p.poll() is not None and not done.wait(5.0):  # exited, no result line
                 break
         timed_out = not done.is_set() and p.poll() is None
+        if done.is_set():  # the child flushes its timeline after the result line, then exits
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(p.pid, signal.SIGKILL)  # whatever the child left behind
         except ProcessLookupError:
