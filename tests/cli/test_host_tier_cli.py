@@ -48,3 +48,15 @@ def test_host_tier_says_when_no_service_runs(tmp_path):
     out = CliRunner().invoke(cli, ["host-tier", "--dir", str(tmp_path)])
     assert out.exit_code == 1
     assert "no host tier service runs in" in out.output
+
+
+def test_kvtier_stats_says_what_the_host_tier_gives_and_takes():
+    from kvtier.cli.stats_cmd import host_line
+
+    m = {"host_foreign_hit_blocks": 12, "host_store_skipped_held": 3, "host_evictions_held": 1}
+    line = host_line({"instances": 2, "used_blocks": 40, "capacity_blocks": 100,
+                      "hits_given": 7}, m)
+    assert "2 instances" in line and "40 of 100 blocks" in line
+    assert "hits on others' blocks 12" in line and "others' hits on this instance's 7" in line
+    assert "stores skipped (held by another) 3" in line and "evictions held back 1" in line
+    assert "DOWN" in host_line({}, m)  # the manager's usage is empty while the service is gone
