@@ -232,8 +232,11 @@ class _Builder(_Reader):
         """``tiers.host``: the pool holds at least this instance's region (its CPU tier) and
         fits in this machine's memory."""
         key = "tiers.host.capacity"
-        if key not in self.items:
-            self.fail(key, None, "missing: the host tier's pool size", SIZE_ALLOWED)
+        if key not in self.items:  # named where the section came from (a KVTIER_HOST_* too)
+            given = next((self.items[k] for k in self.items if k.startswith("tiers.host.")),
+                         self.items.get("tiers.host"))
+            self.fail(key, given, "tiers.host needs capacity (KVTIER_HOST_CAPACITY): the "
+                      "host tier's pool size", SIZE_ALLOWED)
         capacity = self.get_size(key, 0)
         memory = physical_memory()
         if memory is not None and capacity > memory:
