@@ -57,7 +57,6 @@ class HostTier:
             self.stats.host_degraded = True
             log.error("kvtier host tier: the service is gone (%s); going on with this "
                       "instance's region alone", exc)
-        self._pinned.clear()
 
     def held(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Which ``keys`` an instance published (this one's too)."""

@@ -7,8 +7,10 @@ services: the start holds ``<fingerprint>.lock`` (``flock``) while it looks for 
 one and, finding none, starts one and waits for its socket.
 
 Every call is a blocking round trip on the caller's thread except ``publish`` and
-``release``, which nobody waits for. A call that fails (the service died, a bad reply)
-raises :class:`HostTierUnavailable`; the manager then goes on with its own region alone.
+``release``, which nobody waits for; an answer later than ``REQUEST_TIMEOUT_S`` ends the
+connection (a stuck service never holds vLLM's scheduler longer). A call that fails (the
+service died or is stuck, a bad reply) raises :class:`HostTierUnavailable`; the manager then
+goes on with its own region alone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvtier.tiers.child.process import CHILD_CWD, child_environment, isolated_co
 from kvtier.tiers.host import protocol
 
 START_TIMEOUT_S = 15.0
+REQUEST_TIMEOUT_S = 5.0  # a service slower than this is stuck: the instance goes on alone
 
 
 class HostTierUnavailable(OSError):
@@ -95,20 +98,25 @@ def secure_directory(address: HostAddress) -> Path:
 
 
 class HostClient:
-    def __init__(self, sock: socket.socket, total_slots: int) -> None:
+    def __init__(self, sock: socket.socket, total_slots: int,
+                 timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        sock.settimeout(timeout_s)
         self._sock = sock
         self.total_slots = total_slots
         self._lock = threading.Lock()
 
     @classmethod
-    def connect(cls, address: HostAddress, instance: str, *, start: bool = True) -> "HostClient":
-        """Say hello to the running service (``start``: starting one if none runs)."""
+    def connect(cls, address: HostAddress, instance: str, *, start: bool = True,
+                timeout_s: float = REQUEST_TIMEOUT_S) -> "HostClient":
+        """Say hello to the running service (``start``: starting one if none runs). Every
+        request after it waits at most ``timeout_s`` for its answer."""
         secure_directory(address)
         sock = _try_connect(address.socket_path)
         if sock is None and start:
             sock = _start_service(address)
         if sock is None:
             raise HostTierUnavailable(f"no host tier service at {address.socket_path}")
+        sock.settimeout(timeout_s)
         try:
             protocol.send(sock, {"op": "hello", "version": protocol.PROTOCOL_VERSION,
                                  "fingerprint": address.fingerprint, "instance": instance})
@@ -121,7 +129,7 @@ class HostClient:
             why = "closed the connection" if reply is None else reply.get("error")
             raise HostTierUnavailable(f"host tier at {address.socket_path} refused this "
                                       f"instance: {why}")
-        return cls(sock, int(reply["total_slots"]))
+        return cls(sock, int(reply["total_slots"]), timeout_s)
 
     def close(self) -> None:
         self._sock.close()
@@ -139,7 +147,9 @@ class HostClient:
                 else:
                     reply, fd = protocol.read(self._sock), None
         except OSError as exc:
-            raise HostTierUnavailable(f"host tier {op}: {exc}") from None
+            # a late answer would be read as the next request's: this connection is done
+            self._sock.close()
+            raise HostTierUnavailable(f"host tier {op}: {exc or type(exc).__name__}") from None
         if reply is None:
             raise HostTierUnavailable(f"host tier {op}: the service closed the connection")
         if not reply.get("ok"):

@@ -9,10 +9,12 @@ it, and the owner can only take a block back (**retire**, before reusing its slo
 nobody reads it. So a slot is never rewritten under a reader, and a block half written is
 never visible: publication comes after the write, from the writer's own manager.
 
-An instance is gone when its last connection closes (a kill -9 closes them too): its
-unpinned blocks are unpublished at once, its pinned ones as their readers release them (a
-reader that dies releases by closing), and its region is free for the next instance once
-none of its blocks is read. Slots, keys and pins live in this process only; nothing here
+An instance's blocks are unpublished once the connection that took its region (its
+scheduler's, which publishes and retires them) closes, a kill -9 included: the unpinned ones
+at once, the pinned ones as their readers release them (a reader that dies releases by
+closing). The instance is gone with its last connection (its workers', which may still
+write the region), and its region is free for the next instance once none of its blocks is
+read. Slots, keys and pins live in this process only; nothing here
 touches the bytes.
 """
 
@@ -52,10 +54,13 @@ class Instance:
 
 @dataclass
 class Reader:
-    """One connection: whose it is and which slots it pins (a slot may be pinned twice)."""
+    """One connection: whose it is and which slots it pins (a slot may be pinned twice).
+    ``registered``: the connection that took the instance's region (its scheduler), the one
+    that publishes and retires its blocks."""
 
     instance: Instance
     pins: Counter = field(default_factory=Counter)
+    registered: bool = False
 
 
 class HostDirectory:
@@ -84,15 +89,15 @@ class HostDirectory:
         """Give the reader's instance a region of ``slots``; its first slot."""
         inst = reader.instance
         if inst.slots:
-            if inst.slots != slots:
-                raise HostTierError(f"instance {inst.name!r} already holds {inst.slots} slots")
-            return inst.base
+            raise HostTierError(f"instance {inst.name!r} already holds a region "
+                                f"({inst.slots} slots)")
         if slots <= 0:
             raise HostTierError(f"a region needs at least one slot, got {slots}")
         for i, (start, length) in enumerate(self._free):
             if length >= slots:
                 self._free[i:i + 1] = [(start + slots, length - slots)] if length > slots else []
                 inst.base, inst.slots = start, slots
+                reader.registered = True
                 return start
         free = sum(length for _, length in self._free)
         largest = max((length for _, length in self._free), default=0)
@@ -110,16 +115,25 @@ class HostDirectory:
         reader.pins.clear()
         inst = reader.instance
         inst.connections -= 1
+        if reader.registered or inst.connections == 0:
+            # nobody can retire its blocks any more: none is found from now on (its workers
+            # may still write the region: it is free only once they are gone too)
+            self._unpublish_all(inst)
         if inst.connections > 0:
             return
         inst.alive = False
+        self._maybe_free_region(inst)
+
+    def _unpublish_all(self, inst: Instance) -> None:
         for key in list(inst.keys):
+            hit = self._where.get(key)
+            if hit is None:
+                continue  # already closing: its last reader frees it
             slot, _ = self._where.pop(key)
             if self._pins[slot]:
                 self._closing[slot] = key  # unpublished: its last reader frees it
             else:
                 inst.keys.discard(key)
-        self._maybe_free_region(inst)
 
     def _maybe_free_region(self, inst: Instance) -> None:
         if inst.alive or inst.keys or not inst.slots:
@@ -210,9 +224,9 @@ class HostDirectory:
             return
         del self._pins[slot]
         key = self._closing.pop(slot, None)
-        if key is not None:  # the last reader of a gone owner's block
+        if key is not None:  # the last reader of an unpublished block
             for inst in self.instances.values():
-                if not inst.alive and inst.owns(slot):
+                if inst.owns(slot):
                     inst.keys.discard(key)
                     self._maybe_free_region(inst)
                     break

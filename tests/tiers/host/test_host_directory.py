@@ -87,15 +87,19 @@ def test_a_reader_that_dies_releases_its_pins():
     assert d.retire(a, [b"k"]) == []
 
 
-def test_an_instance_with_several_connections_lives_until_the_last_closes():
-    d = HostDirectory(10)
+def test_an_instances_blocks_go_with_its_scheduler_and_its_region_with_its_last_worker():
+    d = HostDirectory(8)
     sched, worker = d.connect("a"), d.connect("a")
-    d.register(sched, 4)
+    d.register(sched, 8)
     d.publish(sched, [b"k"], [0])
-    d.disconnect(sched)
-    assert d.find([b"k"]) == [True]  # its worker still writes into the region
+    d.disconnect(sched)  # nobody can retire its blocks any more: none is found
+    assert d.find([b"k"]) == [False]
+    other = d.connect("b")
+    with pytest.raises(HostTierError, match="no room"):
+        d.register(other, 8)  # its worker may still write the region
     d.disconnect(worker)
-    assert d.find([b"k"]) == [False] and not d.instances
+    assert "a" not in d.instances
+    assert d.register(other, 8) == 0
 
 
 def test_releasing_a_pin_never_taken_is_counted_not_applied():

@@ -181,3 +181,37 @@ def test_a_directory_others_may_enter_is_refused(tmp_path):
     with pytest.raises(HostTierUnavailable, match="mode 755: other users could reach"):
         HostClient.connect(address, "x")
     assert not list(d.iterdir())  # nothing started, nothing created
+
+
+def test_a_stuck_service_never_holds_a_lookup_and_its_instance_stops_being_read(tmp_path):
+    from kvtier.manager.factory import build_manager
+    from kvtier.manager.host import HostTier
+    from support.stopped import stop
+
+    cfg = host_config(tmp_path)
+    address = HostAddress.from_config(cfg.host, "d" * 32, BB)
+    a_client = HostClient.connect(address, "a", timeout_s=0.5)
+    b_client = HostClient.connect(address, "b")
+    pid = observe(address.socket_path)["pid"]
+    try:
+        a = build_manager(cfg, BB, host=HostTier(a_client, a_client.register(16)))
+        b_client.register(16)
+        plan = a.prepare_store([b"k1", b"k2"])
+        a.complete_store(plan.keys)  # published
+        a_client.flush()
+        assert b_client.find([b"k1", b"k2"]) == [True, True]
+        stop(pid)
+        started = time.monotonic()
+        found = a.lookup([b"k1", b"k2", b"k3"])  # k3: past a's own blocks, asks the service
+        assert time.monotonic() - started < 5  # the 0.5 s timeout, not forever
+        assert found.num_hits == 2 and a.stats.host_degraded
+        os.kill(pid, signal.SIGCONT)
+        # a's connection ended with the timeout: nobody can retire its blocks, none is found
+        deadline = time.monotonic() + 10
+        while b_client.find([b"k1", b"k2"]) != [False, False]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        a_client.close()
+        b_client.close()
