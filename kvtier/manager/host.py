@@ -111,11 +111,11 @@ class HostTier:
         self.stats.host_foreign_hit_blocks += len(theirs)
         return out, theirs
 
-    def unpin(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+    def unpin(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey]:
         """Release the pins a load took on other instances' blocks; returns the keys that
         are not such a block (this instance's own), in order."""
-        if not self._pinned:
-            return list(keys)
+        if not self._pinned:  # no load of another instance's block in flight
+            return keys
         rest: list[BlockKey] = []
         slots: list[int] = []
         for key in keys:

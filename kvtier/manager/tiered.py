@@ -205,13 +205,11 @@ class TieredOffloadingManager(OffloadingManager):
         elsewhere = self.host.held(rest) if self.host is not None else None
         for i, key in enumerate(rest):
             entry = cpu.get(key)
-            if elsewhere is not None and elsewhere[i] and (
-                    entry is None or entry.state is not BlockState.READY):
+            if (entry is not None and entry.state is BlockState.READY
+                    or elsewhere is not None and elsewhere[i]):
                 tiers.append(Medium.CPU)
             elif entry is not None:
-                if entry.state is BlockState.READY:
-                    tiers.append(Medium.CPU)
-                elif entry.promoted:
+                if entry.promoted:
                     tiers.append(Medium.REMOTE if key in promotions else Medium.DISK)
                 else:  # being stored: not readable yet
                     break
@@ -316,22 +314,21 @@ class TieredOffloadingManager(OffloadingManager):
             more, theirs = self.host.pin(rest, [self.cpu.is_ready(k) for k in rest],
                                          lambda k: self.cpu.pin_ready_prefix((k,))[0])
             slots += more
-        plan = LoadPlan(tuple(keys[:len(slots)]), tuple(slots))
-        got = list(plan.keys)
+        planned = tuple(keys[:len(slots)])
+        sources: tuple[Medium, ...] = ()  # of every planned block
+        if self._promoted_from:  # blocks promoted for this load: counted as their tier's hits
+            pop = self._promoted_from.pop
+            origin = tuple(pop(key, Medium.CPU) for key in planned)
+            if any(m is not Medium.CPU for m in origin):
+                sources = origin
+        plan = LoadPlan(planned, tuple(slots), sources)
+        got = list(planned)  # this instance's blocks: ordered, counted and announced below
         if theirs:  # counted here, announced and ordered by the instance that holds them
             self.stats.hit_blocks["CPU"] += len(theirs)
             theirs_set = set(theirs)
-            mine = [i for i, k in enumerate(got) if k not in theirs_set]
-            got, slots = [got[i] for i in mine], [slots[i] for i in mine]
-        sources: tuple[Medium, ...] = ()
-        if self._promoted_from:  # blocks promoted for this load: counted as their tier's hits
-            pop = self._promoted_from.pop
-            origin = [pop(key, Medium.CPU) for key in plan.keys]
-            if any(m is not Medium.CPU for m in origin):
-                sources = tuple(origin)
-                plan = LoadPlan(plan.keys, plan.cpu_slots, sources)
-                if theirs:
-                    sources = tuple(origin[i] for i in mine)
+            mine = [i for i, k in enumerate(planned) if k not in theirs_set]
+            got, slots = [planned[i] for i in mine], [slots[i] for i in mine]
+            sources = tuple(sources[i] for i in mine) if sources else ()
         self.cpu_admission.on_hits(got)
         # Last-to-first, so the prefix's first block ends up the most recent: it is needed
         # whenever any block after it is (vLLM's touch does the same; policy_sim assumes it).
