@@ -115,7 +115,7 @@ def test_kill_9_of_instances_in_a_loop_serves_no_wrong_block_and_leaks_no_slot(t
         # the rig means something: instances hit each other's blocks while others died
         assert sum(c["foreign_hits"] for c in totals) > 0
         # every instance is gone: within a bounded time, nothing of theirs is left
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120
         while True:
             stats = _stats(cfg, fingerprint)
             left = stats["instances"]

@@ -136,7 +136,7 @@ def test_an_idle_service_exits_and_removes_its_socket(tmp_path):
     t = threading.Thread(target=service.serve, daemon=True)
     t.start()
     looks = 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while t.is_alive() and time.monotonic() < deadline:  # looks do not keep it alive
         try:
             observe(sock)
@@ -144,6 +144,6 @@ def test_an_idle_service_exits_and_removes_its_socket(tmp_path):
         except HostTierUnavailable:
             pass
         time.sleep(0.05)
-    t.join(5)
+    t.join(30)
     assert not t.is_alive() and looks > 0
     assert not sock.exists()
