@@ -57,7 +57,9 @@ def connector_json(connector: str, cpu_bytes: int, block_size: int, *, tiers: di
     if connector == "native":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
-    section = {"block_tokens": block_size, "tiers": tiers or {"cpu": {"capacity": cpu_bytes}}}
+    section: dict = {"tiers": tiers or {"cpu": {"capacity": cpu_bytes}}}
+    if block_size:  # 0: kvtier's blocks follow vLLM's (a user who sets no --block-size)
+        section["block_tokens"] = block_size
     merge(section, kvtier or {})
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connectors.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

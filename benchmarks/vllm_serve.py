@@ -57,9 +57,10 @@ def free_port() -> int:
 
 def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
     args = ["--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
-            "--skip-tokenizer-init", "--block-size", str(a.block_size),
-            "--max-model-len", str(a.max_len), "--enable-prefix-caching", "--seed", "0",
+            "--skip-tokenizer-init", "--max-model-len", str(a.max_len), "--enable-prefix-caching", "--seed", "0",
             "--max-num-seqs", str(a.max_num_seqs), "--enable-prompt-tokens-details"]
+    if a.block_size:  # 0: vLLM's default (64 tokens from vLLM 0.34), as a user who sets none
+        args += ["--block-size", str(a.block_size)]
     if a.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(a.tensor_parallel_size)]
     if a.shape == "tiny":  # vLLM's CPU backend: its share of host memory, no graphs
@@ -283,7 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--burst", type=int, default=0, help="K stored prompts sent at once")
     p.add_argument("--burst-length", type=int, default=0, help="default: the largest length")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per KV block; 0: vLLM's default, and kvtier's block_tokens "
+                        "left to follow it")
     p.add_argument("--cpu-bytes", type=int, default=16 << 30,
                    help="kvtier's CPU tier and native's cpu_bytes_to_use")
     p.add_argument("--gpu-kv-bytes", type=int, default=0,

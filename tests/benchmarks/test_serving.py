@@ -372,3 +372,22 @@ def test_vllm_marks_time_every_servers_steps_and_need_a_timeline(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: --vllm-marks") and bad.stderr.count("\n") == 1
+
+
+
+def test_block_size_0_leaves_the_block_size_to_vllm_and_kvtier_follows_it(tmp_path):
+    """``vllm_serve.py --block-size 0``: a user who passes no ``--block-size`` (vLLM 0.34's
+    default is 64 tokens) and no ``block_tokens`` (kvtier's blocks then follow vLLM's)."""
+    import argparse
+
+    import vllm_serve
+
+    for size, flag in ((0, None), (16, "16")):
+        a = argparse.Namespace(shape="8b", block_size=size, max_len=4096, max_num_seqs=8,
+                               tensor_parallel_size=1, gpu_kv_bytes=0, workdir=str(tmp_path),
+                               cpu_bytes=1 << 30, kvtier_json=None, sync_budget=None)
+        args = vllm_serve.server_args(a, "/model", "kvtier", 8000)
+        section = json.loads(args[args.index("--kv-transfer-config") + 1])[
+            "kv_connector_extra_config"]["kvtier"]
+        assert (args[args.index("--block-size") + 1] if "--block-size" in args else None) == flag
+        assert section.get("block_tokens") == (int(flag) if flag else None)

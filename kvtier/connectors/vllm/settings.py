@@ -14,6 +14,8 @@ state groups of vLLM's hybrid allocator) are served per group (:mod:`group_keys`
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import logging
@@ -129,8 +131,8 @@ class ConnectorSettings:
             model=f"{self.identity};tp={tp_rank}/{self.tp_size}",
         )
 
-    @property
-    def block_bytes(self) -> int:
+    @functools.cached_property
+    def block_bytes(self) -> int:  # read on every lookup and store: computed once
         return self.geometry(0).block_bytes
 
     def rank_config(self, tp_rank: int) -> KvtierConfig:

@@ -516,3 +516,41 @@ def test_the_timeline_says_how_long_each_lookup_and_step_plan_took(model_dir, tm
     plans = [m for m in marks if m["ev"] == "build_meta"]
     assert lookups and plans and any(m["hits"] for m in lookups)
     assert all(isinstance(m["ms"], float) and 0.0 <= m["ms"] < 60e3 for m in lookups + plans)
+
+
+def test_a_hit_vllm_has_no_room_for_is_prefetched_once_not_at_every_step(model_dir):
+    """A full engine: vLLM looks the head of its waiting queue up at every step and finds no
+    blocks for it. Its first lookup names the hit's slots (the copy may start); the next ones
+    do not (each such prefetch would be copied and dropped unused, step after step). Once
+    vLLM has room, the load is planned and exact."""
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
+    ws = rig.worker_side()
+    calls = []
+    ws.prefetch_min_bytes = lambda: 2 * BLOCK_BYTES
+    ws.prefetch_load = lambda slots, whole: calls.append(("prefetch", list(slots))) or True
+    ws.drop_prefetch = lambda: calls.append(("drop",))
+    make = vh.RequestMaker(BS)
+    prompt = vh.random_tokens(70, seed=37)
+    a = make(prompt, max_tokens=1)
+    rig.loop.add(a)
+    rig.loop.run_until_idle()
+    settle(rig)
+    rig.sched.reset_prefix_cache()
+    calls.clear()
+    b = make(prompt, max_tokens=1)
+    for _ in range(3):  # no room: no update_state_after_alloc follows
+        assert rig.side.lookup(b, 0) == (4 * BS, False)
+    assert [c[0] for c in calls] == ["prefetch", "drop"]
+    rig.loop.add(b)
+    rig.loop.run_until_idle()
+    assert not any(c[0] == "prefetch" for c in calls[2:])
+    assert rig.loop.outputs[b.request_id] == rig.loop.outputs[a.request_id]
+    c = make(prompt, max_tokens=1)  # another request's first lookup names its slots again
+    rig.sched.reset_prefix_cache()
+    settle(rig)
+    calls.clear()
+    assert rig.side.lookup(c, 0) == (4 * BS, False)
+    assert [x[0] for x in calls] == ["prefetch"]
+    rig.side.fast.drop()
+    assert bad_checks(rig) == []
+    rig.close()

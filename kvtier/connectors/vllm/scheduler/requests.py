@@ -67,6 +67,9 @@ class RequestTrack:
     store_due: bool = False  # computed by the last step: its new blocks are planned next step
     finished: bool = False
     sighted: bool = False  # its blocks were counted once for admission (vLLM asks every step)
+    # its last lookup found a hit that no load was planned for yet: vLLM could not allocate
+    # its blocks (a full engine), so it will ask again next step
+    hit_unplanned: bool = False
     hints: tuple = ()  # the request's kv_hints (compat.hints.KvHint), for placement
 
     @property

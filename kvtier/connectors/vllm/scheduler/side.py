@@ -217,8 +217,12 @@ class SchedulerSide:
                        and self._step_sync_bytes + nbytes <= self.settings.sync_load_budget_bytes)
         if t.sync_load:
             self._step_sync_bytes += nbytes
-            if per == 1:  # its copy may start now, while vLLM allocates (fast_path)
+            # its copy may start now, while vLLM allocates (fast_path); not again for a
+            # request whose last hit vLLM found no room for: on a full engine the head of
+            # the queue is looked up every step, and each prefetch would be dropped unused
+            if per == 1 and not t.hit_unplanned:
                 self.fast.prefetch(self.manager, keys[:hits], nbytes, whole=claimed == room)
+        t.hit_unplanned = True  # until plan_load
         if self._tl.enabled:
             self._tl.mark("sched", "lookup", req=t.req_id, blocks=stop - start, hits=hits,
                           sync=t.sync_load, ms=ms_since(began))
@@ -228,6 +232,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         t = self.track(request)
+        t.hit_unplanned = False
         bt, bs, per = self.settings.block_tokens, self.settings.block_size, self.keymap.per_block
         start, n = t.lookup_start // bt * per, num_external_tokens // bt * per
         # A hit ending one token short of the prompt's end, off a block boundary, is a whole
@@ -342,6 +347,8 @@ class SchedulerSide:
             t = self.tracks.get(req_id)
             if t is None or t.params.skip_store:
                 continue
+            if self.stores.store_stop(t, num_scheduled) <= t.next_store:
+                continue  # no block of it completes in this step (most decode steps)
             if not self.late_stores:
                 job = self.stores.plan(t, self.kv_cache_manager, num_scheduled)
                 if job is not None:

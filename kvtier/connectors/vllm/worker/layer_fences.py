@@ -40,6 +40,8 @@ class LayerFences:
 
     def on_layer(self, layer_name: str, fence_layer: Callable[[list[int], int], None]) -> None:
         """vLLM's hook before a layer's attention: order it after that layer of the loads."""
+        if self.hooks_seen and not self._fenced:
+            return  # nothing to order, nothing left to learn (the hook runs every layer)
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
