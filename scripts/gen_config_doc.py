@@ -76,6 +76,13 @@ MEANINGS = {
                             "the pool to finish pinning; what is left pins while the server "
                             "serves, which holds up the engine's CUDA calls (its first requests "
                             "wait). 0: pin entirely in the background.",
+    "tiers.cpu.store_copy": "How a store copies GPU pages into the pool: `kernel` gathers "
+                            "them with a copy kernel into a staging ring, then DMA; `dma` "
+                            "hands the whole store to the GPU's copy engines as one batched "
+                            "copy (`cuMemcpyBatchAsync`, CUDA 12.8+ driver, pinned pool; "
+                            "else the kernel), taking no SMs from the forward. The default "
+                            "follows a serving A/B on a GPU (`benchmarks/serving.py "
+                            "--kvtier-json '{\"tiers\":{\"cpu\":{\"store_copy\":\"dma\"}}}'`).",
     "tiers.host.capacity": "The whole pool, the same on every instance of the host: at least "
                            "the sum of their `tiers.cpu.capacity` (each one's region). "
                            "Required.",

@@ -57,6 +57,7 @@ from kvtier.config.schema import (
     DEFAULT_PRIOR_LOAD_GBPS,
     DEFAULT_SEGMENT_BYTES,
     EVICTION_POLICIES,
+    STORE_COPIES,
     AdmissionConfig,
     CostConfig,
     CpuTierConfig,
@@ -121,6 +122,8 @@ class _Builder(_Reader):
             pin_wait_s=self.get_float("tiers.cpu.pin_wait_s", DEFAULT_PIN_WAIT_S,
                                       "a number of seconds >= 0",
                                       lambda s: s >= 0),
+            store_copy=self.get_choice("tiers.cpu.store_copy", "kernel", STORE_COPIES,
+                                       "store copy path"),
         )
         disk = self.build_disk() if "tiers.disk" in self.items else None
         host = self.build_host(cpu.capacity) if "tiers.host" in self.items else None

@@ -36,7 +36,7 @@ _LAYOUT: dict[str, tuple[str, ...]] = {
     "": ("block_tokens", "gil_switch_interval_ms", "tiers", "admission", "stats", "events",
          "metrics", "cost"),
     "tiers": ("cpu", "disk", "remote", "host"),
-    "tiers.cpu": ("capacity", "eviction", "pin", "admission", "pin_wait_s"),
+    "tiers.cpu": ("capacity", "eviction", "pin", "admission", "pin_wait_s", "store_copy"),
     "tiers.host": ("capacity", "dir", "group", "idle_exit_s"),
     "tiers.disk": ("path", "capacity", "eviction", "compression", "zstd_level", "fsync",
                    "segment_bytes", "store_threshold", "admission", "io_process",

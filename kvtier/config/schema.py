@@ -27,6 +27,10 @@ DEFAULT_PRIOR_LOAD_GBPS = 100.0  # optimistic: an unmeasured tier is tried, then
 
 COMPRESSIONS = ("none", "zstd")
 
+STORE_COPIES = ("kernel", "dma")
+"""How a store moves GPU pages to the CPU pool (kvtier/transfer/cuda/handlers.py): a gather
+kernel and DMA from a staging ring, or batched DMA on the copy engines alone."""
+
 GiB = 1 << 30
 MAX_SIZE = 1 << 60  # 1 EiB: any size beyond is a typo (and overflows what sizes feed)
 MAX_BLOCK_TOKENS = 1 << 20
@@ -71,6 +75,7 @@ class CpuTierConfig:
     pin: bool | None = None  # None: pin when CUDA is available
     admission: str = "all"  # which new blocks are written: all | threshold (2nd sighting) | reuse_gate
     pin_wait_s: float = DEFAULT_PIN_WAIT_S  # start-up waits this long for the pool's pinning
+    store_copy: str = "kernel"  # kernel | dma (STORE_COPIES)
 
 
 def default_host_dir() -> Path:

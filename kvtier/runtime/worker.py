@@ -35,15 +35,18 @@ from kvtier.transfer.remote_io import CpuToRemoteHandler, RemoteToCpuHandler
 log = logging.getLogger(__name__)
 
 
-def gpu_handlers(view: GpuKvView, pool: CpuBlockPool) -> list[TransferHandler]:
-    """The fastest GPU<->CPU copiers available for ``view``'s device."""
+def gpu_handlers(view: GpuKvView, pool: CpuBlockPool, *,
+                 store_copy: str = "kernel") -> list[TransferHandler]:
+    """The fastest GPU<->CPU copiers available for ``view``'s device; ``store_copy``: the
+    CUDA store's path (``tiers.cpu.store_copy``)."""
     if view.device.type == "cuda":
         try:
             from kvtier.transfer.cuda import CudaCpuToGpuHandler, CudaGpuToCpuHandler
         except ImportError as exc:
             log.warning("kvtier: CUDA copy path unavailable (%s); using plain torch copies", exc)
         else:
-            return [CudaGpuToCpuHandler(view, pool), CudaCpuToGpuHandler(view, pool)]
+            return [CudaGpuToCpuHandler(view, pool, store_copy=store_copy),
+                    CudaCpuToGpuHandler(view, pool)]
     return [GpuToCpuHandler(view, pool), CpuToGpuHandler(view, pool)]
 
 
@@ -108,7 +111,7 @@ class WorkerRuntime:
             pool = CpuBlockPool(geometry, config.cpu_slots(geometry.block_bytes),
                                 pin=config.cpu.pin, shared=shared, fill="now" if shared else fill)
         store = replica = None
-        handlers = gpu_handlers(view, pool)
+        handlers = gpu_handlers(view, pool, store_copy=config.cpu.store_copy)
         if d is not None:
 
             def open_store() -> DiskStore:

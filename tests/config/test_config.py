@@ -199,6 +199,9 @@ BAD = [
     ("tiers:\n  cpu: {pin: maybe}\n", 2, "tiers.cpu.pin", "must be true or false"),
     ("tiers:\n  cpu: {pin_wait_s: -1}\n", 2, "tiers.cpu.pin_wait_s", "out of range"),
     ("tiers:\n  cpu: {pin_wait_s: .inf}\n", 2, "tiers.cpu.pin_wait_s", "out of range"),
+    ("tiers:\n  cpu: {store_copy: cuda}\n", 2, "tiers.cpu.store_copy",
+     "unknown store copy path, got 'cuda'"),
+    ("tiers:\n  cpu: {store_copy: true}\n", 2, "tiers.cpu.store_copy", "unknown store copy path"),
     (DISK + "    compression: lz4\n", 4, "tiers.disk.compression", "unknown compression"),
     (DISK + "    zstd_level: 0\n", 4, "tiers.disk.zstd_level", "out of range"),
     (DISK + "    zstd_level: 23\n", 4, "tiers.disk.zstd_level", "out of range"),
@@ -236,7 +239,21 @@ def test_bad_values_cite_file_line_and_key(tmp_path, text, line, key, fragment):
 
 def test_unknown_key_lists_allowed_keys(tmp_path):
     err = error_of(tmp_path, "tiers:\n  cpu:\n    capacty: 1GiB\n")
-    assert err.allowed == "capacity, eviction, pin, admission, pin_wait_s"
+    assert err.allowed == "capacity, eviction, pin, admission, pin_wait_s, store_copy"
+
+
+@pytest.mark.parametrize("value", ["kernel", "dma"])
+def test_store_copy_takes_kernel_or_dma(tmp_path, value):
+    cfg = load_config(write(tmp_path, f"tiers:\n  cpu: {{store_copy: {value}}}\n"), env={})
+    assert cfg.cpu.store_copy == value
+    assert load_config(data={"tiers": {"cpu": {"store_copy": value}}}, env={}).cpu.store_copy == value
+    assert load_config(env={}).cpu.store_copy == "kernel"
+
+
+def test_a_bad_store_copy_names_the_key_and_the_valid_values(tmp_path):
+    err = error_of(tmp_path, "tiers:\n  cpu:\n    store_copy: DMA\n")
+    assert (err.key, err.line, err.allowed) == ("tiers.cpu.store_copy", 3, "kernel, dma")
+    assert "tiers.cpu.store_copy" in str(err) and "(allowed: kernel, dma)" in str(err)
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,8 @@ class FlakyCpuToGpu(CpuToGpuHandler):
 @pytest.fixture
 def flaky_bench(monkeypatch, tmp_path):
     monkeypatch.setattr(worker_mod, "gpu_handlers",
-                        lambda view, pool: [GpuToCpuHandler(view, pool), FlakyCpuToGpu(view, pool)])
+                        lambda view, pool, **_: [GpuToCpuHandler(view, pool),
+                                                 FlakyCpuToGpu(view, pool)])
     monkeypatch.setattr(FlakyCpuToGpu, "failing", False)
     cfg = load_config(text=f"tiers:\n  cpu: {{capacity: {4 * BB}}}\n"
                            f"  disk: {{path: {tmp_path / 'disk'}, capacity: {64 * BB}, fsync: false}}\n",

@@ -29,6 +29,12 @@ staging ring is the fallback: without a pinned pool or CuPy, or when no argument
 Loads run on higher-priority streams than stores, and the two directions use separate
 streams and staging rings, so both PCIe directions run at once. A slot whose pinned pool
 chunk is still being allocated (right after start-up) makes the enqueue wait for that chunk.
+
+A store's path is ``store_copy`` (``tiers.cpu.store_copy``): ``"kernel"`` gathers pages
+through the staging ring as above; ``"dma"`` enqueues the whole job as one
+``cuMemcpyBatchAsync`` on the copy engines, no SM work, on a stream at the compute stream's
+(lowest) priority (:mod:`batch_copy`). It needs a pinned pool and a CUDA 12.8+ driver, and
+falls back to the kernel otherwise (logged once). A serving A/B on a GPU decides the default.
 """
 
 from __future__ import annotations
@@ -38,9 +44,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config.schema import STORE_COPIES
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.gpu_view import GpuKvView
+from kvtier.transfer.cuda.batch_copy import (
+    BatchCopier,
+    batch_copy_available,
+    batch_copy_unavailable_reason,
+)
 from kvtier.transfer.cuda.direct import DirectLayerLoader, LayeredJob
 from kvtier.transfer.cuda.one_launch import PinnedArgRing
 from kvtier.transfer.cuda.page_movers import cupy_available, make_page_mover
@@ -59,6 +71,16 @@ log = logging.getLogger(__name__)
 
 LAYERED_MIN_BYTES = 64 << 20  # smaller loads go whole (one launch, else staged)
 WHOLE_ONE_LAUNCH_MAX_BYTES = 256 << 20  # whole loads (LoadStoreSpec.whole) up to it too
+_told: set[str] = set()  # why store_copy="dma" fell back, logged once per reason
+
+
+def dma_store_blocker(pool: CpuBlockPool) -> str | None:
+    """Why stores cannot go as batched DMA (:mod:`batch_copy`) with ``pool``, or None."""
+    if not pool.pin:
+        return "the CPU pool is not pinned (tiers.cpu.pin)"
+    if not batch_copy_available():
+        return batch_copy_unavailable_reason()
+    return None
 
 
 @dataclass
@@ -81,21 +103,33 @@ class _CudaHandler(ImmediateHandler):
         compute_stream: torch.cuda.Stream | None = None,
         layered_min_bytes: int = LAYERED_MIN_BYTES,
         whole_max_bytes: int = WHOLE_ONE_LAUNCH_MAX_BYTES,
+        store_copy: str = "kernel",
     ) -> None:
         """``layered_min_bytes`` / ``whole_max_bytes``: the bounds of the load rule (module
-        docstring); the defaults are the measured ones, tests narrow them to small caches."""
+        docstring); the defaults are the measured ones, tests narrow them to small caches.
+        ``store_copy``: a store's path, ``"kernel"`` or ``"dma"`` (module docstring; a load
+        handler ignores it)."""
         if view.device.type != "cuda":
             raise ValueError(f"{type(self).__name__} needs a CUDA KV view, got {view.device}")
+        if store_copy not in STORE_COPIES:
+            raise ValueError(f"store_copy must be one of {', '.join(STORE_COPIES)}, "
+                             f"got {store_copy!r}")
         self.view = view
         self.pool = pool
         self.compute_stream = compute_stream or torch.cuda.current_stream(view.device)
         least, greatest = torch.cuda.Stream.priority_range()
-        # lower number = higher priority; loads get the highest, stores the next one
-        priority = greatest if self.to_gpu else min(least, greatest + 1)
-        self.copier = PagedCopier(
-            view, pool, make_page_mover(view, backend, max_ctas=max_ctas), to_gpu=self.to_gpu,
-            staging_bytes=staging_bytes, ring_slots=ring_slots, priority=priority,
-        )
+        self.copier: PagedCopier | BatchCopier
+        if not self.to_gpu and store_copy == "dma" and self._dma_stores(pool):
+            # the copy engines only, queued like the compute stream's own work
+            self.copier = BatchCopier(view, pool, to_gpu=False, priority=least)
+        else:
+            # lower number = higher priority; loads get the highest, stores the next one
+            priority = greatest if self.to_gpu else min(least, greatest + 1)
+            self.copier = PagedCopier(
+                view, pool, make_page_mover(view, backend, max_ctas=max_ctas),
+                to_gpu=self.to_gpu, staging_bytes=staging_bytes, ring_slots=ring_slots,
+                priority=priority,
+            )
         self.direct: DirectLayerLoader | None = None
         if self.to_gpu and pool.pin and backend != "torch" and cupy_available():
             try:
@@ -111,6 +145,15 @@ class _CudaHandler(ImmediateHandler):
         self.prefetches = {"used": 0, "dropped": 0}  # what became of prefetch hints
         if self.direct is not None and self.direct.can_prefetch:
             self.prefetch_min_bytes = max(1, self.layered_min_bytes)
+
+    @staticmethod
+    def _dma_stores(pool: CpuBlockPool) -> bool:
+        why = dma_store_blocker(pool)
+        if why is not None and why not in _told:
+            _told.add(why)
+            log.warning("kvtier: store_copy=dma unavailable (%s); stores use the copy kernel",
+                        why)
+        return why is None
 
     def prefetch(self, src: LoadStoreSpec, whole: bool = False) -> bool:
         """A load's first pieces into the staging ring now (:mod:`prefetch`), if it will be
@@ -206,7 +249,8 @@ class _CudaHandler(ImmediateHandler):
 
 
 class CudaGpuToCpuHandler(_CudaHandler):
-    """Store: scattered engine pages -> pinned CPU pool slots (gather kernel + DMA)."""
+    """Store: scattered engine pages -> pinned CPU pool slots (gather kernel + DMA, or batched
+    DMA alone with ``store_copy="dma"``)."""
 
     direction = (Medium.GPU, Medium.CPU)
     to_gpu = False

@@ -155,9 +155,10 @@ def segments_for_range(runs: Sequence[HostRun], begin: int, end: int, first_run:
     return out, i
 
 
-def validate_job(view: GpuKvView, pool: CpuBlockPool, engine_ids: Sequence[int],
-                 slots: Sequence[int], *, to_gpu: bool) -> int:
+def validate_job(view: GpuKvView | LayerAddressing, pool: CpuBlockPool,
+                 engine_ids: Sequence[int], slots: Sequence[int], *, to_gpu: bool) -> int:
     """Check a job's addresses (``ValueError`` on any bad one); returns engine_blocks_per_block.
+    ``view``: the KV view, or its addressing (the same four sizes are read).
 
     A destination named twice in one job would end up holding whichever copy ran last, so a
     load refuses duplicate engine ids and a store duplicate slots.
