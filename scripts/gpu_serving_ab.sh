@@ -30,7 +30,9 @@ COMMON=(--shape 1b --rates "${RATES:-16,30}" --duration-s "${DURATION_S:-10}" --
 mkdir -p "$OUT" "$TL"
 phases() {  # $1: label, then timeline files
   local label=$1; shift
-  "$PY" benchmarks/diagnostics/step_phases.py "$@" --md "$OUT/phases_$label.md" | head -60
+  # the last rate (past saturation): the server stops right after its window and drain
+  "$PY" benchmarks/diagnostics/step_phases.py "$@" --last "${LAST_S:-14}" \
+    --md "$OUT/phases_$label.md" | head -60
 }
 run() {  # $1: label, $2: connectors, then extra serving.py arguments
   local label=$1 conns=$2; shift 2

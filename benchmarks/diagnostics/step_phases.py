@@ -6,7 +6,8 @@ thread's CPU time. This pairs them per thread and prints, per timeline file and 
 many ran per second, their wall and CPU time (median, p90) and the share of the window's wall
 time they took. A phase whose wall time grows with a connector while its CPU time does not
 waited (the GPU, the GIL); one whose CPU time grows too did more work. With ``--from``/``--to``
-(seconds after the file's first mark) only that window counts, e.g. one rate of a run.
+(seconds after the file's first mark) only that window counts; with ``--last S`` the file's
+last S seconds (the last rate of a ``serving.py`` run: its server is stopped right after it).
 
     python benchmarks/diagnostics/step_phases.py DIR/1b-native-timeline.jsonl \\
         DIR/1b-kvtier_cpu-timeline.jsonl [--md OUT.md]
@@ -26,7 +27,7 @@ ORDER = ("EngineCore.step", "EngineCore.step_with_batch_queue", "Scheduler.sched
          "GPUModelRunner.sample_tokens", "Scheduler.update_from_output", "EngineCore.post_step")
 
 
-def read_spans(path: str, t_from: float | None, t_to: float | None
+def read_spans(path: str, t_from: float | None, t_to: float | None, last: float | None = None
                ) -> tuple[dict[str, list[tuple[float, float]]], float]:
     """Phase -> [(wall s, cpu s)] of the spans that ended inside the window, and the window's
     length (s). Unpaired marks (a server killed mid-phase) are dropped."""
@@ -45,6 +46,8 @@ def read_spans(path: str, t_from: float | None, t_to: float | None
     t0 = marks[0]["t"]
     lo = t0 + t_from if t_from is not None else t0
     hi = t0 + t_to if t_to is not None else marks[-1]["t"]
+    if last is not None:
+        lo = max(lo, hi - last)
     open_: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for m in marks:
@@ -65,8 +68,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
 
-def table(path: str, t_from: float | None, t_to: float | None) -> list[str]:
-    spans, window = read_spans(path, t_from, t_to)
+def table(path: str, t_from: float | None, t_to: float | None,
+          last: float | None = None) -> list[str]:
+    spans, window = read_spans(path, t_from, t_to, last)
     rows = [f"### {path}", "", f"window {window:.1f} s", "",
             "| phase | per s | wall p50 ms | wall p90 ms | cpu p50 ms | share of wall |",
             "|---|---|---|---|---|---|"]
@@ -88,12 +92,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="window start, seconds after each file's first mark")
     p.add_argument("--to", dest="t_to", type=float, default=None,
                    help="window end, seconds after each file's first mark")
+    p.add_argument("--last", type=float, default=None,
+                   help="only each file's last LAST seconds (after --from/--to)")
     p.add_argument("--md", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
     out: list[str] = []
     for path in a.timelines:
         try:
-            out += table(path, a.t_from, a.t_to)
+            out += table(path, a.t_from, a.t_to, a.last)
         except OSError as exc:
             print(f"error: {path}: {exc}", file=sys.stderr)
             return 1

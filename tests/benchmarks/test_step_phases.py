@@ -41,6 +41,9 @@ def test_spans_pair_per_thread_and_keep_only_the_window(tmp_path):
     assert [round(c, 6) for _, c in spans["Scheduler.schedule"]] == [0.001, 0.004]
     late, _ = step_phases.read_spans(str(path), 0.5, None)  # the first schedule left out
     assert len(late["Scheduler.schedule"]) == 1
+    tail, window = step_phases.read_spans(str(path), None, None, last=2.5)
+    assert window == 2.5 and "Scheduler.schedule" not in tail  # spans ended before 1.5 s
+    assert len(tail["EngineCore.step"]) == 2
     rows = step_phases.table(str(path), None, None)
     step_row = next(r for r in rows if r.startswith("| EngineCore.step |"))
     assert step_row.split("|")[2].strip() == "0.5"  # 2 spans in 4 s
