@@ -118,7 +118,7 @@ def test_dma_store_waits_for_the_compute_that_writes_its_blocks():
     pool = filled_pool(view, 1, 5)
     handler = CudaGpuToCpuHandler(view, pool, store_copy="dma")
     ids = list(range(0, 2 * SLOTS, 2))
-    final = random_bytes((LAYERS, 2, len(ids), PAGE), gen)
+    final = random_bytes((LAYERS, 2, len(ids), PAGE // 2), gen)
     torch.cuda.synchronize()
     compute = torch.cuda.Stream(DEV)
     with TransferEngine([handler]) as engine, torch.cuda.stream(compute):
