@@ -101,7 +101,11 @@ def flaky_bench(monkeypatch, tmp_path):
                                                  FlakyCpuToGpu(view, pool)])
     monkeypatch.setattr(FlakyCpuToGpu, "failing", False)
     cfg = load_config(text=f"tiers:\n  cpu: {{capacity: {4 * BB}}}\n"
-                           f"  disk: {{path: {tmp_path / 'disk'}, capacity: {64 * BB}, fsync: false}}\n",
+                           f"  disk: {{path: {tmp_path / 'disk'}, capacity: {64 * BB}, fsync: false,\n"
+                           # a loaded CI machine can keep the disk I/O child from answering
+                           # within the default 5 s: it would be taken as hung, the promotion
+                           # failed and every hit a miss (what these tests check is elsewhere)
+                           f"         request_timeout_s: 120}}\n",
                       env={})
     rep = Replay(cfg, BB, gpu_blocks=16)
     yield rep
