@@ -25,8 +25,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "connectors", "vllm")]
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
          "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats",
@@ -64,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32, help="generated per turn")
     a = p.parse_args(argv)
-
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "connectors", "vllm")]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     import engine_util as eu
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
