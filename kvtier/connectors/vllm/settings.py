@@ -15,7 +15,6 @@ state groups of vLLM's hybrid allocator) are served per group (:mod:`group_keys`
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import json
 import logging

@@ -371,14 +371,10 @@ def test_requests_finishing_with_stores_in_flight_hold_their_blocks(model_dir):
     rig.close()
 
 
-def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dropped(
-        model_dir):
-    """fast_path: the lookup of a synchronous CPU hit hands the colocated worker the slots
-    its load will read, before vLLM allocates the blocks; the load planned right after reads
-    exactly those slots, and a name the load did not use is dropped before the scheduler's
-    next lookup or build_meta (nothing may hold slots read as READY past that pass). The CPU
-    engine's handlers take no such hints, so the worker's side of it is recorded here; the
-    GPU side is tests/gpu/test_cuda_transfer.py's prefetch test."""
+def _stored_with_prefetches_recorded(model_dir, seed: int):
+    """A rig whose colocated worker records what the scheduler side asks of it (``calls``:
+    ("prefetch", slots, whole), ("drop",), ("load", slots)) for hits of 2 blocks or more,
+    after request ``a`` of a 70-token ``prompt`` ran and its store settled."""
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     ws = rig.worker_side()
     calls = []
@@ -389,11 +385,23 @@ def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dr
     ws.submit_ahead = lambda job, flush: (calls.append(("load", list(job.cpu_slots))),
                                           submit_ahead(job, flush))
     make = vh.RequestMaker(BS)
-    prompt = vh.random_tokens(70, seed=31)
+    prompt = vh.random_tokens(70, seed=seed)
     a = make(prompt, max_tokens=1)
     rig.loop.add(a)
     rig.loop.run_until_idle()
     settle(rig)
+    return rig, calls, make, prompt, a
+
+
+def test_a_synchronous_hit_names_its_slots_at_the_lookup_and_unused_names_are_dropped(
+        model_dir):
+    """fast_path: the lookup of a synchronous CPU hit hands the colocated worker the slots
+    its load will read, before vLLM allocates the blocks; the load planned right after reads
+    exactly those slots, and a name the load did not use is dropped before the scheduler's
+    next lookup or build_meta (nothing may hold slots read as READY past that pass). The CPU
+    engine's handlers take no such hints, so the worker's side of it is recorded here; the
+    GPU side is tests/gpu/test_cuda_transfer.py's prefetch test."""
+    rig, calls, make, prompt, a = _stored_with_prefetches_recorded(model_dir, seed=31)
     assert not any(c[0] == "prefetch" for c in calls)  # a miss names nothing
     calls.clear()
     rig.sched.reset_prefix_cache()
@@ -523,18 +531,7 @@ def test_a_hit_vllm_has_no_room_for_is_prefetched_once_not_at_every_step(model_d
     blocks for it. Its first lookup names the hit's slots (the copy may start); the next ones
     do not (each such prefetch would be copied and dropped unused, step after step). Once
     vLLM has room, the load is planned and exact."""
-    rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
-    ws = rig.worker_side()
-    calls = []
-    ws.prefetch_min_bytes = lambda: 2 * BLOCK_BYTES
-    ws.prefetch_load = lambda slots, whole: calls.append(("prefetch", list(slots))) or True
-    ws.drop_prefetch = lambda: calls.append(("drop",))
-    make = vh.RequestMaker(BS)
-    prompt = vh.random_tokens(70, seed=37)
-    a = make(prompt, max_tokens=1)
-    rig.loop.add(a)
-    rig.loop.run_until_idle()
-    settle(rig)
+    rig, calls, make, prompt, a = _stored_with_prefetches_recorded(model_dir, seed=37)
     rig.sched.reset_prefix_cache()
     calls.clear()
     b = make(prompt, max_tokens=1)
