@@ -1,7 +1,8 @@
 """One-off diagnostics: where a benchmark's time went, not what a user measures.
 
 Profile and trace summaries (profile_summary, pyspy_summary, cprofile_tables), per-request
-breakdowns (request_counters, request_phases, serve_phases, vllm_marks and serve_marks/), the
+breakdowns (request_counters, request_phases, serve_phases, step_phases, vllm_marks and
+serve_marks/), the connector hooks' host time per step (hook_cost), the
 A/B and host diagnostics the real-vLLM harness can run inside its engine (vllm_e2e_diag) and
 single-question experiments (d2h_readback, enqueue_cost, gil_starvation, writeback_contention,
 arc_cost). Each is run by path (``python benchmarks/diagnostics/X.py``; siblings import each
