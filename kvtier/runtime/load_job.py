@@ -4,7 +4,7 @@ The vLLM connector's worker side, ``kvtier bench`` and the reliability rig all r
 transfer results through these functions, so what the benchmark and the fault-injection
 figures check is the path vLLM runs:
 
-* ``load_outcome``: a CPU -> GPU copy fails no key (the CPU copy is intact, whatever happened
+* ``untrusted_gpu_ids``: a CPU -> GPU copy fails no key (the CPU copy is intact, whatever happened
   to the copy); when it raised, none of its engine blocks may be trusted and vLLM recomputes
   them. Treating that as a bad record would make the manager forget (and leak) an intact block;
 * ``promotion_outcome``: the keys a promotion (DISK or REMOTE -> CPU) could not read from
@@ -50,31 +50,21 @@ def measured_hops(result: JobResult) -> list[tuple[Medium, int, float]]:
     return out
 
 
-@dataclass(frozen=True)
-class LoadOutcome:
-    """What one finished CPU -> GPU load means (``load_outcome``): ``untrusted_gpu_ids``,
-    engine blocks the load did not fill (vLLM recomputes them); ``measured``, (source medium,
-    bytes, seconds) for the cost model."""
-
-    untrusted_gpu_ids: frozenset[int]
-    measured: tuple[tuple[Medium, int, float], ...]
-
-
-def load_outcome(result: JobResult, gpu_ids: Sequence[int],
-                 unloaded_gpu_ids: Sequence[int] = ()) -> LoadOutcome:
-    """Read the result of a load into ``gpu_ids``. ``unloaded_gpu_ids``: engine blocks that
-    no tier could supply in the first place."""
-    bad_gpu: set[int] = set(unloaded_gpu_ids)
+def untrusted_gpu_ids(result: JobResult, gpu_ids: Sequence[int],
+                      unloaded_gpu_ids: Sequence[int] = ()) -> frozenset[int]:
+    """The engine blocks a finished load into ``gpu_ids`` did not fill (vLLM recomputes
+    them): ``unloaded_gpu_ids``, those no tier could supply in the first place, and all of
+    ``gpu_ids`` when the copy raised (whatever reached the GPU is not trusted)."""
     if gpu_untrusted(result):
-        bad_gpu.update(gpu_ids)  # whatever reached the GPU is not trusted
-    return LoadOutcome(frozenset(bad_gpu), tuple(measured_hops(result)))
+        return frozenset(gpu_ids) | frozenset(unloaded_gpu_ids)
+    return frozenset(unloaded_gpu_ids)
 
 
 @dataclass(frozen=True)
 class PromotionOutcome:
     """What one finished promotion means: ``failed``, keys not read from their tier, in key
     order (the manager forgets them), ``transient`` those of them that failed transiently;
-    ``measured`` as in :class:`LoadOutcome`."""
+    ``measured``: ``measured_hops`` of the read."""
 
     failed: tuple[BlockKey, ...]
     transient: tuple[BlockKey, ...]

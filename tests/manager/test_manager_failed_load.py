@@ -24,7 +24,7 @@ from reliability.rig import StackRig
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
-from kvtier.runtime.load_job import load_outcome
+from kvtier.runtime.load_job import untrusted_gpu_ids
 from support.promotions import settle_promotions
 
 
@@ -55,7 +55,7 @@ def _load(rig: StackRig, k: bytes, gpu_id: int, report_failed: bool = False
           ) -> tuple[bool, bool]:
     """Load ``k`` into engine block ``gpu_id`` as the connector does: lookup until no longer
     "not yet" (a disk hit is promoted into CPU memory by the rig's pump meanwhile), then one
-    CPU -> GPU job read with ``load_outcome``; (job ok, bytes right). ``report_failed``: a
+    CPU -> GPU job read with ``untrusted_gpu_ids``; (job ok, bytes right). ``report_failed``: a
     caller that reports the keys of a failed copy as failed anyway (the harshest caller the
     contract allows)."""
     assert rig.lookup([k]) == 1
@@ -63,11 +63,11 @@ def _load(rig: StackRig, k: bytes, gpu_id: int, report_failed: bool = False
     assert plan.keys == (k,) and plan.src == LoadStoreSpec.cpu(plan.cpu_slots)
     [res] = rig.engine.wait([rig.engine.submit(plan.src, LoadStoreSpec.gpu([gpu_id]))],
                             timeout=30)
-    out = load_outcome(res, [gpu_id])
-    right = not out.untrusted_gpu_ids and rig._gpu_holds(k, gpu_id)
-    failed = plan.keys if report_failed and out.untrusted_gpu_ids else ()
+    untrusted = untrusted_gpu_ids(res, [gpu_id])
+    right = not untrusted and rig._gpu_holds(k, gpu_id)
+    failed = plan.keys if report_failed and untrusted else ()
     rig.manager.complete_load(plan.keys, failed)
-    return res.ok and not out.untrusted_gpu_ids, right
+    return res.ok and not untrusted, right
 
 
 @pytest.mark.parametrize("report_failed", [False, True])

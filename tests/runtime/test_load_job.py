@@ -20,8 +20,8 @@ from kvtier.bench.trace import TraceRequest
 from kvtier.config import load_config
 from kvtier.manager.specs import Medium
 from kvtier.runtime import worker as worker_mod
-from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, load_outcome, measured_hops,
-                                     promotion_outcome)
+from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
+                                     untrusted_gpu_ids)
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.jobs import JobResult
 
@@ -48,19 +48,15 @@ def test_a_copy_to_gpu_that_raised_untrusts_every_engine_block_and_measures_noth
     r = result("boom", CPU_TO_GPU, nbytes=100, seconds=0.1)
     assert gpu_untrusted(r)
     assert measured_hops(r) == []  # a failed job teaches the cost model nothing
-    out = load_outcome(r, gpu_ids=[1, 2, 3, 4], unloaded_gpu_ids=[9])
-    assert out.untrusted_gpu_ids == {1, 2, 3, 4, 9}
-    assert out.measured == ()
-    assert not hasattr(out, "failed")  # a load fails no key: the CPU copy is intact
+    assert untrusted_gpu_ids(r, gpu_ids=[1, 2, 3, 4], unloaded_gpu_ids=[9]) == {1, 2, 3, 4, 9}
 
 
 def test_a_load_that_worked_untrusts_only_what_no_tier_supplied_and_measures_its_copy():
     r = result(None, CPU_TO_GPU, nbytes=30, seconds=0.1)
     assert not gpu_untrusted(r)
-    out = load_outcome(r, gpu_ids=[1, 2, 3], unloaded_gpu_ids=[7, 8])
-    assert out.untrusted_gpu_ids == {7, 8}
-    assert out.measured == ((Medium.CPU, 30, 0.1),)
-    assert load_outcome(r, gpu_ids=[1]).untrusted_gpu_ids == frozenset()
+    assert untrusted_gpu_ids(r, gpu_ids=[1, 2, 3], unloaded_gpu_ids=[7, 8]) == {7, 8}
+    assert measured_hops(r) == [(Medium.CPU, 30, 0.1)]
+    assert untrusted_gpu_ids(r, gpu_ids=[1]) == frozenset()
 
 
 def test_a_promotion_fails_its_unreadable_records_alone_in_key_order():

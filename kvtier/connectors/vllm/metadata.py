@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.manager.specs import BlockKey, LoadStoreSpec
+from kvtier.manager.specs import BackgroundTransfer, BlockKey, LoadStoreSpec
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,21 @@ class StoreJob:
 @dataclass(frozen=True)
 class BackgroundJob:
     """A move the manager wants on its own account (a promotion into CPU memory, a CPU -> disk
-    demotion, a deletion, a shared-tier write)."""
+    demotion, a deletion, a shared-tier write): the manager's ``transfer`` as it queued it."""
 
     job_id: int
-    src: LoadStoreSpec
-    dst: LoadStoreSpec
+    transfer: BackgroundTransfer
+
+    @property
+    def src(self) -> LoadStoreSpec:
+        return self.transfer.src
+
+    @property
+    def dst(self) -> LoadStoreSpec:
+        return self.transfer.dst
+
+
+HandedJob = LoadJob | StoreJob | BackgroundJob  # one job, as the scheduler hands it over
 
 
 @dataclass

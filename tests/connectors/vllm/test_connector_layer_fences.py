@@ -168,7 +168,7 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     """A store still copying a block out is fenced before a load handed over at plan time
     writes into that block (the step's ``flush`` is built only later, in build_meta)."""
     from kvtier.connectors.vllm.metadata import BackgroundJob, LoadJob, StoreJob
-    from kvtier.manager.specs import LoadStoreSpec
+    from kvtier.manager.specs import BackgroundTransfer, LoadStoreSpec
 
     rig = make_rig(model_dir, kvtier_config(cpu_blocks=32))
     ws = rig.worker_side()
@@ -179,7 +179,8 @@ def test_a_load_handed_over_early_fences_the_stores_reading_its_blocks_first(mod
     engine.submit = lambda src, dst, *, job_id=None: calls.append(("load", job_id, src, dst))
     # a store of the block's previous owner, and a demotion: only the store is fenced
     ws.jobs.running[900] = StoreJob(900, "r-old", (b"k0",), (1,), (1,))
-    ws.jobs.running[901] = BackgroundJob(901, LoadStoreSpec.cpu([2]), LoadStoreSpec.disk([b"k2"]))
+    ws.jobs.running[901] = BackgroundJob(901, BackgroundTransfer(
+        1, LoadStoreSpec.cpu([2]), LoadStoreSpec.disk([b"k2"]), (b"k2",)))
     job = LoadJob(job_id=902, req_id="r-new", keys=("k",), cpu_slots=(0,),
                   gpu_ids=tuple(range(1, 1 + ws.settings.engine_blocks_per_block)), sync=True)
     ws.submit_ahead(job, flush=(900, 901, 777))

@@ -91,7 +91,8 @@ def test_transient_read_failure_on_one_rank_is_deleted_on_every_rank(model_dir, 
 def test_a_key_is_transient_only_if_no_rank_failed_it_otherwise():
     """Worker reports are summed across ranks, possibly over several steps: a key corrupt on
     one rank and unreadable for a moment on another is corruption, not a transient failure."""
-    from kvtier.connectors.vllm.scheduler.ledger import HandedJob, JobLedger
+    from kvtier.connectors.vllm.metadata import LoadJob
+    from kvtier.connectors.vllm.scheduler.ledger import JobLedger
     from kvtier.connectors.vllm.metadata import KVTierWorkerMetadata as Meta
 
     r0 = Meta(done={1: 1, 2: 1, 3: 1}, failed={1: (b"x", b"y"), 2: (b"z",), 3: (b"w",)},
@@ -100,11 +101,12 @@ def test_a_key_is_transient_only_if_no_rank_failed_it_otherwise():
     both = r0.aggregate(r1)
     assert set(both.failed[1]) == {b"x", b"y"} and both.transient == {1: (b"x",), 3: (b"w",)}
     ledger = JobLedger(world_size=2)
-    ids = [ledger.add(HandedJob("load")) for _ in range(3)]
-    ((one, job1),) = ledger.record(both)
-    assert one == ids[0] and job1.failed == {b"x", b"y"} and job1.transient == {b"x"}
+    jobs = [ledger.add(LoadJob(ledger.next_id(), "r", (), (), ())) for _ in range(3)]
+    (job1,) = ledger.record(both)
+    assert job1.job is jobs[0] and job1.failed == {b"x", b"y"} and job1.transient == {b"x"}
     later = Meta(done={2: 1, 3: 1}, failed={2: (b"z",), 3: (b"w",)},
                  transient={2: (b"z",), 3: (b"w",)})  # rank 1, a step later
-    (_, job2), (_, job3) = ledger.record(later)
+    job2, job3 = ledger.record(later)
+    assert [job2.job, job3.job] == jobs[1:] and len(ledger) == 0
     assert job2.failed == {b"z"} and job2.transient == set()  # corrupt on rank 0
     assert job3.failed == {b"w"} and job3.transient == {b"w"}  # transient on both ranks

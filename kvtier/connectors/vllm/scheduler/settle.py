@@ -8,7 +8,8 @@ write) ``complete_background`` with the keys a promotion could not read.
 
 from __future__ import annotations
 
-from kvtier.connectors.vllm.scheduler.ledger import HandedJob
+from kvtier.connectors.vllm.metadata import LoadJob, StoreJob
+from kvtier.connectors.vllm.scheduler.ledger import Reports
 from kvtier.connectors.vllm.scheduler.requests import RequestTrack, drop_if_done
 from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 from kvtier.connectors.vllm.stats import KVTierStats
@@ -25,46 +26,49 @@ class JobSettler:
         self._stats = stats
         self._tl = timeline()
 
-    def settle(self, job_id: int, job: HandedJob) -> None:
-        """Every worker reported ``job_id``: complete what its prepare call pinned."""
-        if job.kind == "load":
-            self._settle_load(job_id, job)
-        elif job.kind == "store":
-            self._manager.complete_store(job.keys, success=job.errors == 0)
-            if job.errors:
+    def settle(self, r: Reports) -> None:
+        """Every worker reported ``r.job``: complete what its prepare call pinned."""
+        job = r.job
+        if isinstance(job, LoadJob):
+            self._settle_load(job, r)
+        elif isinstance(job, StoreJob):
+            self._manager.complete_store(job.keys, success=r.errors == 0)
+            if r.errors:
                 self._stats.add("failed_store_jobs", 1)
-            self._stores.released(job_id, job.gpu_ids)
+            self._stores.released(job.job_id, job.gpu_ids)
             t = self._tracks.get(job.req_id)
             if t is not None:
-                t.store_jobs.discard(job_id)
+                t.store_jobs.discard(job.job_id)
                 drop_if_done(self._tracks, t)
         else:
-            failed, transient = job.failed, job.transient
+            keys = job.transfer.keys
+            failed, transient = r.failed, r.transient
             self._manager.complete_background(
-                job.transfer_id, success=job.errors == 0,
-                failed=[k for k in job.keys if k in failed] if failed else (),
-                transient=[k for k in job.keys if k in transient] if transient else ())
-            if failed:
-                self._stats.add("failed_load_blocks", len(failed))
-            if transient:
-                self._stats.add("transient_failed_load_blocks", len(transient))
+                job.transfer.id, success=r.errors == 0,
+                failed=[k for k in keys if k in failed] if failed else (),
+                transient=[k for k in keys if k in transient] if transient else ())
+            self._count_failed(failed, transient)
 
-    def _settle_load(self, job_id: int, job: HandedJob) -> None:
-        failed, transient = set(job.failed), job.transient
-        self._manager.complete_load(job.keys,
-                                    failed=[k for k in job.keys if k in failed] if failed else (),
-                                    transient=[k for k in job.keys if k in transient]
-                                    if transient else ())
+    def _count_failed(self, failed: set, transient: set) -> None:
         if failed:
             self._stats.add("failed_load_blocks", len(failed))
         if transient:
             self._stats.add("transient_failed_load_blocks", len(transient))
+
+    def _settle_load(self, job: LoadJob, r: Reports) -> None:
+        failed, transient = r.failed, r.transient
+        self._manager.complete_load(job.keys,
+                                    failed=[k for k in job.keys if k in failed] if failed else (),
+                                    transient=[k for k in job.keys if k in transient]
+                                    if transient else ())
+        self._count_failed(failed, transient)
         t = self._tracks.get(job.req_id)
-        if t is not None and t.load_job == job_id:
+        if t is not None and t.load_job == job.job_id:
             t.load_job = None
             if failed:  # vLLM recomputes from the first failed block on: store those again
                 first = min(i for i, k in enumerate(job.keys) if k in failed)
                 t.next_store = min(t.next_store, t.load_first_index + first)
             drop_if_done(self._tracks, t)
         if self._tl.enabled:
-            self._tl.mark("sched", "load_settled", req=job.req_id, job=job_id, failed=len(failed))
+            self._tl.mark("sched", "load_settled", req=job.req_id, job=job.job_id,
+                          failed=len(failed))

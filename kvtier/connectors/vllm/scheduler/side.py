@@ -59,7 +59,7 @@ from kvtier.connectors.vllm.scheduler.vllm_events import VllmEventConverter
 from kvtier.connectors.vllm.group_keys import GroupKeyMap
 from kvtier.connectors.vllm.scheduler.hit_claim import claim
 from kvtier.connectors.vllm.recompute import RecomputeEstimate
-from kvtier.connectors.vllm.scheduler.ledger import HandedJob, JobLedger
+from kvtier.connectors.vllm.scheduler.ledger import JobLedger
 from kvtier.connectors.vllm.scheduler.observability import SchedulerObservability
 from kvtier.connectors.vllm.metadata import (
     BackgroundJob,
@@ -272,12 +272,12 @@ class SchedulerSide:
         else:
             gpu_ids = [b for ids in gpu[:got] for b in ids]
             unloaded = [b for ids in gpu[got:] for b in ids] + partial
-        job_id = self.ledger.add(HandedJob("load", t.req_id, tuple(plan.keys)))
-        self._step_loads.append(LoadJob(
+        job_id = self.ledger.next_id()
+        self._step_loads.append(self.ledger.add(LoadJob(
             job_id=job_id, req_id=t.req_id, keys=tuple(plan.keys),
             cpu_slots=tuple(plan.cpu_slots), gpu_ids=tuple(gpu_ids),
             unloaded_gpu_ids=tuple(unloaded), sync=sync, whole=whole,
-        ))
+        )))
         if sync:  # a worker in this thread starts it now (fast_path)
             self.fast.submit(self._step_loads[-1], tuple(self.stores.reading(gpu_ids)))
         self.fast.drop()  # used by the load submitted ahead, if its slots matched
@@ -375,8 +375,7 @@ class SchedulerSide:
     def _take_background(self) -> None:
         """Turn the manager's queued moves (demotions, deletions) into jobs for the workers."""
         for bg in self.manager.take_background_transfers():
-            job_id = self.ledger.add(HandedJob("background", transfer_id=bg.id, keys=bg.keys))
-            self._step_background.append(BackgroundJob(job_id, bg.src, bg.dst))
+            self._step_background.append(self.ledger.add(BackgroundJob(self.ledger.next_id(), bg)))
 
     def on_worker_output(self, meta: Any) -> None:
         if not isinstance(meta, KVTierWorkerMetadata):
@@ -388,8 +387,8 @@ class SchedulerSide:
             if per_token is not None:
                 self.manager.measured_recompute(per_token, self.settings.block_tokens,
                                                 self.settings.block_bytes)
-        for job_id, job in self.ledger.record(meta):
-            self.settler.settle(job_id, job)
+        for reports in self.ledger.record(meta):
+            self.settler.settle(reports)
         self._step_untaint.extend(meta.tainted)  # seen, with vLLM's rewind (load_taint)
         self._take_background()  # settling may plan demotions: they count as pending work
 

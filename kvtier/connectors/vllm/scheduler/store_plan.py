@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 from kvtier.connectors.vllm.compat.req_data import written_block_ids
 from kvtier.connectors.vllm.metadata import LoadJob, StoreJob
-from kvtier.connectors.vllm.scheduler.ledger import HandedJob, JobLedger
+from kvtier.connectors.vllm.scheduler.ledger import JobLedger
 from kvtier.connectors.vllm.scheduler.requests import KeyMap, RequestTrack
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.stats import KVTierStats
@@ -89,7 +89,7 @@ class StorePlanner:
         else:
             planned = [index[k] for k in plan.keys]
         gpu = km.gpu_ids_of(block_ids, planned)
-        job_id = self._ledger.add(HandedJob("store", t.req_id, tuple(plan.keys), gpu_ids=gpu))
+        job_id = self._ledger.next_id()
         t.store_jobs.add(job_id)
         for b in gpu:
             self._sources.setdefault(b, set()).add(job_id)
@@ -97,8 +97,8 @@ class StorePlanner:
             for k, i in zip(plan.keys, planned):
                 self._remember(request, i, k)
         self._stats.add("store_tokens", len(plan.keys) * bt)
-        return StoreJob(job_id, t.req_id, tuple(plan.keys), tuple(plan.cpu_slots), gpu,
-                        this_step=scheduled > 0)
+        return self._ledger.add(StoreJob(job_id, t.req_id, tuple(plan.keys),
+                                         tuple(plan.cpu_slots), gpu, this_step=scheduled > 0))
 
     def written_blocks(self, so: Any, loads: Iterable[LoadJob]) -> set[int]:
         """Engine blocks this step writes: newly allocated ones (computed, or loaded into by

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable
 
-from kvtier.connectors.vllm.metadata import (BackgroundJob, KVTierWorkerMetadata, LoadJob,
-                                             StoreJob)
+from kvtier.connectors.vllm.metadata import (BackgroundJob, HandedJob, KVTierWorkerMetadata,
+                                             LoadJob, StoreJob)
 from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.observe.timeline import timeline
-from kvtier.runtime.load_job import gpu_untrusted, is_promotion, load_outcome, promotion_outcome
+from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
+                                     untrusted_gpu_ids)
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.transfer import JobResult
 
@@ -33,9 +34,6 @@ log = logging.getLogger("kvtier.connectors.vllm.worker.side")
 ASLEEP_STORE = "KV caches unregistered (sleep)"
 
 
-Job = LoadJob | StoreJob | BackgroundJob  # what the scheduler handed over, kept as it came
-
-
 class WorkerJobs:
     def __init__(self, settings: ConnectorSettings, taint: LoadTaint) -> None:
         self._per_block = settings.engine_blocks_per_block
@@ -43,7 +41,7 @@ class WorkerJobs:
         self._taint = taint  # refuses stores of tainted requests; taints failed sync loads
         self._runtime: WorkerRuntime | None = None
         self.asleep = False  # sleep mode: every GPU copy fails until restored
-        self.running: dict[int, Job] = {}  # submitted here, result not read yet
+        self.running: dict[int, HandedJob] = {}  # submitted here, result not read yet
         self._stores_of: dict[str, set[int]] = {}  # request -> its stores in flight
         self._recving: set[str] = set()  # requests whose asynchronous load finished
         self._load_errors: set[int] = set()  # engine blocks to report as not loaded
@@ -212,15 +210,15 @@ class WorkerJobs:
     def _on_load(self, r: JobResult, job: LoadJob) -> None:
         if gpu_untrusted(r):
             log.warning("kvtier: load job %d failed: %s", r.job_id, r.error)
-        out = load_outcome(r, job.gpu_ids, job.unloaded_gpu_ids)
-        if out.untrusted_gpu_ids and self._per_request and not job.sync:
-            self._failed_recving.setdefault(job.req_id, set()).update(out.untrusted_gpu_ids)
+        untrusted = untrusted_gpu_ids(r, job.gpu_ids, job.unloaded_gpu_ids)
+        if untrusted and self._per_request and not job.sync:
+            self._failed_recving.setdefault(job.req_id, set()).update(untrusted)
         else:  # a synchronous load never is one (async_loads_only): vLLM fails loudly
-            self._load_errors |= out.untrusted_gpu_ids
-        if out.untrusted_gpu_ids and job.sync:  # its forward ran on them (load_taint)
+            self._load_errors |= untrusted
+        if untrusted and job.sync:  # its forward ran on them (load_taint)
             self._taint.taint(job.req_id)
         # what a load measured teaches the scheduler's cost model
-        self._load_hops.extend((src.value, n, sec) for src, n, sec in out.measured)
+        self._load_hops.extend((src.value, n, sec) for src, n, sec in measured_hops(r))
         if self._tl.enabled:
             self._tl.mark("worker", "load_done", job=r.job_id, req=job.req_id, sync=job.sync,
                           bytes=r.bytes, copy_ms=round(r.seconds * 1e3, 3))
