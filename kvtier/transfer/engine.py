@@ -31,7 +31,7 @@ from typing import Iterable
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
 from kvtier.transfer.immediate import ImmediateHops
-from kvtier.transfer.lanes import JobProgress, Lane, check_handler
+from kvtier.transfer.lanes import Job, Lane, check_handler
 from kvtier.transfer.jobs import (
     DirectionStats,
     JobResult,
@@ -66,8 +66,7 @@ class TransferEngine:
         self._stopped = False
         self._lanes: dict[Route, Lane] = {}
         self._immediate = ImmediateHops(
-            name, self._handlers, lane_of=self._lane, account=self._hop_done,
-            finish=self._finish)
+            name, self._handlers, lane_of=self._lane, account=self._hop_done)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
@@ -94,10 +93,10 @@ class TransferEngine:
                 lane.worker = asyncio.ensure_future(self._worker(lane))
             self._lanes[route] = lane
 
-    def _lane(self, job: JobProgress) -> Lane:
+    def _lane(self, job: Job) -> Lane:
         return self._lanes[job.route]
 
-    def _dispatch(self, job: JobProgress) -> None:
+    def _dispatch(self, job: Job) -> None:
         """Loop thread: queue the job on its route."""
         self._lane(job).queue.put_nowait(job)
 
@@ -116,7 +115,7 @@ class TransferEngine:
             lane.running[task] = job
             task.add_done_callback(lambda t, lane=lane: lane.running.pop(t, None))
 
-    async def _run_hop(self, lane: Lane, job: JobProgress) -> None:
+    async def _run_hop(self, lane: Lane, job: Job) -> None:
         src, dst = job.src, job.dst
         outcome = TransferOutcome()
         error: str | None = None
@@ -141,13 +140,12 @@ class TransferEngine:
             now = time.perf_counter()
             lane.slots.release()
         self._hop_done(lane, job, outcome, error, now - t0, ended_at=now)
-        self._finish(job)
 
-    def _hop_done(self, lane: Lane, job: JobProgress, outcome: TransferOutcome, error: str | None,
+    def _hop_done(self, lane: Lane, job: Job, outcome: TransferOutcome, error: str | None,
                   seconds: float, ended_at: float | None = None) -> None:
         """Account one job's run (one lock hold: a stats snapshot never sees its time without
-        its bytes). ``ended_at``: a loop job's end (busy time spans overlapping jobs); else an
-        immediate job, whose ``seconds`` are its own."""
+        its bytes) and hand its result over. ``ended_at``: a loop job's end (busy time spans
+        overlapping jobs); else an immediate job, whose ``seconds`` are its own."""
         with self._lock:
             if ended_at is None:
                 lane.stats.seconds += seconds
@@ -160,25 +158,21 @@ class TransferEngine:
             if error is not None or outcome.failed_keys:
                 lane.stats.failed_jobs += 1
             self.jobs_done += 1
-        job.bytes += outcome.bytes
-        job.seconds += seconds
-        job.progress.extend(outcome.progress)
-        job.failed_keys.extend(outcome.failed_keys)
-        job.transient_keys.extend(outcome.transient_keys)
-        job.error = error
+        self._finish(job, outcome, error, seconds)
 
-    def _finish(self, job: JobProgress) -> None:
-        failed = tuple(dict.fromkeys(job.failed_keys))
+    def _finish(self, job: Job, outcome: TransferOutcome, error: str | None,
+                seconds: float = 0.0) -> None:
+        failed = tuple(dict.fromkeys(outcome.failed_keys))
         result = JobResult(
             job_id=job.job_id,
-            ok=job.error is None and not failed,
-            error=job.error,
+            ok=error is None and not failed,
+            error=error,
             failed_keys=failed,
-            bytes=job.bytes,
-            seconds=job.seconds,
+            bytes=outcome.bytes,
+            seconds=seconds,
             direction=job.route,
-            transient_keys=tuple(dict.fromkeys(job.transient_keys)),
-            progress=tuple(job.progress),
+            transient_keys=tuple(dict.fromkeys(outcome.transient_keys)),
+            progress=tuple(outcome.progress),
         )
         with self._cond:
             self._finished[job.job_id] = result
@@ -198,13 +192,12 @@ class TransferEngine:
         await asyncio.gather(*(t for t, _ in running), return_exceptions=True)
         for t, job in running:
             if t.cancelled():  # cancelled before its first step: _run_hop never saw the job
-                job.error = "cancelled because the engine was closed"
-                self._finish(job)
+                self._finish(job, TransferOutcome(), "cancelled because the engine was closed")
         for lane in lanes:
             while not lane.queue.empty():
                 job = lane.queue.get_nowait()
-                job.error = f"{lane.name}: not run because the engine was closed"
-                self._finish(job)
+                self._finish(job, TransferOutcome(),
+                             f"{lane.name}: not run because the engine was closed")
 
     # ---- caller side (any thread) -------------------------------------------------------------
 
@@ -234,7 +227,7 @@ class TransferEngine:
                     raise ValueError(f"job id {jid} is already in use")
             self._live.add(jid)
             self._pending += 1
-            job = JobProgress(jid, src, dst)
+            job = Job(jid, src, dst)
             if not self._immediate.takes(job):
                 self._loop.call_soon_threadsafe(self._dispatch, job)
                 return jid

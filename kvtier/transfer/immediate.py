@@ -4,7 +4,7 @@ Such jobs (the CUDA GPU<->CPU copies) are enqueued on the submitting thread and 
 caller's ``get_finished`` / ``wait``; ``fence`` and ``fence_layer`` order the caller's later
 device work after them. :class:`~kvtier.transfer.engine.TransferEngine` owns one
 :class:`ImmediateHops` and talks to it only through the methods below; what the jobs need back
-from the engine (the lane of a job, accounting a finished job, ending it) is handed in at
+from the engine (the lane of a job, ending a job with its outcome) is handed in at
 construction as callables.
 """
 
@@ -18,11 +18,11 @@ from typing import Callable, Iterable, Mapping
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
 from kvtier.transfer.jobs import Route, TransferOutcome
-from kvtier.transfer.lanes import JobProgress, Lane
+from kvtier.transfer.lanes import Job, Lane
 
 log = logging.getLogger(__name__)
 
-AccountHop = Callable[[Lane, JobProgress, TransferOutcome, "str | None", float], None]
+AccountHop = Callable[[Lane, Job, TransferOutcome, "str | None", float], None]
 
 
 class ImmediateHops:
@@ -34,28 +34,26 @@ class ImmediateHops:
         name: str,
         handlers: Mapping[Route, TransferHandler],
         *,
-        lane_of: Callable[[JobProgress], Lane],
+        lane_of: Callable[[Job], Lane],
         account: AccountHop,
-        finish: Callable[[JobProgress], None],
     ) -> None:
-        """``lane_of``: the lane of a job; ``account``: record one finished job (lane, job,
-        outcome, error, seconds); ``finish``: hand the ended job's result over."""
+        """``lane_of``: the lane of a job; ``account``: record one ended job and hand its
+        result over (lane, job, outcome, error, seconds)."""
         self.name = name
         self._handlers = {r: h for r, h in handlers.items() if isinstance(h, ImmediateHandler)}
         self._lane_of = lane_of
         self._account = account
-        self._finish = finish
-        self.running: dict[int, JobProgress] = {}  # job id -> the job on a device queue
+        self.running: dict[int, Job] = {}  # job id -> the job on a device queue
         self._lock = threading.RLock()  # the callers' side: starting, polling, fencing
 
-    def takes(self, job: JobProgress) -> bool:
+    def takes(self, job: Job) -> bool:
         """Whether the job runs here (its route has an immediate handler)."""
         return job.route in self._handlers
 
     def is_running(self, job_id: int) -> bool:
         return job_id in self.running
 
-    def start(self, job: JobProgress) -> None:
+    def start(self, job: Job) -> None:
         """Enqueue the job on its device queue now; a refusal fails the job."""
         with self._lock:
             lane = self._lane_of(job)
@@ -66,11 +64,10 @@ class ImmediateHops:
                 error = f"{lane.name}: {type(exc).__name__}: {exc}"
                 log.warning("%s: job %d failed: %s", self.name, job.job_id, error)
                 self._account(lane, job, TransferOutcome(), error, 0.0)
-                self._finish(job)
                 return
             self.running[job.job_id] = job
 
-    def _complete(self, job: JobProgress, outcome: TransferOutcome) -> None:
+    def _complete(self, job: Job, outcome: TransferOutcome) -> None:
         del self.running[job.job_id]
         lane = self._lane_of(job)
         seconds = outcome.seconds
@@ -78,7 +75,6 @@ class ImmediateHops:
             seconds = time.perf_counter() - job.started
         job.pending = None
         self._account(lane, job, outcome, None, seconds)
-        self._finish(job)
 
     def advance(self, block_on: Iterable[int] = ()) -> None:
         """Collect the finished jobs (``block_on``: wait for those job ids, if running)."""

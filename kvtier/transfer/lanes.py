@@ -5,25 +5,19 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.handlers import TransferHandler
 from kvtier.transfer.jobs import DirectionStats, Route, route_name
 
 
 @dataclass
-class JobProgress:
-    """One submitted job (a source spec, a destination spec) and what it has added up to so
-    far (becomes a :class:`~kvtier.transfer.jobs.JobResult` when it ends)."""
+class Job:
+    """One submitted job: a source spec and a destination spec (one hop: the engine never
+    chains jobs); its result is built from the handler's outcome when it ends."""
 
     job_id: int
     src: LoadStoreSpec
     dst: LoadStoreSpec
-    bytes: int = 0
-    seconds: float = 0.0
-    failed_keys: list[BlockKey] = field(default_factory=list)
-    transient_keys: list[BlockKey] = field(default_factory=list)
-    error: str | None = None
-    progress: list = field(default_factory=list)  # (bytes, seconds) while it ran
     pending: object = None  # an immediate job's handle (while :class:`ImmediateHops` runs it)
     started: float = 0.0
 
