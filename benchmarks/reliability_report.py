@@ -22,7 +22,7 @@ Sections:
 * soak: overlapping concurrent requests for ``--soak-s`` seconds; RSS growth after warm-up.
 
 The rig and the model checker make the vLLM connector's calls (``lookup`` until promotions are
-done, ``prepare_load``, ``kvtier.runtime.load_job`` to read results), so "wrong blocks served"
+done, ``prepare_load``, ``kvtier.transfer.jobs`` to read results), so "wrong blocks served"
 is about the path vLLM runs.
 
 Exit status 1 if any section found a violation.

@@ -12,7 +12,7 @@ machine without CUDA: GPU<->CPU figures are then memcpy figures). Per request:
 
 Stores, promotions, demotions and deletions run asynchronously, as in the engine; loads are
 waited for. Every job is planned and submitted with the calls the vLLM connector makes
-(``prepare_load``, ``kvtier.runtime.load_job``, ``TransferEngine.submit`` of the same specs,
+(``prepare_load``, ``kvtier.transfer.jobs``, ``TransferEngine.submit`` of the same specs,
 ``record_load`` from the job's measured hops), so the figures, ``wrong_blocks`` included, are
 about the path vLLM runs.
 """
@@ -36,7 +36,7 @@ from kvtier.manager.factory import build_manager
 from kvtier.manager.host import open_host_tier
 from kvtier.manager.specs import BackgroundTransfer, LoadStoreSpec, Medium, RequestContext
 from kvtier.observe.metrics import MetricsExporter
-from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops,
+from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops,
                                      promotion_outcome)
 from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime

@@ -78,7 +78,7 @@ class OffloadingManager(ABC):
         their tier (corrupt or missing record, or the read itself failed): the manager
         forgets them, so they are never offered again. A key whose tier was read but whose
         copy to the GPU failed is *not* failed: its bytes are fine
-        (``kvtier.runtime.load_job`` tells the two apart). ``transient``:
+        (``kvtier.transfer.jobs`` tells the two apart). ``transient``:
         those of ``failed`` whose read failed for a reason that says nothing about the
         record (EIO, EMFILE, ENOMEM ...): counted apart from corruption."""
 

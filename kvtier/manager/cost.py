@@ -33,7 +33,7 @@ sizes, and a declined hit at least twice the largest load it measured is loaded 
 (an *exploration*) when the pessimistic estimate loses no more than ``EXPLORE_MAX_LOSS`` of the
 recompute time: that is how it learns the slope at all, at a bounded price, once per doubling.
 A shared-tier read also reports how many bytes it had verified when (``measured_hops`` in
-kvtier.runtime.load_job): those points are samples of the same line, so the tier's first hit
+kvtier.transfer.jobs): those points are samples of the same line, so the tier's first hit
 already shows its latency apart from its bandwidth.
 
 All of it is O(hits) per lookup with no allocation proportional to the cache.

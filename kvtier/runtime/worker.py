@@ -3,7 +3,7 @@
 It runs transfer jobs and hands back results; it decides nothing about placement. vLLM's
 worker process owns one of these (the scheduler process owns the manager); ``kvtier bench``
 owns both in one process. Both build jobs the way the connector's worker side does
-(``kvtier.runtime.load_job`` for loads, ``engine.submit`` of the plan's specs for stores and
+(``kvtier.transfer.jobs`` for loads, ``engine.submit`` of the plan's specs for stores and
 background moves): there is no second, bench-only way to submit a job.
 """
 

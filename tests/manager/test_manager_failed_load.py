@@ -24,7 +24,7 @@ from reliability.rig import StackRig
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
-from kvtier.runtime.load_job import untrusted_gpu_ids
+from kvtier.transfer.jobs import untrusted_gpu_ids
 from support.promotions import settle_promotions
 
 

@@ -10,7 +10,7 @@ engine is counted in ``wrong_blocks``: the one number that must always be zero.
 It makes the calls the connector makes, in the connector's order: ``lookup`` until it no longer
 answers "not yet" (a disk hit is promoted into CPU memory by a background move first, which the
 rig runs and settles meanwhile, as engine steps would), ``prepare_load`` and one CPU -> GPU job,
-results read with ``kvtier.runtime.load_job`` (the worker side's own functions), ``record_load``
+results read with ``kvtier.transfer.jobs`` (the worker side's own functions), ``record_load``
 from what each load and promotion measured, stores and background moves as plain
 ``engine.submit`` of the plans' specs. Only the OffloadingManager contract is used.
 """
@@ -30,7 +30,7 @@ from reliability.blocks import GEO, block
 from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.specs import LoadPlan, LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
-from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops,
+from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops,
                                      promotion_outcome)
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore

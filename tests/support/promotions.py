@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Collection, Sequence
 
 from kvtier.manager.specs import BackgroundTransfer, BlockKey, LookupResult
-from kvtier.runtime.load_job import is_promotion as promotes
+from kvtier.transfer.jobs import is_promotion as promotes
 
 
 def is_promotion(t: BackgroundTransfer) -> bool:

@@ -2,7 +2,7 @@
 
 :class:`WorkerJobs` is the worker side's collaborator that owns every job a worker submitted
 and has not reported yet: loads (one CPU -> GPU copy each, read through
-:mod:`kvtier.runtime.load_job`), stores, background moves (promotions into CPU memory among
+:mod:`kvtier.transfer.jobs`), stores, background moves (promotions into CPU memory among
 them), and this step's report for the scheduler. A refused submission fails its job visibly (a
 result with the error, as if it had run); a store refused for a tainted or sleeping request
 fails without touching the CPU tier; a load's result names the engine blocks that must not be
@@ -23,7 +23,7 @@ from kvtier.connectors.vllm.settings import ConnectorSettings
 from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.observe.timeline import timeline
-from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
+from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
                                      untrusted_gpu_ids)
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.transfer import JobResult

@@ -1,4 +1,4 @@
-"""One load path (``kvtier.runtime.load_job``): what a finished load or promotion means.
+"""One load path (``kvtier.transfer.jobs``): what a finished load or promotion means.
 
 A load is one CPU -> GPU copy of READY CPU slots; blocks held on disk (or in the shared tier)
 are promoted into CPU memory first, as background transfers. A copy into the GPU that raised
@@ -20,7 +20,7 @@ from kvtier.bench.trace import TraceRequest
 from kvtier.config import load_config
 from kvtier.manager.specs import Medium
 from kvtier.runtime import worker as worker_mod
-from kvtier.runtime.load_job import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
+from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
                                      untrusted_gpu_ids)
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.jobs import JobResult
@@ -216,7 +216,7 @@ def test_a_long_reads_progress_gives_two_samples_not_dozens():
     """A read reports dozens of points; the cost model forgets per sample, so keeping them all
     would let one job (a cold first one) outweigh the next several. Two are kept, a third and
     two thirds of the way, beside the read itself."""
-    from kvtier.runtime.load_job import PROGRESS_SAMPLES
+    from kvtier.transfer.jobs import PROGRESS_SAMPLES
 
     mib = 1 << 20
     progress = [(16 * mib * (i + 1), 0.01 * (i + 1)) for i in range(24)]
