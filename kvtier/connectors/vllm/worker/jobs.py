@@ -15,6 +15,7 @@ as a failed receive (:mod:`..compat.load_failures`): vLLM cannot map such blocks
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable, Iterable
 
 from kvtier.connectors.vllm.metadata import (BackgroundJob, HandedJob, KVTierWorkerMetadata,
@@ -51,6 +52,8 @@ class WorkerJobs:
         self._transient: dict[int, tuple[BlockKey, ...]] = {}  # of _failed: EIO, EMFILE ...
         self._errors: dict[int, int] = {}
         self._load_hops: list[tuple[str, int, float]] = []
+        self._members: dict[int, tuple[int, ...]] = {}  # a step's one store copy -> its jobs
+        self._copy_of: dict[int, int] = {}  # a store job -> the copy that carries it
         self._tl = timeline()
 
     def bind_runtime(self, runtime: WorkerRuntime | None) -> None:
@@ -74,26 +77,39 @@ class WorkerJobs:
 
     def submit_stores(self, stores: Iterable[StoreJob], *, this_step: bool) -> None:
         """Submit the step's stores whose ``this_step`` is ``this_step`` (``bind``: blocks of
-        earlier steps; ``wait_for_save``: blocks this forward computes)."""
+        earlier steps; ``wait_for_save``: blocks this forward computes), all of them as one
+        GPU -> CPU copy: a store's host cost is mostly fixed per copy (CUDA calls that cost 2-5x
+        more while the forward runs), and a saturated engine completes blocks of several
+        requests at every step. Each job still reports on its own; the copy's result is each
+        of theirs."""
         jobs = [job for job in stores if job.this_step == this_step]
-        if jobs:
-            rt = self._rt()
-            for job in jobs:
-                self._submit_store(rt, job)
+        if not jobs:
+            return
+        rt = self._rt()
+        runnable = [job for job in jobs if self._admit_store(job)]
+        if not runnable:
+            return
+        engine_id = runnable[0].job_id
+        if len(runnable) > 1:
+            self._members[engine_id] = tuple(job.job_id for job in runnable)
+            for job in runnable[1:]:
+                self._copy_of[job.job_id] = engine_id
+        src = LoadStoreSpec.gpu([b for job in runnable for b in job.gpu_ids])
+        dst = LoadStoreSpec.cpu([slot for job in runnable for slot in job.cpu_slots])
+        self._submit(lambda: rt.engine.submit(src, dst, job_id=engine_id), engine_id)
 
-    def _submit_store(self, rt: WorkerRuntime, job: StoreJob) -> None:
+    def _admit_store(self, job: StoreJob) -> bool:
+        """Track ``job``; False when it is refused (it fails at once: a future miss, never
+        untrusted bytes in the CPU tier)."""
         self.running[job.job_id] = job
         self._stores_of.setdefault(job.req_id, set()).add(job.job_id)
         refused = (ASLEEP_STORE if self.asleep  # pages suspended
                    else "computed over a failed synchronous load (load_taint)"
                    if self._taint.refuses(job.req_id) else None)
-        if refused:  # the store fails: a future miss, never untrusted bytes in the CPU tier
+        if refused:
             self._on_result(JobResult(job.job_id, False, refused, (), 0, 0.0,
                                       (Medium.GPU, Medium.CPU)))
-            return
-        self._submit(lambda: rt.engine.submit(LoadStoreSpec.gpu(job.gpu_ids),
-                                              LoadStoreSpec.cpu(job.cpu_slots),
-                                              job_id=job.job_id), job.job_id)
+        return refused is None
 
     def submit_background(self, jobs: Iterable[BackgroundJob]) -> None:
         """The manager's own moves (promotions, demotions, deletions, shared-tier writes)."""
@@ -124,15 +140,22 @@ class WorkerJobs:
         if self._runtime is None:
             return
         self.poll()
-        gpu_jobs = [j for j, r in self.running.items() if not isinstance(r, BackgroundJob)]
+        gpu_jobs = self.copies_of(j for j, r in self.running.items()
+                                  if not isinstance(r, BackgroundJob))
         for result in self._runtime.engine.wait(gpu_jobs) if gpu_jobs else ():
             self._on_result(result)
         log.debug("kvtier: GPU copies quiesced: %s", reason)
 
     # ------------------------------------------------------------------ state
     def stores_in_flight(self, job_ids: Iterable[int]) -> list[int]:
-        """Those of ``job_ids`` that are stores still in flight here."""
-        return [j for j in job_ids if isinstance(self.running.get(j), StoreJob)]
+        """The engine's ids of the copies carrying those of ``job_ids`` that are stores still
+        in flight here (what to fence)."""
+        return self.copies_of(j for j in job_ids if isinstance(self.running.get(j), StoreJob))
+
+    def copies_of(self, job_ids: Iterable[int]) -> list[int]:
+        """The engine's job ids of the copies carrying ``job_ids`` (a store submitted with
+        others rides its step's one copy), each once."""
+        return list(dict.fromkeys(self._copy_of.get(j, j) for j in job_ids))
 
     def has_stores(self, req_id: str) -> bool:
         return bool(self._stores_of.get(req_id))
@@ -172,6 +195,15 @@ class WorkerJobs:
             self._on_result(result)
 
     def _on_result(self, r: JobResult) -> None:
+        members = self._members.pop(r.job_id, None)
+        if members is not None:  # a step's stores copied together: each gets the result
+            for job_id in members:
+                self._copy_of.pop(job_id, None)
+                self._on_job_result(replace(r, job_id=job_id))
+            return
+        self._on_job_result(r)
+
+    def _on_job_result(self, r: JobResult) -> None:
         running = self.running.pop(r.job_id, None)
         if running is None:
             log.warning("kvtier: result for unknown job %d ignored", r.job_id)

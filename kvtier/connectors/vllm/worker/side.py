@@ -13,7 +13,8 @@ Per step (vLLM's model runner calls these in this order):
    deletions) are submitted here, every step, forward or not. A store copies blocks that
    earlier steps computed (the scheduler plans them one step late), so it is ordered on the
    GPU after the work enqueued so far and its device -> host copy runs beside this step's
-   forward, not between the last forward and its sampled tokens' copy to the host.
+   forward, not between the last forward and its sampled tokens' copy to the host. The
+   step's stores go as one copy (:meth:`WorkerJobs.submit_stores`).
 3. ``start_load``: submit this step's other loads (before the forward for a synchronous
    load, after it otherwise) and fence the synchronous ones: the forward reading their blocks
    is ordered after the copy on the GPU, per layer when vLLM runs the per-layer hooks
