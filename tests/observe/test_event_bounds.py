@@ -155,6 +155,39 @@ def test_replay_answers_beyond_replay_max_clients_get_the_end_marker_at_once():
             ctx.term()
 
 
+def test_closing_never_waits_on_a_zmq_context_that_does_not_terminate(caplog):
+    """libzmq's term can wait on a connection to a peer that left mid-answer (seen once in
+    the suite: 600 s); the publisher's close, run at vLLM's shutdown, gives up after its
+    timeout and says so."""
+    import threading
+
+    pub = EventPublisher(EventsConfig(endpoint=ANY), block_tokens=16)
+    real_ctx = pub._ctx
+    release = threading.Event()
+
+    class StuckContext:  # terminates only once the test lets it
+        def term(self):
+            release.wait(120)
+            real_ctx.term()
+
+        def destroy(self, linger=None):
+            release.wait(120)
+            real_ctx.destroy(linger=linger)
+
+    pub._ctx = StuckContext()
+    closer = threading.Thread(target=pub.close, kwargs={"timeout": 0.5}, daemon=True)
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.observe.events.publisher"):
+            closer.start()
+            closer.join(60)
+            returned = not closer.is_alive()
+    finally:
+        release.set()
+    closer.join(60)
+    assert returned, "close() waited on the ZMQ context"
+    assert "did not terminate" in caplog.text
+
+
 def test_large_batches_are_split_into_bounded_messages_in_order():
     keys = [k(i, 120) for i in range(3000)]  # ~130 B per event on the wire
     ctx = zmq.Context()

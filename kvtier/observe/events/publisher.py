@@ -277,9 +277,23 @@ class EventPublisher:
             return
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
-        self._ctx.term()
+        self._terminate_context(timeout)
         for endpoint in (self.endpoint, self.replay_endpoint):
             _remove_ipc_file(endpoint)
+
+    def _terminate_context(self, timeout: float) -> None:
+        """End the ZMQ context without letting it hold up the caller (vLLM's shutdown) for
+        longer than ``timeout``: libzmq's term can wait on a connection to a peer that went
+        away mid-answer (a replay client closed while its answer was queued), and was once
+        seen waiting for 600 s in the test suite. The sending thread has ended and closed its
+        sockets, so closing whatever is left here with no linger is safe."""
+        ender = threading.Thread(target=self._ctx.destroy, kwargs={"linger": 0},
+                                 name="kvtier-events-term", daemon=True)
+        ender.start()
+        ender.join(timeout)
+        if ender.is_alive():
+            log.warning("kvtier events: ZMQ context did not terminate within %.1fs; "
+                        "left to end with the process", timeout)
 
     def __enter__(self) -> "EventPublisher":
         return self
