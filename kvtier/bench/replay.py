@@ -37,7 +37,7 @@ from kvtier.manager.host import open_host_tier
 from kvtier.manager.specs import BackgroundTransfer, LoadStoreSpec, Medium, RequestContext
 from kvtier.observe.metrics import MetricsExporter
 from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops,
-                                     promotion_outcome)
+                                  promotion_outcome)
 from kvtier.runtime.snapshot import SnapshotWriter
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.tiers.gpu_view import GpuKvView

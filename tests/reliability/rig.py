@@ -31,7 +31,7 @@ from kvtier.manager.disk_health import DiskHealth
 from kvtier.manager.specs import LoadPlan, LoadStoreSpec, Medium
 from kvtier.manager.tiered import TieredOffloadingManager
 from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops,
-                                     promotion_outcome)
+                                  promotion_outcome)
 from kvtier.tiers.cpu_pool import CpuBlockPool
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.gpu_view import GpuKvView

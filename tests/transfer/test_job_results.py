@@ -21,7 +21,7 @@ from kvtier.config import load_config
 from kvtier.manager.specs import Medium
 from kvtier.runtime import worker as worker_mod
 from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
-                                     untrusted_gpu_ids)
+                                  untrusted_gpu_ids)
 from kvtier.transfer.cpu_copy import CpuToGpuHandler, GpuToCpuHandler
 from kvtier.transfer.jobs import JobResult
 

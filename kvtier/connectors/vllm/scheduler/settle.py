@@ -41,34 +41,31 @@ class JobSettler:
                 t.store_jobs.discard(job.job_id)
                 drop_if_done(self._tracks, t)
         else:
-            keys = job.transfer.keys
-            failed, transient = r.failed, r.transient
-            self._manager.complete_background(
-                job.transfer.id, success=r.errors == 0,
-                failed=[k for k in keys if k in failed] if failed else (),
-                transient=[k for k in keys if k in transient] if transient else ())
-            self._count_failed(failed, transient)
+            failed, transient = self._failed_in_order(job.transfer.keys, r)
+            self._manager.complete_background(job.transfer.id, success=r.errors == 0,
+                                              failed=failed, transient=transient)
 
-    def _count_failed(self, failed: set, transient: set) -> None:
+    def _failed_in_order(self, keys: tuple, r: Reports) -> tuple[tuple, tuple]:
+        """The job's failed keys and, of those, the transient ones, in ``keys``' order (as
+        the manager's complete calls take them); both counted in the stats."""
+        failed, transient = r.failed, r.transient
         if failed:
             self._stats.add("failed_load_blocks", len(failed))
         if transient:
             self._stats.add("transient_failed_load_blocks", len(transient))
+        return (tuple(k for k in keys if k in failed) if failed else (),
+                tuple(k for k in keys if k in transient) if transient else ())
 
     def _settle_load(self, job: LoadJob, r: Reports) -> None:
-        failed, transient = r.failed, r.transient
-        self._manager.complete_load(job.keys,
-                                    failed=[k for k in job.keys if k in failed] if failed else (),
-                                    transient=[k for k in job.keys if k in transient]
-                                    if transient else ())
-        self._count_failed(failed, transient)
+        failed, transient = self._failed_in_order(job.keys, r)
+        self._manager.complete_load(job.keys, failed=failed, transient=transient)
         t = self._tracks.get(job.req_id)
         if t is not None and t.load_job == job.job_id:
             t.load_job = None
             if failed:  # vLLM recomputes from the first failed block on: store those again
-                first = min(i for i, k in enumerate(job.keys) if k in failed)
+                first = job.keys.index(failed[0])
                 t.next_store = min(t.next_store, t.load_first_index + first)
             drop_if_done(self._tracks, t)
         if self._tl.enabled:
             self._tl.mark("sched", "load_settled", req=job.req_id, job=job.job_id,
-                          failed=len(failed))
+                          failed=len(r.failed))

@@ -25,7 +25,7 @@ from kvtier.connectors.vllm.worker.load_taint import LoadTaint
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 from kvtier.observe.timeline import timeline
 from kvtier.transfer.jobs import (gpu_untrusted, is_promotion, measured_hops, promotion_outcome,
-                                     untrusted_gpu_ids)
+                                  untrusted_gpu_ids)
 from kvtier.runtime.worker import WorkerRuntime
 from kvtier.transfer import JobResult
 
