@@ -85,7 +85,7 @@ def serve_args(a, model_dir: str, config: str, port: int) -> list[str]:
                             tensor_parallel_size=a.tensor_parallel_size,
                             workdir=a.workdir, cpu_bytes=a.cpu_bytes,
                             kvtier_json=json.dumps(extra) if extra else None,
-                            sync_budget=a.sync_budget)
+                            sync_budget=a.sync_budget, store_every_steps=a.store_every_steps)
     return server_args(ns, model_dir, base_connector(config), port)
 
 
@@ -196,7 +196,8 @@ def setup(a, config: str) -> dict:
            "min_requests": a.min_requests, "drain_s": a.drain_s,
            "max_num_seqs": a.max_num_seqs, "block_size": a.block_size, "slos_ms": a.slos,
            "tensor_parallel_size": a.tensor_parallel_size,
-           "sync_budget": a.sync_budget, "seed": a.seed}
+           "sync_budget": a.sync_budget, "store_every_steps": a.store_every_steps,
+           "seed": a.seed}
     if config == "kvtier_disk":
         out["disk_bytes"], out["disk_fs"] = a.disk_bytes, fs_type(a.disk_dir)
     return out
@@ -340,6 +341,9 @@ def parser() -> Parser:
     p.add_argument("--sync-budget", default=None,
                    help="kvtier's sync_load_budget_bytes (bytes or a size such as 512MiB; 0: "
                         "every hit loads asynchronously, so no engine step waits for a load)")
+    p.add_argument("--store-every-steps", type=int, default=None,
+                   help="kvtier's store_every_steps: running requests' decoded blocks are "
+                        "stored every this many engine steps (default: kvtier's)")
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a server may take to become healthy" + D)
     p.add_argument("--cpu-smoke", action="store_true",

@@ -73,6 +73,8 @@ def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
     if a.kvtier_json:  # an A/B of one kvtier setting
         merge(section, json.loads(a.kvtier_json))
     extra = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
+    if getattr(a, "store_every_steps", None) is not None:
+        extra["store_every_steps"] = a.store_every_steps
     cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section, extra=extra)
     if cfg is not None:
         args += ["--kv-transfer-config", json.dumps(cfg)]
@@ -301,6 +303,9 @@ def main(argv=None) -> int:
     p.add_argument("--sync-budget", default=None,
                    help="kvtier's sync_load_budget_bytes (bytes or a size such as 512MiB; 0: "
                         "every hit loads asynchronously)")
+    p.add_argument("--store-every-steps", type=int, default=None,
+                   help="kvtier's store_every_steps (running requests' decoded blocks are "
+                        "stored every this many engine steps; default: kvtier's)")
     p.add_argument("--timeline", default=None,
                    help="file: kvtier's per-step marks (KVTIER_TIMELINE) and the client's")
     p.add_argument("--vllm-marks", action="store_true",

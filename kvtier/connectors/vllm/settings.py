@@ -34,7 +34,7 @@ from kvtier.tiers.layout import BlockGeometry
 log = logging.getLogger(__name__)
 
 EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes", "whole_tail_layer_bytes",
-              "same_thread_fast_path")
+              "same_thread_fast_path", "store_every_steps")
 DEFAULT_SYNC_LOAD_BUDGET = 4 << 30
 """Per engine step, CPU hits up to this many bytes (per rank) load inside the step that
 computes their request (see ``scheduler/side.py``); 4 GiB covers a 32k-token Llama-8B prefix."""
@@ -43,6 +43,11 @@ DEFAULT_WHOLE_TAIL_LAYER_BYTES = 24 << 20
 to this many bytes of hit per layer; beyond it the hit is cut a block short, so the forward's
 layers can follow the copy layer by layer (``scheduler/hit_claim.py`` says why; figures:
 docs/design-measurements.md)."""
+DEFAULT_STORE_EVERY_STEPS = 4
+"""Running requests' completed blocks are planned as stores every this many engine steps
+(a finished request's at once): each store copy costs vLLM's engine thread a fixed amount of
+CUDA calls, whatever its size, so a store every step puts that cost on every decode step
+(``scheduler/side.py`` says why; figures: docs/design-measurements.md)."""
 HMA_FLAG = "--disable-hybrid-kv-cache-manager"
 UNSTABLE_HASHES = ("xxhash", "xxhash_cbor")  # random per-process seed unless PYTHONHASHSEED
 
@@ -80,6 +85,7 @@ class ConnectorSettings:
     sync_load_budget_bytes: int = DEFAULT_SYNC_LOAD_BUDGET
     whole_tail_layer_bytes: int = DEFAULT_WHOLE_TAIL_LAYER_BYTES  # per layer of the hit
     same_thread_fast_path: bool = True  # TP 1: the scheduler starts copies early (fast_path)
+    store_every_steps: int = DEFAULT_STORE_EVERY_STEPS  # running requests' stores: cadence
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
@@ -193,6 +199,16 @@ def same_thread_fast_path(extra: Mapping[str, Any] | None) -> bool:
     return value
 
 
+def store_every_steps(extra: Mapping[str, Any] | None) -> int:
+    """``kv_connector_extra_config.store_every_steps``: running requests' completed blocks
+    are stored every this many engine steps (``DEFAULT_STORE_EVERY_STEPS``); 1: every step."""
+    value = (extra or {}).get("store_every_steps", DEFAULT_STORE_EVERY_STEPS)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1024:
+        raise ConnectorSetupError("kv_connector_extra_config.store_every_steps must be a whole "
+                                  f"number of engine steps from 1 to 1024, got {value!r}")
+    return value
+
+
 def whole_tail_layer_bytes(extra: Mapping[str, Any] | None) -> int:
     """``kv_connector_extra_config.whole_tail_layer_bytes``: bytes per layer of a hit up to
     which its last block is loaded whole (``DEFAULT_WHOLE_TAIL_LAYER_BYTES``); 0: never."""
@@ -208,7 +224,8 @@ def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
         raise ConnectorSetupError(
             f"kv_connector_extra_config: unknown key(s) {unknown}; kvtier reads "
             f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline), "
-            f"and 'sync_load_budget_bytes', 'whole_tail_layer_bytes', 'same_thread_fast_path'"
+            f"and 'sync_load_budget_bytes', 'whole_tail_layer_bytes', 'same_thread_fast_path', "
+            f"'store_every_steps'"
         )
     if "config" in extra and "kvtier" in extra:
         raise ConnectorSetupError(
@@ -383,6 +400,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         sync_load_budget_bytes=sync_load_budget(extra),
         whole_tail_layer_bytes=whole_tail_layer_bytes(extra),
         same_thread_fast_path=same_thread_fast_path(extra),
+        store_every_steps=store_every_steps(extra),
         vllm_kv_events=kv_events_enabled(vllm_config),
         groups=hybrid,
         replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
@@ -405,6 +423,7 @@ def describe(settings: ConnectorSettings) -> str:
         "disk": str(c.disk.path) if c.disk is not None else None,
         "sync_load_budget_bytes": settings.sync_load_budget_bytes,
         "whole_tail_layer_bytes": settings.whole_tail_layer_bytes,
+        "store_every_steps": settings.store_every_steps,
         "kv_cache_groups": [g.kind + (f"(window {g.sliding_window})" if g.sliding_window else "")
                             for g in settings.groups],
     })

@@ -30,6 +30,10 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   both before its first token (figures: docs/design-measurements.md). One step later both
   run after its token is out, and the copy overlaps the next step's forward instead of its
   output.
+  The decode trickle of running requests (a block per request every ``block_tokens``
+  steps) is planned every ``store_every_steps`` steps instead (:meth:`_take_due`): one store
+  copy costs the engine thread the same CUDA calls whatever its size, and a copy every
+  decode step put that cost on every step past saturation (docs/design-measurements.md).
   Sliding-window and hybrid models plan in the step itself: vLLM frees a running request's
   blocks that leave the window at the next step's allocation, before a late plan could read
   them. With vLLM's async scheduling "the next step" is launched before the prompt step's
@@ -115,7 +119,8 @@ class SchedulerSide:
         self.tracks: dict[str, RequestTrack] = {}
         self.kv_cache_manager: Any = None  # vLLM's KVCacheManager, bound after construction
         self._step_loads: list[LoadJob] = []
-        self._store_due: list[str] = []  # scheduled last step: their blocks are planned next
+        self._store_due: list[str] = []  # their completed blocks are planned (_take_due)
+        self._steps_since_stores = 0  # build_meta calls since every due store was planned
         # plan stores one step late unless vLLM frees blocks of running requests (windows)
         self.late_stores = settings.sliding_window is None and len(settings.groups) <= 1
         self._step_watch: list[str] = []
@@ -330,8 +335,7 @@ class SchedulerSide:
         written = self.stores.written_blocks(so, self._step_loads)
         flush = self.stores.reading(written)
         stores = []
-        due, self._store_due = self._store_due, []
-        for req_id in due:  # blocks the last step completed (a preempted request: none)
+        for req_id in self._take_due():  # blocks earlier steps completed (preempted: none)
             t = self.tracks.get(req_id)
             if t is None:
                 continue
@@ -371,6 +375,25 @@ class SchedulerSide:
         self._step_loads, self._step_watch = [], []
         self._step_untaint = []
         return meta
+
+    def _take_due(self) -> list[str]:
+        """The requests whose completed blocks are planned in this step: every due one each
+        ``store_every_steps`` steps, in between only those whose store cannot wait: a
+        finished request's (vLLM holds its blocks until the store is done) and a prompt's
+        (a fresh request is the first that vLLM preempts, freeing its blocks). What waits is
+        the decode trickle, a block per request every ``block_tokens`` steps: a store copy
+        costs the engine thread a fixed amount of CUDA calls whatever its size."""
+        self._steps_since_stores += 1
+        if self._steps_since_stores >= self.settings.store_every_steps:
+            self._steps_since_stores = 0
+            due, self._store_due = self._store_due, []
+            return due
+        now, wait = [], []
+        for req_id in self._store_due:
+            t = self.tracks.get(req_id)
+            (wait if t is not None and self.stores.can_wait(t) else now).append(req_id)
+        self._store_due = wait
+        return now
 
     def _take_background(self) -> None:
         """Turn the manager's queued moves (demotions, deletions) into jobs for the workers."""

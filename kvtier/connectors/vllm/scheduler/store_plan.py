@@ -125,6 +125,12 @@ class StorePlanner:
                 if not jobs:
                     del self._sources[b]
 
+    def can_wait(self, t: RequestTrack) -> bool:
+        """Whether ``t``'s due store may wait for the next store step: a running request
+        whose prompt blocks were all planned already (only decoded blocks are due)."""
+        prompt_blocks = t.request.num_prompt_tokens // self._settings.block_tokens
+        return not t.finished and t.next_store >= prompt_blocks * self._keymap.per_block
+
     @staticmethod
     def first_token_pending(t: RequestTrack) -> bool:
         """Its prompt is computed but its first token not returned yet: only with vLLM's async
