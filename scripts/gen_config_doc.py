@@ -33,6 +33,7 @@ from kvtier.config.reader import _LAYOUT, _OPTIONAL_SECTIONS, SIZE_ALLOWED  # no
 from kvtier.config.sizes import format_size  # noqa: E402
 from kvtier.connectors.vllm.settings import (  # noqa: E402
     DEFAULT_SYNC_LOAD_BUDGET,
+    DEFAULT_STORE_EVERY_STEPS,
     DEFAULT_WHOLE_TAIL_LAYER_BYTES,
     EXTRA_KEYS,
 )
@@ -200,6 +201,13 @@ EXTRA_MEANINGS = {
                              "CPU hit's copy at its lookup and hands the load to the worker "
                              "as soon as it is planned; `false` leaves it to the worker's "
                              "first hook of the step. `true` or `false`; default `true`.",
+    "store_every_steps": "Running requests' decoded blocks (a block per request every "
+                         "`block_tokens` tokens) are stored every this many engine steps, as "
+                         "one copy; a prompt's blocks and a finished request's last blocks "
+                         "are stored at once. A store copy costs vLLM's engine thread a fixed "
+                         "amount of CUDA calls whatever its size, so a copy at every decode "
+                         "step slows every step past saturation. A whole number from 1 (every "
+                         f"step) to 1024; default {DEFAULT_STORE_EVERY_STEPS}.",
 }
 
 NOT_A_DEFAULT = {
