@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-blocks", type=int, default=1024, help="kvtier's CPU tier, blocks")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=32, help="generated per turn")
+    p.add_argument("--store-every-steps", type=int, default=None,
+                   help="kvtier's store_every_steps (default: kvtier's)")
     a = p.parse_args(argv)
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "connectors", "vllm")]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
@@ -75,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, int] = collections.defaultdict(int)
     timed(EngineCore, ("step", "step_with_batch_queue"), totals, counts, "engine.")
     timed(KVTierConnector, HOOKS, totals, counts, "hook.")
+    keys = {} if a.store_every_steps is None else {"store_every_steps": a.store_every_steps}
     llm = LLM(model=eu.write_model(tempfile.mkdtemp()), skip_tokenizer_init=True,
               dtype="float32", enforce_eager=True, block_size=eu.BLOCK, max_model_len=512,
-              kv_transfer_config=eu.kvtier_transfer_config(a.cpu_blocks), seed=0,
+              kv_transfer_config=eu.kvtier_transfer_config(a.cpu_blocks, **keys), seed=0,
               max_num_seqs=a.seqs, num_gpu_blocks_override=a.gpu_blocks)
     sp = SamplingParams(temperature=0.0, max_tokens=a.new_tokens, ignore_eos=True,
                         detokenize=False)

@@ -68,7 +68,9 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, 1000, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def kvtier_transfer_config(cpu_blocks: int, disk_dir: str | None = None, disk_blocks: int = 256):
+def kvtier_transfer_config(cpu_blocks: int, disk_dir: str | None = None, disk_blocks: int = 256,
+                           **connector_keys: Any):
+    """``connector_keys``: more ``kv_connector_extra_config`` keys (``store_every_steps``...)."""
     from vllm.config import KVTransferConfig
 
     tiers: dict[str, Any] = {"cpu": {"capacity": cpu_blocks * BLOCK_BYTES}}
@@ -77,7 +79,8 @@ def kvtier_transfer_config(cpu_blocks: int, disk_dir: str | None = None, disk_bl
     return KVTransferConfig(
         kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connectors.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"kvtier": {"block_tokens": BLOCK, "tiers": tiers}},
+        kv_connector_extra_config={"kvtier": {"block_tokens": BLOCK, "tiers": tiers},
+                                   **connector_keys},
     )
 
 
