@@ -11,11 +11,14 @@
 # variants: kvtier_cpu once per VARIANTS entry ("name=<serving.py arguments>;name2=..."), each
 #           under its own label (LABEL-name), e.g.
 #           VARIANTS='dma=--kvtier-json {"tiers":{"cpu":{"store_copy":"dma"}}};sync0=--sync-budget 0'
+#           or the store cadence and Python's own GIL switch interval:
+#           VARIANTS='every1=--store-every-steps 1;gil5=--kvtier-json {"gil_switch_interval_ms":0}'
 #           (arguments split at spaces: JSON without spaces).
 # With BEFORE=<folder of another kvtier tree> that tree's kvtier_cpu runs too (LABEL-before),
 # from its own benchmarks/serving.py: an A/B of two commits in one lease.
 #
-# Needs /tmp/env.sh (vLLM on PYTHONPATH) and $OUT. ~2.5 min per server on an H100.
+# Needs /tmp/env.sh (vLLM on PYTHONPATH: scripts/gpu/device.sh) and $OUT. ~2.5 min per server
+# on an H100.
 set -uo pipefail
 WHAT=${1:-all}
 case "$WHAT" in native|kvtier|variants|all) ;; *) echo "usage: $0 [native|kvtier|variants|all]" >&2; exit 2 ;; esac
