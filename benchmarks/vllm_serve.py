@@ -73,7 +73,7 @@ def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
     if a.kvtier_json:  # an A/B of one kvtier setting
         merge(section, json.loads(a.kvtier_json))
     extra = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
-    if getattr(a, "store_every_steps", None) is not None:
+    if a.store_every_steps is not None:
         extra["store_every_steps"] = a.store_every_steps
     cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section, extra=extra)
     if cfg is not None:

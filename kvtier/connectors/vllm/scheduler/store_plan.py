@@ -57,7 +57,7 @@ class StorePlanner:
         request = t.request
         if t.params.skip_store or kv_cache_manager is None:
             return None
-        bt, per = self._settings.block_tokens, self._keymap.per_block
+        bt = self._settings.block_tokens
         stop = self.store_stop(t, scheduled)
         first = t.next_store
         if stop <= first:
@@ -76,7 +76,7 @@ class StorePlanner:
         parent = km.parent_index(cand[0])
         ctx = RequestContext(
             request_id=t.req_id, first_block_index=cand[0],
-            num_prompt_blocks=request.num_prompt_tokens // bt * per,
+            num_prompt_blocks=self._prompt_blocks(request),
             offload_ratio=t.params.offload_ratio, max_offload_tokens=t.params.max_offload_tokens,
             block_tokens=bt, parent_key=km.key(request, parent) if parent >= 0 else None,
             hints=t.hints,
@@ -125,11 +125,14 @@ class StorePlanner:
                 if not jobs:
                     del self._sources[b]
 
+    def _prompt_blocks(self, request: Any) -> int:
+        """kvtier blocks that ``request``'s prompt fills completely."""
+        return request.num_prompt_tokens // self._settings.block_tokens * self._keymap.per_block
+
     def can_wait(self, t: RequestTrack) -> bool:
         """Whether ``t``'s due store may wait for the next store step: a running request
         whose prompt blocks were all planned already (only decoded blocks are due)."""
-        prompt_blocks = t.request.num_prompt_tokens // self._settings.block_tokens
-        return not t.finished and t.next_store >= prompt_blocks * self._keymap.per_block
+        return not t.finished and t.next_store >= self._prompt_blocks(t.request)
 
     @staticmethod
     def first_token_pending(t: RequestTrack) -> bool:
