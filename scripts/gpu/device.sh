@@ -14,8 +14,12 @@ for d in part1 part2 part3; do [ -d "$CARRY/$d" ] && cp "$CARRY/$d"/* /tmp/vllm-
 for d in deps deps2 mini; do
   [ -d "$CARRY/$d" ] || continue
   [ -f /tmp/site-$d.done ] && continue
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --target /tmp/site-$d "$CARRY/$d"/*.whl 2>&1 | grep -v "already exists" | tail -3 || true
+  if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/site-$d "$CARRY/$d"/*.whl > /tmp/site-$d.log 2>&1; then
+    tail -20 /tmp/site-$d.log >&2
+    echo "device.sh: installing $d failed" >&2
+    exit 1
+  fi
   cp -r --update=none /tmp/site-$d/. /tmp/site/ 2>/dev/null || cp -rn /tmp/site-$d/. /tmp/site/
   touch /tmp/site-$d.done
   echo "installed $d"

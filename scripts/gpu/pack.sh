@@ -26,7 +26,11 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp
 for pair in "deps2:vllm-0.34-extra-wheels.txt" "mini:kvtier-wheels.txt"; do
   dir=${pair%%:*}; list=$HERE/${pair#*:}
   echo "downloading $dir ($list) ..."
-  python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT/$dir" -r "$list" 2>&1 \
-    | grep -v "is ignored" || true
+  if ! python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$OUT/$dir" -r "$list" \
+      > "$OUT/$dir.log" 2>&1; then
+    grep -v "is ignored" "$OUT/$dir.log" | tail -20 >&2
+    echo "pack.sh: downloading $dir failed" >&2
+    exit 1
+  fi
 done
 du -sh "$OUT"/part* "$OUT"/deps "$OUT"/deps2 "$OUT"/mini | sed 's/^/  /'
