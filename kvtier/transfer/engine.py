@@ -31,12 +31,14 @@ from typing import Iterable
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
 from kvtier.transfer.immediate import ImmediateHops
-from kvtier.transfer.lanes import Job, Lane, check_handler
 from kvtier.transfer.jobs import (
     DirectionStats,
+    Job,
     JobResult,
+    Lane,
     Route,
     TransferOutcome,
+    check_handler,
     route_name,
 )
 

@@ -17,8 +17,7 @@ from typing import Callable, Iterable, Mapping
 
 from kvtier.manager.specs import LoadStoreSpec, Medium
 from kvtier.transfer.handlers import ImmediateHandler, TransferHandler
-from kvtier.transfer.jobs import Route, TransferOutcome
-from kvtier.transfer.lanes import Job, Lane
+from kvtier.transfer.jobs import Job, Lane, Route, TransferOutcome
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,8 @@
-"""What the transfer engine reports, and how a finished load or promotion reads.
+"""A transfer job, the lane of its route, what the engine reports and how a finished load or
+promotion reads.
 
-A job is one (source spec, destination spec) pair. Its result is the only thing the
+A job is one (source spec, destination spec) pair (:class:`Job`; the engine keeps one
+:class:`Lane` per route: its queue, worker and running jobs). Its result is the only thing the
 synchronous caller ever sees of it, so the result carries everything the caller needs to settle
 the manager's prepare/complete pairs: whether it worked, which blocks could not be read (a
 promotion's become ``complete_background(..., failed=...)``), and enough numbers for metrics.
@@ -21,11 +23,15 @@ the path vLLM runs:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Sequence
+import asyncio
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 from kvtier.manager.cost import MIN_SAMPLE_BYTES
-from kvtier.manager.specs import BlockKey, Medium
+from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
+
+if TYPE_CHECKING:  # handlers import the outcome types below
+    from kvtier.transfer.handlers import TransferHandler
 
 Route = tuple[Medium, Medium]
 """(source medium, destination medium): the key a job is routed by."""
@@ -163,3 +169,52 @@ def promotion_outcome(result: JobResult, keys: Sequence[BlockKey]) -> PromotionO
 def is_promotion(src: Medium, dst: Medium) -> bool:
     """Whether a transfer ``src -> dst`` promotes blocks into the CPU tier."""
     return dst is Medium.CPU and src in (Medium.DISK, Medium.REMOTE)
+
+
+@dataclass
+class Job:
+    """One submitted job: a source spec and a destination spec (one hop: the engine never
+    chains jobs); its result is built from the handler's outcome when it ends."""
+
+    job_id: int
+    src: LoadStoreSpec
+    dst: LoadStoreSpec
+    pending: object = None  # an immediate job's handle (while :class:`ImmediateHops` runs it)
+    started: float = 0.0
+
+    @property
+    def route(self) -> Route:
+        return (self.src.medium, self.dst.medium)
+
+
+@dataclass
+class Lane:
+    """One route's queue, worker and running jobs (loop-thread state, except ``stats``)."""
+
+    route: Route
+    handler: TransferHandler
+    queue: asyncio.Queue
+    slots: asyncio.Semaphore
+    stats: DirectionStats = field(default_factory=DirectionStats)
+    active: int = 0
+    busy_since: float = 0.0
+    worker: asyncio.Task | None = None
+    running: dict = field(default_factory=dict)  # task -> its job
+
+    @property
+    def name(self) -> str:
+        return route_name(self.route)
+
+
+def check_handler(h: TransferHandler) -> Route:
+    try:
+        src, dst = h.direction
+        route = (Medium(src), Medium(dst))
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(
+            f"{type(h).__name__}.direction must be a (Medium, Medium) pair, "
+            f"got {getattr(h, 'direction', None)!r}"
+        ) from None
+    if not isinstance(h.concurrency, int) or h.concurrency < 1:
+        raise ValueError(f"{type(h).__name__}.concurrency must be an int >= 1, got {h.concurrency!r}")
+    return route

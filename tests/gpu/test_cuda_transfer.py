@@ -451,7 +451,7 @@ def test_shared_pool_round_trip_through_the_disk_process_is_bit_exact(tmp_path, 
 
 @pytest.mark.skipif(not cupy_available(), reason="layered loads need CuPy")
 def test_a_prefetched_load_lands_bit_exact_and_unused_prefetches_give_their_buffers_back():
-    """kvtier.transfer.cuda.prefetch: a load's first pieces DMA'd into the staging ring before
+    """kvtier.transfer.cuda.direct.Prefetch: a load's first pieces DMA'd into the staging ring before
     its engine blocks are known are scattered by the load of exactly those slots; a load of
     other slots, a small (whole) load or an explicit drop gives them back, and every later load still
     lands bit-exact (the ring's buffers stay in order). Pieces are smaller than a layer here,

@@ -8,7 +8,7 @@ uni-process executor, as ``vllm serve`` and ``LLM`` run) the scheduler side can 
 copy early, twice (figures: docs/design-measurements.md):
 
 * at the lookup (``FastPath.prefetch``): the worker's load handler starts the host -> staging
-  half of the hit's first pieces (:mod:`kvtier.transfer.cuda.prefetch`). The load planned
+  half of the hit's first pieces (:class:`kvtier.transfer.cuda.direct.Prefetch`). The load planned
   right after uses them if its slots are the same; any other step of the scheduler drops an
   unused prefetch first (``FastPath.drop``), so a prefetch never outlives the pass in which
   its slots were read as READY;

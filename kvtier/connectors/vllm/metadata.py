@@ -30,7 +30,7 @@ class LoadJob:
     recomputes them. ``sync``: vLLM computes the request in this step: the worker enqueues
     the copy before the forward and orders the forward after it (``TransferEngine.fence``),
     and never reports the request in ``finished_recving``. ``whole``: a synchronous load
-    whose forward computes only the prompt's last token (:mod:`hit_claim`'s whole tail): that
+    whose forward computes only the prompt's last token (:func:`..scheduler.side.claim`'s whole tail): that
     forward waits for all of it, so it need not be copied layer by layer.
     """
 

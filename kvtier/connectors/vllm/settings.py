@@ -41,7 +41,7 @@ computes their request (see ``scheduler/side.py``); 4 GiB covers a 32k-token Lla
 DEFAULT_WHOLE_TAIL_LAYER_BYTES = 24 << 20
 """A hit reaching the prompt's last token loads its last block whole (one token computed) up
 to this many bytes of hit per layer; beyond it the hit is cut a block short, so the forward's
-layers can follow the copy layer by layer (``scheduler/hit_claim.py`` says why; figures:
+layers can follow the copy layer by layer (``scheduler/side.py``'s ``claim`` says why; figures:
 docs/design-measurements.md)."""
 DEFAULT_STORE_EVERY_STEPS = 4
 """Running requests' completed blocks are planned as stores every this many engine steps

@@ -53,10 +53,9 @@ from kvtier.transfer.cuda.batch_copy import (
     batch_copy_available,
     batch_copy_unavailable_reason,
 )
-from kvtier.transfer.cuda.direct import DirectLayerLoader, LayeredJob
+from kvtier.transfer.cuda.direct import DirectLayerLoader, LayeredJob, Prefetch
 from kvtier.transfer.cuda.one_launch import PinnedArgRing
 from kvtier.transfer.cuda.page_movers import cupy_available, make_page_mover
-from kvtier.transfer.cuda.prefetch import Prefetch
 from kvtier.transfer.cuda.pipeline import (
     DEFAULT_RING_SLOTS,
     DEFAULT_STAGING_BYTES,

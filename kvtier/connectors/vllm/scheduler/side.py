@@ -4,7 +4,7 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
 
 * ``lookup`` (get_num_new_matched_tokens): leading run of the prompt's blocks that the CPU
   tier holds, block aligned; one that reaches the last prompt token is reported one token
-  short with its last block loaded whole (:mod:`hit_claim`). Blocks held only on disk or in
+  short with its last block loaded whole (:func:`claim`). Blocks held only on disk or in
   the shared tier are promoted into CPU memory first: the manager's lookup starts that and
   answers "not yet", and so does this lookup (``None``: vLLM asks again next step); requests
   after the same blocks wait for the same promotion. A hit within this step's
@@ -40,7 +40,7 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   token is returned, so a prompt's store waits one step more (``first_token_pending``).
 * ``on_worker_output``: counts worker reports per job (:mod:`ledger`); a complete job settles
   the manager's prepare call (``complete_load`` with the failed keys, ``complete_store``,
-  ``complete_background``, :mod:`settle`).
+  ``complete_background``, :mod:`ledger`).
 * ``request_finished``: delay freeing a request's blocks while its stores are in flight or
   still to be planned (its last step's blocks).
 
@@ -61,9 +61,7 @@ from kvtier.tiers.disk.catalog.inventory import restored_keys
 from kvtier.tiers.remote.presence import open_remote_directory
 from kvtier.connectors.vllm.scheduler.vllm_events import VllmEventConverter
 from kvtier.connectors.vllm.group_keys import GroupKeyMap
-from kvtier.connectors.vllm.scheduler.hit_claim import claim
 from kvtier.connectors.vllm.recompute import RecomputeEstimate
-from kvtier.connectors.vllm.scheduler.ledger import JobLedger
 from kvtier.connectors.vllm.scheduler.observability import SchedulerObservability
 from kvtier.connectors.vllm.metadata import (
     BackgroundJob,
@@ -74,7 +72,7 @@ from kvtier.connectors.vllm.metadata import (
 from kvtier.connectors.vllm.scheduler.requests import (KeyMap, RequestParams, RequestTrack,
                                                        drop_if_done)
 from kvtier.connectors.vllm.settings import ConnectorSettings
-from kvtier.connectors.vllm.scheduler.settle import JobSettler
+from kvtier.connectors.vllm.scheduler.ledger import JobLedger, JobSettler
 from kvtier.connectors.vllm.scheduler.state_hit import state_lookup
 from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 from kvtier.connectors.vllm.stats import KVTierStats
@@ -128,7 +126,7 @@ class SchedulerSide:
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
         self._recompute = RecomputeEstimate()
-        # hit_claim's bound on a hit whose last block is loaded whole
+        # claim()'s bound on a hit whose last block is loaded whole
         self._whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
         self._tl = timeline()
         # token ids are needed until a block's last event (its demotion to disk at the latest,
@@ -181,7 +179,7 @@ class SchedulerSide:
         if t.params.skip_load or t.load_failed or num_computed_tokens % bt:
             return 0, False
         start = num_computed_tokens // bt * per
-        # the block holding the last token counts too (hit_claim: it is loaded whole), but
+        # the block holding the last token counts too (claim(): it is loaded whole), but
         # not with state groups: a state hit ends short of the last token (state_hit.py)
         state = bool(getattr(self.keymap, "state_groups", ()))
         last = (request.num_tokens - 1 if state else request.num_tokens) // bt * per
@@ -195,7 +193,7 @@ class SchedulerSide:
             pending, hits = found_state.pending, found_state.units
         else:
             keys = self.keymap.keys(request, start, stop)
-            # all of them loaded, the step computes the last token only (hit_claim.py)
+            # all of them loaded, the step computes the last token only (claim())
             ends = stop // per * bt >= request.num_tokens - 1
             found = self.manager.lookup(keys, sighting=not t.sighted, ends_prompt=ends)
             hits = found.num_hits - found.num_hits % per  # whole token blocks (every group)
@@ -241,7 +239,7 @@ class SchedulerSide:
         bt, bs, per = self.settings.block_tokens, self.settings.block_size, self.keymap.per_block
         start, n = t.lookup_start // bt * per, num_external_tokens // bt * per
         # A hit ending one token short of the prompt's end, off a block boundary, is a whole
-        # tail (hit_claim: a block-aligned claim never ends there unless the end is aligned):
+        # tail (claim(): a block-aligned claim never ends there unless the end is aligned):
         # its last block is loaded whole; it ends at the prompt's end, so every engine block
         # of it is allocated
         whole_tail = (num_external_tokens % bt != 0
@@ -467,3 +465,27 @@ class SchedulerSide:
 
     def take_stats(self) -> KVTierStats | None:
         return self._stats.take()
+
+
+def claim(hits: int, per: int, block_tokens: int, room: int, block_bytes: int,
+          whole_max_bytes: float) -> tuple[int, int]:
+    """(kvtier blocks to load, tokens to report to vLLM) for a run of ``hits`` kvtier blocks
+    (``per`` per token block) when vLLM may take ``room`` more tokens before the last one.
+
+    vLLM computes at least the prompt's last token. A hit that reaches it is reported one
+    token short and its last block is still loaded whole (the forward then rewrites that one
+    token's KV, ordered after the copy): the step computes one token, a batch vLLM runs as one
+    full CUDA graph. A hit cut at the block before would leave a block of tokens to a
+    piecewise forward, whose host time per layer exceeds a small hit's whole copy. Above
+    ``whole_max_bytes`` (from ``whole_tail_layer_bytes`` per layer, a
+    ``kv_connector_extra_config`` key) the cut is at the block before instead, which lets the
+    forward's layers follow a long copy layer by layer (:mod:`..worker.layer_fences`). The
+    default is where the two meet (figures: docs/design-measurements.md).
+    """
+    tokens = hits // per * block_tokens
+    if tokens <= room:
+        return hits, tokens
+    if hits * block_bytes <= whole_max_bytes:
+        return hits, room
+    hits -= per * -(-(tokens - room) // block_tokens)
+    return hits, hits // per * block_tokens

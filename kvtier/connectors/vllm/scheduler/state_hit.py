@@ -9,7 +9,7 @@ kvtier does not have, which would run the model from a wrong state.
 
 The hit also ends on a block boundary short of the prompt's last token (the caller caps
 ``stop``): a state cannot be loaded "whole" and one token recomputed over it, as
-:mod:`hit_claim` does for attention, because that token would advance the state twice.
+:func:`..side.claim` does for attention, because that token would advance the state twice.
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ class WorkerSide:
     def prefetch_load(self, slots: list[int], whole: bool = False) -> bool:
         """The scheduler's lookup found a synchronous CPU hit in these slots (step 0, before
         vLLM allocates its blocks): the copy's first pieces start now
-        (:mod:`kvtier.transfer.cuda.prefetch`); its load, submitted ahead, uses them.
+        (:class:`kvtier.transfer.cuda.direct.Prefetch`); its load, submitted ahead, uses them.
         ``whole``: the load will be ``LoadJob.whole``."""
         if self.runtime is None or self.asleep:
             return False
