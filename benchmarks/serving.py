@@ -85,7 +85,8 @@ def serve_args(a, model_dir: str, config: str, port: int) -> list[str]:
                             tensor_parallel_size=a.tensor_parallel_size,
                             workdir=a.workdir, cpu_bytes=a.cpu_bytes,
                             kvtier_json=json.dumps(extra) if extra else None,
-                            sync_budget=a.sync_budget, store_every_steps=a.store_every_steps)
+                            sync_budget=a.sync_budget, store_every_steps=a.store_every_steps,
+                            offload_prompt_only=a.offload_prompt_only)
     return server_args(ns, model_dir, base_connector(config), port)
 
 
@@ -197,6 +198,7 @@ def setup(a, config: str) -> dict:
            "max_num_seqs": a.max_num_seqs, "block_size": a.block_size, "slos_ms": a.slos,
            "tensor_parallel_size": a.tensor_parallel_size,
            "sync_budget": a.sync_budget, "store_every_steps": a.store_every_steps,
+           "offload_prompt_only": a.offload_prompt_only,
            "seed": a.seed}
     if config == "kvtier_disk":
         out["disk_bytes"], out["disk_fs"] = a.disk_bytes, fs_type(a.disk_dir)
@@ -344,6 +346,9 @@ def parser() -> Parser:
     p.add_argument("--store-every-steps", type=int, default=None,
                    help="kvtier's store_every_steps: running requests' decoded blocks are "
                         "stored every this many engine steps (default: kvtier's)")
+    p.add_argument("--offload-prompt-only", action="store_true",
+                   help="kvtier's offload_prompt_only: store prompt blocks only, as vLLM's "
+                        "native connector does by default since 0.34 (an A/B of that policy)")
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a server may take to become healthy" + D)
     p.add_argument("--cpu-smoke", action="store_true",

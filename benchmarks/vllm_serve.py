@@ -75,6 +75,8 @@ def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
     extra = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
     if a.store_every_steps is not None:
         extra["store_every_steps"] = a.store_every_steps
+    if a.offload_prompt_only:
+        extra["offload_prompt_only"] = True
     cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section, extra=extra)
     if cfg is not None:
         args += ["--kv-transfer-config", json.dumps(cfg)]
@@ -306,6 +308,9 @@ def main(argv=None) -> int:
     p.add_argument("--store-every-steps", type=int, default=None,
                    help="kvtier's store_every_steps (running requests' decoded blocks are "
                         "stored every this many engine steps; default: kvtier's)")
+    p.add_argument("--offload-prompt-only", action="store_true",
+                   help="kvtier's offload_prompt_only: store prompt blocks only (vLLM's native "
+                        "connector does so by default since 0.34)")
     p.add_argument("--timeline", default=None,
                    help="file: kvtier's per-step marks (KVTIER_TIMELINE) and the client's")
     p.add_argument("--vllm-marks", action="store_true",

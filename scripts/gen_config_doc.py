@@ -208,6 +208,13 @@ EXTRA_MEANINGS = {
                          "amount of CUDA calls whatever its size, so a copy at every decode "
                          "step slows every step past saturation. A whole number from 1 (every "
                          f"step) to 1024; default {DEFAULT_STORE_EVERY_STEPS}.",
+    "offload_prompt_only": "Store only the blocks a prompt fills, never those filled by "
+                           "generated tokens. `false` (the default) stores both: a chat's next "
+                           "turn repeats the answer, which is then a hit. `true` keeps the CPU "
+                           "tier's room for prompts and saves the decode steps' store copies "
+                           "where answers are not repeated (reasoning models whose thinking is "
+                           "stripped); vLLM's native connector does this by default since 0.34. "
+                           "`true` or `false`.",
 }
 
 NOT_A_DEFAULT = {

@@ -34,7 +34,7 @@ from kvtier.tiers.layout import BlockGeometry
 log = logging.getLogger(__name__)
 
 EXTRA_KEYS = ("config", "kvtier", "sync_load_budget_bytes", "whole_tail_layer_bytes",
-              "same_thread_fast_path", "store_every_steps")
+              "same_thread_fast_path", "store_every_steps", "offload_prompt_only")
 DEFAULT_SYNC_LOAD_BUDGET = 4 << 30
 """Per engine step, CPU hits up to this many bytes (per rank) load inside the step that
 computes their request (see ``scheduler/side.py``); 4 GiB covers a 32k-token Llama-8B prefix."""
@@ -86,6 +86,7 @@ class ConnectorSettings:
     whole_tail_layer_bytes: int = DEFAULT_WHOLE_TAIL_LAYER_BYTES  # per layer of the hit
     same_thread_fast_path: bool = True  # TP 1: the scheduler starts copies early (fast_path)
     store_every_steps: int = DEFAULT_STORE_EVERY_STEPS  # running requests' stores: cadence
+    offload_prompt_only: bool = False  # store prompt blocks only, never decoded ones
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
@@ -188,15 +189,28 @@ def sync_load_budget(extra: Mapping[str, Any] | None) -> int:
     return _extra_bytes(extra, "sync_load_budget_bytes", DEFAULT_SYNC_LOAD_BUDGET)
 
 
+def _extra_bool(extra: Mapping[str, Any] | None, key: str, default: bool) -> bool:
+    value = (extra or {}).get(key, default)
+    if not isinstance(value, bool):
+        raise ConnectorSetupError(f"kv_connector_extra_config.{key} must be true or false, "
+                                  f"got {value!r}")
+    return value
+
+
 def same_thread_fast_path(extra: Mapping[str, Any] | None) -> bool:
     """``kv_connector_extra_config.same_thread_fast_path``: with TP 1, the scheduler side
     starts a CPU hit's copy at the lookup and submits it when planned (:mod:`fast_path`);
     false: the worker submits it at its first hook of the step. Default true."""
-    value = (extra or {}).get("same_thread_fast_path", True)
-    if not isinstance(value, bool):
-        raise ConnectorSetupError("kv_connector_extra_config.same_thread_fast_path must be "
-                                  f"true or false, got {value!r}")
-    return value
+    return _extra_bool(extra, "same_thread_fast_path", True)
+
+
+def offload_prompt_only(extra: Mapping[str, Any] | None) -> bool:
+    """``kv_connector_extra_config.offload_prompt_only``: store only the blocks a prompt fills,
+    never those filled by generated tokens. Default false: a chat's next turn repeats the
+    answer, so its blocks are hits then. True saves the CPU tier's room and the decode
+    steps' store copies where answers are not repeated (reasoning models whose thinking is
+    stripped), and matches vLLM's native connector, whose default it is since 0.34."""
+    return _extra_bool(extra, "offload_prompt_only", False)
 
 
 def store_every_steps(extra: Mapping[str, Any] | None) -> int:
@@ -224,8 +238,7 @@ def load_kvtier_config(extra: Mapping[str, Any] | None) -> KvtierConfig:
         raise ConnectorSetupError(
             f"kv_connector_extra_config: unknown key(s) {unknown}; kvtier reads "
             f"'config' (path of a kvtier YAML file) or 'kvtier' (the YAML's keys inline), "
-            f"and 'sync_load_budget_bytes', 'whole_tail_layer_bytes', 'same_thread_fast_path', "
-            f"'store_every_steps'"
+            f"and {', '.join(repr(k) for k in EXTRA_KEYS[2:])}"
         )
     if "config" in extra and "kvtier" in extra:
         raise ConnectorSetupError(
@@ -401,6 +414,7 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         whole_tail_layer_bytes=whole_tail_layer_bytes(extra),
         same_thread_fast_path=same_thread_fast_path(extra),
         store_every_steps=store_every_steps(extra),
+        offload_prompt_only=offload_prompt_only(extra),
         vllm_kv_events=kv_events_enabled(vllm_config),
         groups=hybrid,
         replicated_kv=type(spec).__name__ == "MLAAttentionSpec",
@@ -424,6 +438,7 @@ def describe(settings: ConnectorSettings) -> str:
         "sync_load_budget_bytes": settings.sync_load_budget_bytes,
         "whole_tail_layer_bytes": settings.whole_tail_layer_bytes,
         "store_every_steps": settings.store_every_steps,
+        "offload_prompt_only": settings.offload_prompt_only,
         "kv_cache_groups": [g.kind + (f"(window {g.sliding_window})" if g.sliding_window else "")
                             for g in settings.groups],
     })

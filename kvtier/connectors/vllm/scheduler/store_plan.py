@@ -46,8 +46,11 @@ class StorePlanner:
         stored."""
         request = t.request
         computed = min(request.num_computed_tokens + scheduled, request.num_tokens)
-        return min(computed // self._settings.block_tokens * self._keymap.per_block,
+        stop = min(computed // self._settings.block_tokens * self._keymap.per_block,
                    self._keymap.num_keyed(request))
+        if self._settings.offload_prompt_only:
+            return min(stop, self._prompt_blocks(request))
+        return stop
 
     def plan(self, t: RequestTrack, kv_cache_manager: Any, scheduled: int = 0
              ) -> StoreJob | None:
