@@ -351,6 +351,8 @@ class Replay:
                 job = self.worker.engine.submit(LoadStoreSpec.gpu(store_ids), plan.dst)
                 self._stores[job] = (plan.keys, store_ids)
             self.engine_cache.pin(ids, -1)
+        # the request finished: its chain head-most-recent, as the vLLM connector ranks it
+        self._scheduler_call(self.manager.touch, keys[::-1])
         self.result.requests += 1
         self.pump()
 
