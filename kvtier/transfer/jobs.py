@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 from kvtier.manager.cost import MIN_SAMPLE_BYTES
 from kvtier.manager.specs import BlockKey, LoadStoreSpec, Medium
 
-if TYPE_CHECKING:  # handlers import the outcome types below
-    from kvtier.transfer.handlers import TransferHandler
 
 Route = tuple[Medium, Medium]
 """(source medium, destination medium): the key a job is routed by."""
@@ -192,7 +190,7 @@ class Lane:
     """One route's queue, worker and running jobs (loop-thread state, except ``stats``)."""
 
     route: Route
-    handler: TransferHandler
+    handler: Any  # the route's TransferHandler (handlers import this module)
     queue: asyncio.Queue
     slots: asyncio.Semaphore
     stats: DirectionStats = field(default_factory=DirectionStats)
@@ -206,7 +204,8 @@ class Lane:
         return route_name(self.route)
 
 
-def check_handler(h: TransferHandler) -> Route:
+def check_handler(h: Any) -> Route:
+    """The route of a TransferHandler ``h``, checked."""
     try:
         src, dst = h.direction
         route = (Medium(src), Medium(dst))

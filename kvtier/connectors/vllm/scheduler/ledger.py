@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import Callable, Iterable
 
 from kvtier.connectors.vllm.metadata import HandedJob, KVTierWorkerMetadata, LoadJob, StoreJob
 from kvtier.connectors.vllm.scheduler.requests import RequestTrack, drop_if_done
@@ -27,9 +27,6 @@ from kvtier.connectors.vllm.stats import KVTierStats
 from kvtier.manager.abstract import OffloadingManager
 from kvtier.manager.specs import BlockKey
 from kvtier.observe.timeline import timeline
-
-if TYPE_CHECKING:  # the planner imports the ledger
-    from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 
 
 @dataclass
@@ -99,10 +96,10 @@ class JobLedger:
 
 class JobSettler:
     def __init__(self, manager: OffloadingManager, tracks: dict[str, RequestTrack],
-                 stores: StorePlanner, stats: KVTierStats) -> None:
+                 released: Callable[[int, Iterable[int]], None], stats: KVTierStats) -> None:
         self._manager = manager
         self._tracks = tracks  # the scheduler's live requests (settling may drop one)
-        self._stores = stores
+        self._released = released  # a store job no longer reads its engine blocks
         self._stats = stats
         self._tl = timeline()
 
@@ -115,7 +112,7 @@ class JobSettler:
             self._manager.complete_store(job.keys, success=r.errors == 0)
             if r.errors:
                 self._stats.add("failed_store_jobs", 1)
-            self._stores.released(job.job_id, job.gpu_ids)
+            self._released(job.job_id, job.gpu_ids)
             t = self._tracks.get(job.req_id)
             if t is not None:
                 t.store_jobs.discard(job.job_id)

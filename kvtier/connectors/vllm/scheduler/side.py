@@ -141,7 +141,7 @@ class SchedulerSide:
         self._stats = KVTierStats()
         self.stores = StorePlanner(settings, self.keymap, manager, self.ledger, self._stats,
                                    self._remember if self._describe else None)
-        self.settler = JobSettler(manager, self.tracks, self.stores, self._stats)
+        self.settler = JobSettler(manager, self.tracks, self.stores.released, self._stats)
         self.observability = SchedulerObservability(
             settings.config, manager, block_tokens=settings.block_tokens, block_bytes=bb,
             metadata=self._events.metadata, wire_hash=self._events.wire_hash)
