@@ -52,8 +52,8 @@ from serving_stats import delta, hit_counters, summarize  # noqa: E402
 from serving_sizing import WORKLOADS, choose_workload, size_memory, window_s  # noqa: E402
 from serving_workload import Pool  # noqa: E402
 from vllm_e2e_engine import SHAPES, VOCAB, write_model  # noqa: E402
-from vllm_serve import (SERVE_MARKS, device_name, free_port, server_args,  # noqa: E402
-                        snapshot_path)
+from vllm_serve import (SERVE_MARKS, add_connector_key_args, device_name, free_port,  # noqa: E402
+                        server_args, snapshot_path)
 
 GiB = 1 << 30
 CONFIGS = ("none", "native", "kvtier_cpu", "kvtier_disk")
@@ -340,15 +340,7 @@ def parser() -> Parser:
     p.add_argument("--kvtier-json", default=None,
                    help="a JSON object deep-merged into kvtier's configuration (both kvtier "
                         "configurations)")
-    p.add_argument("--sync-budget", default=None,
-                   help="kvtier's sync_load_budget_bytes (bytes or a size such as 512MiB; 0: "
-                        "every hit loads asynchronously, so no engine step waits for a load)")
-    p.add_argument("--store-every-steps", type=int, default=None,
-                   help="kvtier's store_every_steps: running requests' decoded blocks are "
-                        "stored every this many engine steps (default: kvtier's)")
-    p.add_argument("--offload-prompt-only", action="store_true",
-                   help="kvtier's offload_prompt_only: store prompt blocks only, as vLLM's "
-                        "native connector does by default since 0.34 (an A/B of that policy)")
+    add_connector_key_args(p)  # both kvtier configurations
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a server may take to become healthy" + D)
     p.add_argument("--cpu-smoke", action="store_true",

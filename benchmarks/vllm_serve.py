@@ -55,6 +55,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_connector_key_args(p: argparse.ArgumentParser) -> None:
+    """The kvtier ``kv_connector_extra_config`` keys a benchmark's A/B may set
+    (:func:`connector_keys` reads them back)."""
+    p.add_argument("--sync-budget", default=None,
+                   help="kvtier's sync_load_budget_bytes (bytes or a size such as 512MiB; 0: "
+                        "every hit loads asynchronously, so no engine step waits for a load)")
+    p.add_argument("--store-every-steps", type=int, default=None,
+                   help="kvtier's store_every_steps: running requests' decoded blocks are "
+                        "stored every this many engine steps (default: kvtier's)")
+    p.add_argument("--offload-prompt-only", action="store_true",
+                   help="kvtier's offload_prompt_only: store prompt blocks only, as vLLM's "
+                        "native connector does by default since 0.34")
+
+
+def connector_keys(a: argparse.Namespace) -> dict:
+    """The connector keys ``a`` sets (those :func:`add_connector_key_args` defines)."""
+    keys = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
+    if a.store_every_steps is not None:
+        keys["store_every_steps"] = a.store_every_steps
+    if a.offload_prompt_only:
+        keys["offload_prompt_only"] = True
+    return keys
+
+
 def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
     args = ["--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
             "--skip-tokenizer-init", "--max-model-len", str(a.max_len), "--enable-prefix-caching", "--seed", "0",
@@ -72,12 +96,8 @@ def server_args(a, model_dir: str, connector: str, port: int) -> list[str]:
     section = {"stats": {"snapshot_path": snapshot_path(a, connector), "interval_s": 0.2}}
     if a.kvtier_json:  # an A/B of one kvtier setting
         merge(section, json.loads(a.kvtier_json))
-    extra = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
-    if a.store_every_steps is not None:
-        extra["store_every_steps"] = a.store_every_steps
-    if a.offload_prompt_only:
-        extra["offload_prompt_only"] = True
-    cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section, extra=extra)
+    cfg = connector_json(connector, a.cpu_bytes, a.block_size, kvtier=section,
+                         extra=connector_keys(a))
     if cfg is not None:
         args += ["--kv-transfer-config", json.dumps(cfg)]
     return args
@@ -302,15 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("--settle-timeout", type=float, default=60.0)
     p.add_argument("--kvtier-json", default=None,
                    help="a JSON object deep-merged into kvtier's configuration")
-    p.add_argument("--sync-budget", default=None,
-                   help="kvtier's sync_load_budget_bytes (bytes or a size such as 512MiB; 0: "
-                        "every hit loads asynchronously)")
-    p.add_argument("--store-every-steps", type=int, default=None,
-                   help="kvtier's store_every_steps (running requests' decoded blocks are "
-                        "stored every this many engine steps; default: kvtier's)")
-    p.add_argument("--offload-prompt-only", action="store_true",
-                   help="kvtier's offload_prompt_only: store prompt blocks only (vLLM's native "
-                        "connector does so by default since 0.34)")
+    add_connector_key_args(p)
     p.add_argument("--timeline", default=None,
                    help="file: kvtier's per-step marks (KVTIER_TIMELINE) and the client's")
     p.add_argument("--vllm-marks", action="store_true",
