@@ -1,4 +1,5 @@
-"""Build the manager stack a config describes: tiered manager + admission wrappers."""
+"""Build the manager stack a config describes: the tiered manager, wrapped for threshold
+admission when ``admission.store_threshold`` asks for it."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Iterable
 
 from kvtier.config import KvtierConfig
 from kvtier.manager.abstract import OffloadingManager
-from kvtier.manager.admission import AdmissionPolicy, make_admission
-from kvtier.manager.admission.wrappers import OffloadRatioAdmission, StoreThresholdAdmission
+from kvtier.manager.admission import AdmissionPolicy, OffloadLimit, make_admission
+from kvtier.manager.admission.wrappers import StoreThresholdAdmission
 from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.specs import BlockKey
 from kvtier.manager.tiered import TieredOffloadingManager
@@ -73,11 +74,11 @@ def build_manager(
         cost=build_cost_model(config, block_bytes),
         block_bytes=block_bytes,
         host=host,
+        offload_limit=OffloadLimit(config.admission.offload_ratio,
+                                   config.admission.max_offload_tokens),
         **_remote_args(config, block_bytes, remote),
     )
     adm = config.admission
     if adm.store_threshold > 1:
         manager = StoreThresholdAdmission(manager, adm.store_threshold, 4 * (cpu_blocks + disk_blocks))
-    if adm.offload_ratio < 1.0 or adm.max_offload_tokens is not None:
-        manager = OffloadRatioAdmission(manager, adm.offload_ratio, adm.max_offload_tokens)
     return manager

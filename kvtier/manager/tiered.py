@@ -34,7 +34,7 @@ from collections import deque
 from typing import Collection, Iterable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
-from kvtier.manager.admission import AdmissionPolicy, AdmitAll
+from kvtier.manager.admission import AdmissionPolicy, AdmitAll, OffloadLimit
 from kvtier.manager.background import BackgroundQueue
 from kvtier.manager.cost import LoadCostModel
 from kvtier.manager.disk_health import DiskHealth
@@ -85,6 +85,7 @@ class TieredOffloadingManager(OffloadingManager):
         remote_capacity_blocks: int | None = None,
         block_bytes: int = 0,
         host: HostTier | None = None,
+        offload_limit: OffloadLimit | None = None,
     ) -> None:
         base = host.base if host is not None else 0  # the region's slots in the host's pool
         self.host = host
@@ -97,6 +98,7 @@ class TieredOffloadingManager(OffloadingManager):
             else None
         )
         self.cpu_admission = cpu_admission or AdmitAll()
+        self.offload_limit = offload_limit or OffloadLimit()  # how much of a prompt is stored
         self.disk_admission = disk_admission or AdmitAll()
         self.disk_health = disk_health or DiskHealth()  # stops demotions to a failing disk
         self.cost = cost  # None: every hit is loaded; else only while loading beats recompute
@@ -443,6 +445,8 @@ class TieredOffloadingManager(OffloadingManager):
 
     # ------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
+        if ctx is not None:
+            keys = self.offload_limit.cap(keys, ctx)
         self.retention.note(keys, ctx)
         if self.cpu_admission.admits_everything:  # the usual case, one pass in the tier
             resident, wanted = self.cpu.partition(keys)

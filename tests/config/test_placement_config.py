@@ -98,3 +98,20 @@ def test_cost_section(tmp_path):
 def test_cost_errors(tmp_path, text, key, words):
     e = err(tmp_path, text)
     assert e.key == key and words in str(e) and e.line is not None
+
+
+def test_offload_limit_from_the_config_caps_each_prompts_store(tmp_path):
+    """``admission.offload_ratio`` / ``max_offload_tokens`` reach the manager's own
+    ``prepare_store`` (no wrapper); a request's context overrides them."""
+    from kvtier.manager.specs import RequestContext
+
+    c = cfg(tmp_path, "tiers:\n  cpu: {capacity: 1MiB}\nadmission:\n  offload_ratio: 0.5\n")
+    m = build_manager(c, BB)
+    ctx = RequestContext(num_prompt_blocks=8, block_tokens=16)
+    assert m.prepare_store([bytes([i]) * 16 for i in range(8)], ctx).keys == tuple(
+        bytes([i]) * 16 for i in range(4))
+    whole = RequestContext(num_prompt_blocks=8, block_tokens=16, offload_ratio=1.0)
+    assert len(m.prepare_store([bytes([i]) * 16 for i in range(20, 28)], whole).keys) == 8
+    c = cfg(tmp_path, "tiers:\n  cpu: {capacity: 1MiB}\nadmission:\n  max_offload_tokens: 48\n")
+    m = build_manager(c, BB)
+    assert len(m.prepare_store([bytes([i]) * 16 for i in range(8)], ctx).keys) == 3

@@ -13,7 +13,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.manager.admission import SightingThreshold
-from kvtier.manager.admission.wrappers import OffloadRatioAdmission, StoreThresholdAdmission
+from kvtier.manager.admission import OffloadLimit
+from kvtier.manager.admission.wrappers import StoreThresholdAdmission
 from kvtier.manager.events import BlockRemoved, BlockStored
 from kvtier.manager.specs import Medium, RequestContext
 from kvtier.manager.index.tier_index import BlockState
@@ -173,20 +174,25 @@ def test_protocol_errors_are_counted_not_fatal():
     assert m.stats.protocol_errors == 3 and m.pins() == 0
 
 
-def test_threshold_and_ratio_wrappers():
+def test_threshold_wrapper_and_offload_limit():
     inner = TieredOffloadingManager(cpu_blocks=8)
     m = StoreThresholdAdmission(inner, threshold=2, max_tracked=100)
     assert m.prepare_store([k(0)]).keys == ()
     m.lookup([k(0)])
     m.lookup([k(0)])
     assert m.prepare_store([k(0)]).keys == (k(0),)
-    r = OffloadRatioAdmission(TieredOffloadingManager(cpu_blocks=8), offload_ratio=0.5)
+    r = TieredOffloadingManager(cpu_blocks=8, offload_limit=OffloadLimit(0.5))
     ctx = RequestContext(num_prompt_blocks=4, first_block_index=0, block_tokens=16)
     assert r.prepare_store([k(i) for i in range(4)], ctx).keys == (k(0), k(1))
     ctx2 = RequestContext(num_prompt_blocks=4, first_block_index=0, block_tokens=16,
                           offload_ratio=1.0, max_offload_tokens=48)
     assert len(r.prepare_store([k(i) for i in range(10, 14)], ctx2).keys) == 3
-    assert r.pins() == 5  # wrapper forwards extras
+    # a later call of the same prompt starts at its first block's index
+    ctx3 = RequestContext(num_prompt_blocks=4, first_block_index=1, block_tokens=16)
+    assert r.prepare_store([k(i) for i in range(21, 24)], ctx3).keys == (k(21),)
+    assert r.prepare_store([k(30)]).keys == (k(30),)  # no context: no limit
+    with pytest.raises(ValueError, match="offload_ratio"):
+        OffloadLimit(0.0)
 
 
 def test_sighting_threshold_is_bounded():

@@ -1,8 +1,10 @@
-"""Admission: per-tier plug-ins (``base``) and request-level wrappers (``wrappers``)."""
+"""Admission: per-tier plug-ins and the offload limit (``base``), the sighting-threshold wrapper
+(``wrappers``)."""
 
 from kvtier.manager.admission.base import (
     AdmissionPolicy,
     AdmitAll,
+    OffloadLimit,
     SightingThreshold,
     admission_names,
     make_admission,
@@ -10,5 +12,5 @@ from kvtier.manager.admission.base import (
 )
 from kvtier.manager.admission import reuse_gate as _reuse_gate  # noqa: F401  (registers it)
 
-__all__ = ["AdmissionPolicy", "AdmitAll", "SightingThreshold", "admission_names", "make_admission",
+__all__ = ["AdmissionPolicy", "AdmitAll", "OffloadLimit", "SightingThreshold", "admission_names", "make_admission",
            "register_admission"]

@@ -9,11 +9,13 @@ never evicts. Policies are chosen by name per tier (``store_threshold`` in the Y
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvtier.manager.index.keyed_list import KeyedList
-from kvtier.manager.specs import BlockKey
+from kvtier.manager.specs import BlockKey, RequestContext
 
 
 class AdmissionPolicy(ABC):
@@ -63,6 +65,40 @@ class AdmitAll(AdmissionPolicy):
 
     def admit(self, key: BlockKey) -> bool:
         return True
+
+
+@dataclass(frozen=True)
+class OffloadLimit:
+    """Offload only the front of each prompt: ``ratio`` of its blocks and at most
+    ``max_tokens`` tokens (``admission.offload_ratio`` / ``max_offload_tokens``); a request's
+    ``RequestContext`` overrides both. Applied by the manager's ``prepare_store`` itself, so
+    per-request limits need no wrapper around the manager (every call would pay for one)."""
+
+    ratio: float = 1.0
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"offload_ratio must be in (0, 1], got {self.ratio}")
+
+    def blocks(self, ctx: RequestContext) -> int | None:
+        """How many leading prompt blocks of ``ctx``'s request may be offloaded (None: all)."""
+        ratio = ctx.offload_ratio if ctx.offload_ratio is not None else self.ratio
+        max_tokens = ctx.max_offload_tokens if ctx.max_offload_tokens is not None else self.max_tokens
+        limit: int | None = None
+        if ratio < 1.0 and ctx.num_prompt_blocks > 0:
+            limit = math.ceil(ratio * ctx.num_prompt_blocks)
+        if max_tokens is not None and ctx.block_tokens > 0:
+            by_tokens = max_tokens // ctx.block_tokens
+            limit = by_tokens if limit is None else min(limit, by_tokens)
+        return limit
+
+    def cap(self, keys: Sequence[BlockKey], ctx: RequestContext) -> Sequence[BlockKey]:
+        """``keys`` (starting at block ``ctx.first_block_index``) cut at the limit."""
+        limit = self.blocks(ctx)
+        if limit is None:
+            return keys
+        return keys[:max(0, limit - ctx.first_block_index)]
 
 
 class SightingThreshold(AdmissionPolicy):

@@ -9,7 +9,6 @@ manager underneath for loads, events, completions, background work, the cost mod
 from __future__ import annotations
 
 import abc
-import math
 from typing import Any, Callable, Sequence
 
 from kvtier.manager.abstract import OffloadingManager
@@ -74,38 +73,3 @@ class StoreThresholdAdmission(ManagerWrapper):
             if tier is not None and key in tier:
                 return True
         return False
-
-
-class OffloadRatioAdmission(ManagerWrapper):
-    """Offload only the front of each prompt: ``offload_ratio`` of its blocks and at most
-    ``max_offload_tokens`` tokens. A request's ``RequestContext`` may override both."""
-
-    def __init__(self, inner: OffloadingManager, offload_ratio: float = 1.0,
-                 max_offload_tokens: int | None = None) -> None:
-        super().__init__(inner)
-        if not 0.0 < offload_ratio <= 1.0:
-            raise ValueError(f"offload_ratio must be in (0, 1], got {offload_ratio}")
-        self.offload_ratio = offload_ratio
-        self.max_offload_tokens = max_offload_tokens
-        self.rejected = 0
-
-    def limit_blocks(self, ctx: RequestContext) -> int | None:
-        """How many leading prompt blocks may be offloaded (None: no limit)."""
-        ratio = ctx.offload_ratio if ctx.offload_ratio is not None else self.offload_ratio
-        max_tokens = ctx.max_offload_tokens if ctx.max_offload_tokens is not None else self.max_offload_tokens
-        limit: int | None = None
-        if ratio < 1.0 and ctx.num_prompt_blocks > 0:
-            limit = math.ceil(ratio * ctx.num_prompt_blocks)
-        if max_tokens is not None and ctx.block_tokens > 0:
-            by_tokens = max_tokens // ctx.block_tokens
-            limit = by_tokens if limit is None else min(limit, by_tokens)
-        return limit
-
-    def prepare_store(self, keys: Sequence[BlockKey], ctx: RequestContext | None = None) -> StorePlan:
-        if ctx is not None:
-            limit = self.limit_blocks(ctx)
-            if limit is not None:
-                allowed = max(0, limit - ctx.first_block_index)
-                self.rejected += max(0, len(keys) - allowed)
-                keys = list(keys)[:allowed]
-        return self.inner.prepare_store(keys, ctx)

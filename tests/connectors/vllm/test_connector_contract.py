@@ -19,7 +19,7 @@ import test_connector_scheduler as scheduler  # noqa: E402
 
 import kvtier.connectors.vllm.scheduler.side as scheduler_side  # noqa: E402
 from kvtier.manager.abstract import OffloadingManager  # noqa: E402
-from kvtier.manager.admission.wrappers import OffloadRatioAdmission  # noqa: E402
+from kvtier.manager.admission.wrappers import StoreThresholdAdmission  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
 from kvtier.manager.tiered import TieredOffloadingManager  # noqa: E402
 
@@ -76,7 +76,7 @@ def test_proxy_refuses_names_outside_the_contract():
 
 def test_proxy_wrappers_offer_only_the_contract():
     """No ``__getattr__`` forwarding: a wrapper stack exposes the ABC, not the tiered extras."""
-    wrapped = OffloadRatioAdmission(TieredOffloadingManager(cpu_blocks=4, disk_blocks=4), 1.0)
+    wrapped = StoreThresholdAdmission(TieredOffloadingManager(cpu_blocks=4, disk_blocks=4), 2, 64)
     for name in CONTRACT:
         assert hasattr(wrapped, name), name
     for name in ("cpu", "disk", "events", "disk_health", "flush_reserve"):

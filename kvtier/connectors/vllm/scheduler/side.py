@@ -79,7 +79,6 @@ from kvtier.connectors.vllm.scheduler.state_hit import state_lookup
 from kvtier.connectors.vllm.scheduler.store_plan import StorePlanner
 from kvtier.connectors.vllm.stats import KVTierStats
 from kvtier.observe.timeline import ms_since, timeline
-from kvtier.manager.admission.wrappers import OffloadRatioAdmission
 from kvtier.manager.factory import build_manager
 from kvtier.manager.host import open_host_tier
 from kvtier.manager.retention import apply_retention_hint
@@ -102,12 +101,9 @@ class SchedulerSide:
         self.host = (open_host_tier(settings.config, settings.geometry(0).fingerprint(), bb,
                                     settings.engine_id or f"pid-{os.getpid()}")
                      if settings.config.host is not None else None)
-        manager = build_manager(settings.config, bb, disk_keys, partial_keys, remote=self.remote,
-                                host=self.host)
-        if not isinstance(manager, OffloadRatioAdmission):
-            # a no-op by default; lets per-request kv_transfer_params limit offloading
-            manager = OffloadRatioAdmission(manager, 1.0, None)
-        self.manager = manager
+        # per-request kv_transfer_params limit offloading through the store's RequestContext
+        self.manager = build_manager(settings.config, bb, disk_keys, partial_keys,
+                                     remote=self.remote, host=self.host)
         if len(settings.groups) > 1:  # hybrid allocator: one kvtier block per (block, group)
             self.keymap: KeyMap = GroupKeyMap(
                 settings.block_tokens, settings.hash_block_size, settings.block_size,
@@ -139,6 +135,7 @@ class SchedulerSide:
         # Token ids and parents are only kept when some event stream publishes them
         self._describe = settings.vllm_kv_events or settings.config.events is not None
         self._stats = KVTierStats()
+        manager = self.manager
         self.stores = StorePlanner(settings, self.keymap, manager, self.ledger, self._stats,
                                    self._remember if self._describe else None)
         self.settler = JobSettler(manager, self.tracks, self.stores.released, self._stats)
@@ -347,12 +344,17 @@ class SchedulerSide:
             if job is not None:
                 stores.append(job)
             self._drop_if_done(t)
+        bt, per_block = self.settings.block_tokens, self.keymap.per_block
         for req_id, num_scheduled in so.num_scheduled_tokens.items():
             t = self.tracks.get(req_id)
             if t is None or t.params.skip_store:
                 continue
+            # no block of it completes in this step (most decode steps): first the bound that
+            # ``store_stop`` can pass ``next_store`` only at, two attribute reads per request
+            if t.request.num_computed_tokens + num_scheduled < (t.next_store // per_block + 1) * bt:
+                continue
             if self.stores.store_stop(t, num_scheduled) <= t.next_store:
-                continue  # no block of it completes in this step (most decode steps)
+                continue
             if not self.late_stores:
                 job = self.stores.plan(t, self.kv_cache_manager, num_scheduled)
                 if job is not None:
