@@ -43,8 +43,9 @@ Per step (vLLM calls these from ``Scheduler.schedule`` / ``update_from_output``)
   ``complete_background``, :mod:`ledger`).
 * ``request_finished``: delay freeing a request's blocks while its stores are in flight or
   still to be planned (its last step's blocks), and rank its chain in the CPU tier's
-  eviction order head-most-recent: a lookup walks a chain from its first block, so a chain
-  evicted from the head would stay as dead weight (vLLM's native LRU ranks it so too).
+  eviction order head-most-recent, once its last store is planned: a lookup walks a chain
+  from its first block, so a chain evicted from the head would stay as dead weight (vLLM's
+  native LRU ranks it so too).
 
 Stores are planned by a :class:`StorePlanner`, jobs settled by a :class:`JobSettler`: both
 are collaborators built here, with their own state and explicit methods.
@@ -339,10 +340,13 @@ class SchedulerSide:
             if self.stores.first_token_pending(t):
                 self._store_due.append(req_id)  # after its first token is out
                 continue
+            last = t.finished and t.store_due  # its last store: then its chain is ranked
             t.store_due = False
             job = self.stores.plan(t, self.kv_cache_manager)
             if job is not None:
                 stores.append(job)
+            if last:
+                self._rank_chain(t)
             self._drop_if_done(t)
         bt, per_block = self.settings.block_tokens, self.keymap.per_block
         for req_id, num_scheduled in so.num_scheduled_tokens.items():
@@ -436,18 +440,25 @@ class SchedulerSide:
         if t is None:
             return False
         t.finished = True
-        if t.next_store > 0:
-            # its chain ranked head-most-recent as a whole (prompt, hits and decoded blocks
-            # went in at different steps): evictions take a finished chain from its tail
-            self.manager.touch(self.keymap.keys(request, 0, t.next_store)[::-1])
         if t.store_due and self.kv_cache_manager is not None \
                 and self.stores.store_stop(t) <= t.next_store:
             t.store_due = False  # nothing new to store: free the blocks now
+        if not t.store_due:  # else once its last store is planned (build_meta)
+            self._rank_chain(t)
         if t.store_jobs or t.store_due:
             self._step_watch.append(t.req_id)
             return True
         self._drop_if_done(t)
         return False
+
+    def _rank_chain(self, t: RequestTrack) -> None:
+        """Rank finished ``t``'s chain in the CPU tier's eviction order head-most-recent, as
+        a whole (prompt, hits and decoded blocks went in at different steps): evictions take
+        a finished chain from its tail. Called once its last store is planned: a store puts
+        its blocks in the order as most recent, and one planned after the ranking would
+        outrank the chain's head."""
+        if t.next_store > 0:
+            self.manager.touch(self.keymap.keys(t.request, 0, t.next_store)[::-1])
 
     def has_delayed_frees(self) -> bool:
         return any(t.finished and (t.store_jobs or t.store_due) for t in self.tracks.values())
