@@ -21,10 +21,13 @@ BLOCK = 64 << 10
 GPU_BLOCKS = 48
 
 
-def config(tmp_path, remote: dict, disk: bool = False):
+def config(tmp_path, remote: dict, disk: bool = False, timeout_s: float = 0.2):
+    """``timeout_s``: short where a test stops the server (a hang is found quickly); tests
+    that count on every read and write succeeding pass a longer one (a loaded CI machine can
+    stall a healthy server's answer past 0.2 s)."""
     tiers = {"cpu": {"capacity": "2MiB"},
-             "remote": {"timeout_s": 0.2, "connect_timeout_s": 0.2, "probe_interval_s": 0.3,
-                        **remote}}
+             "remote": {"timeout_s": timeout_s, "connect_timeout_s": timeout_s,
+                        "probe_interval_s": 0.3, **remote}}
     if disk:
         tiers["disk"] = {"path": str(tmp_path / "disk"), "capacity": "8MiB", "fsync": False}
     return load_config(data={"tiers": tiers}, env={})
@@ -56,7 +59,7 @@ def trace():
 
 def test_second_instance_serves_the_first_ones_blocks_as_remote_hits(tmp_path, valkey, trace):
     server = valkey()
-    cfg = config(tmp_path, {"url": server.url})
+    cfg = config(tmp_path, {"url": server.url}, timeout_s=2.0)
     first = replay(cfg, trace)
     assert first["manager"]["stored_blocks"]["REMOTE"] > 0
     second = replay(cfg, trace)
@@ -76,7 +79,7 @@ def test_second_instance_serves_the_first_ones_blocks_as_remote_hits(tmp_path, v
 
 def test_values_corrupted_on_the_server_are_recomputed_never_served(tmp_path, valkey, trace):
     server = valkey()
-    cfg = config(tmp_path, {"url": server.url})
+    cfg = config(tmp_path, {"url": server.url}, timeout_s=2.0)
     replay(cfg, trace)
     raw = server.client()
     damaged = 0
@@ -213,7 +216,7 @@ def test_server_evicting_under_maxmemory_costs_hits_only(tmp_path, valkey, trace
     next instance hits what survived (exact bytes); a key evicted between the presence answer
     and the read is a failed load, recomputed; nothing is an error."""
     server = valkey("--maxmemory", "10mb", "--maxmemory-policy", "allkeys-lru")
-    cfg = config(tmp_path, {"url": server.url})
+    cfg = config(tmp_path, {"url": server.url}, timeout_s=2.0)
     first = replay(cfg, trace)
     written = first["manager"]["stored_blocks"]["REMOTE"]
     assert written * BLOCK > 14 << 20  # more than the server keeps
