@@ -52,6 +52,9 @@ SUITE=(
   tests/connectors/vllm/test_connector_layer_fences.py
   tests/connectors/vllm/test_connector_contract.py
 )
+if [ "$VERSION" = 0.34.0 ]; then  # the native offloading manager it replays is 0.34's
+  SUITE+=(tests/benchmarks/test_policy_vs_native.py)
+fi
 say "scheduler-level suite against vLLM $VERSION"
 PYTHONPATH="$DIR:$PWD${PYTHONPATH:+:$PYTHONPATH}" KVTIER_EXPECT_VLLM=$VERSION \
   CUDA_VISIBLE_DEVICES="" exec "$PY" -m pytest -q -p no:cacheprovider "${SUITE[@]}" "$@"
