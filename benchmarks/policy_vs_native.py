@@ -92,10 +92,10 @@ CONFIGS = {
 LABELS = {
     "native": "native (0.34 defaults: prompt-only)",
     "native-all": "native, offload_prompt_only=false",
-    "kvtier": "kvtier (defaults: prompt-only off, finish rank)",
-    "kvtier-prompt": "kvtier, offload_prompt_only=true",
-    "kvtier-norank": "kvtier, no finish rank",
-    "kvtier-prompt-norank": "kvtier, offload_prompt_only=true, no finish rank",
+    "kvtier": "kvtier, offload_prompt_only=false (answers stored)",
+    "kvtier-prompt": "kvtier (defaults: prompt-only, finish rank)",
+    "kvtier-norank": "kvtier, offload_prompt_only=false, no finish rank",
+    "kvtier-prompt-norank": "kvtier, prompt-only, no finish rank",
 }
 
 

@@ -86,7 +86,7 @@ def serve_args(a, model_dir: str, config: str, port: int) -> list[str]:
                             workdir=a.workdir, cpu_bytes=a.cpu_bytes,
                             kvtier_json=json.dumps(extra) if extra else None,
                             sync_budget=a.sync_budget, store_every_steps=a.store_every_steps,
-                            offload_prompt_only=a.offload_prompt_only)
+                            store_answers=a.store_answers)
     return server_args(ns, model_dir, base_connector(config), port)
 
 
@@ -198,7 +198,7 @@ def setup(a, config: str) -> dict:
            "max_num_seqs": a.max_num_seqs, "block_size": a.block_size, "slos_ms": a.slos,
            "tensor_parallel_size": a.tensor_parallel_size,
            "sync_budget": a.sync_budget, "store_every_steps": a.store_every_steps,
-           "offload_prompt_only": a.offload_prompt_only,
+           "store_answers": a.store_answers,
            "seed": a.seed}
     if config == "kvtier_disk":
         out["disk_bytes"], out["disk_fs"] = a.disk_bytes, fs_type(a.disk_dir)

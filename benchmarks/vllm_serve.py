@@ -64,9 +64,10 @@ def add_connector_key_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-every-steps", type=int, default=None,
                    help="kvtier's store_every_steps: running requests' decoded blocks are "
                         "stored every this many engine steps (default: kvtier's)")
-    p.add_argument("--offload-prompt-only", action="store_true",
-                   help="kvtier's offload_prompt_only: store prompt blocks only, as vLLM's "
-                        "native connector does by default since 0.34")
+    p.add_argument("--store-answers", action="store_true",
+                   help="kvtier's offload_prompt_only false: store decoded blocks too (by "
+                        "default kvtier stores prompt blocks only, as vLLM 0.34's native "
+                        "connector does)")
 
 
 def connector_keys(a: argparse.Namespace) -> dict:
@@ -74,8 +75,8 @@ def connector_keys(a: argparse.Namespace) -> dict:
     keys = {} if a.sync_budget is None else {"sync_load_budget_bytes": a.sync_budget}
     if a.store_every_steps is not None:
         keys["store_every_steps"] = a.store_every_steps
-    if a.offload_prompt_only:
-        keys["offload_prompt_only"] = True
+    if a.store_answers:
+        keys["offload_prompt_only"] = False
     return keys
 
 

@@ -209,11 +209,11 @@ EXTRA_MEANINGS = {
                          "step slows every step past saturation. A whole number from 1 (every "
                          f"step) to 1024; default {DEFAULT_STORE_EVERY_STEPS}.",
     "offload_prompt_only": "Store only the blocks a prompt fills, never those filled by "
-                           "generated tokens. `false` (the default) stores both: a chat's next "
-                           "turn repeats the answer, which is then a hit. `true` keeps the CPU "
-                           "tier's room for prompts and saves the decode steps' store copies "
-                           "where answers are not repeated (reasoning models whose thinking is "
-                           "stripped); vLLM's native connector does this by default since 0.34. "
+                           "generated tokens. `true` (the default, as vLLM's native connector's "
+                           "since 0.34): a chat's next turn stores the answer with its own "
+                           "prompt, and once the working set outgrows the CPU tier an answer's "
+                           "room costs more hits than it adds. `false` stores decoded blocks "
+                           "too: a few more hits when the whole working set fits in the tier. "
                            "`true` or `false`.",
 }
 

@@ -13,8 +13,8 @@
 #           VARIANTS='dma=--kvtier-json {"tiers":{"cpu":{"store_copy":"dma"}}};sync0=--sync-budget 0'
 #           or the store cadence and Python's own GIL switch interval:
 #           VARIANTS='every1=--store-every-steps 1;gil5=--kvtier-json {"gil_switch_interval_ms":0}'
-#           or kvtier storing prompt blocks only, as native does by default on vLLM 0.34:
-#           VARIANTS='prompt=--offload-prompt-only'
+#           or kvtier storing decoded blocks too (by default it stores prompt blocks only,
+#           as native does on vLLM 0.34): VARIANTS='answers=--store-answers'
 #           (arguments split at spaces: JSON without spaces).
 # With BEFORE=<folder of another kvtier tree> that tree's kvtier_cpu runs too (LABEL-before),
 # from its own benchmarks/serving.py: an A/B of two commits in one lease.

@@ -145,7 +145,7 @@ def test_command_line_kvtier_rows_only(tmp_path, capsys):
                    "--configs", "kvtier,kvtier-prompt", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "vLLM: not used" in printed and "| kvtier, offload_prompt_only=true |" in printed
+    assert "vLLM: not used" in printed and "| kvtier (defaults: prompt-only, finish rank) |" in printed
     result = json.loads(out.read_text())
     assert result["vllm"] is None and "per_request_hit_blocks" not in result
     assert [r["config"] for r in result["configs"]] == ["kvtier", "kvtier-prompt"]

@@ -386,7 +386,7 @@ def test_block_size_0_leaves_the_block_size_to_vllm_and_kvtier_follows_it(tmp_pa
         a = argparse.Namespace(shape="8b", block_size=size, max_len=4096, max_num_seqs=8,
                                tensor_parallel_size=1, gpu_kv_bytes=0, workdir=str(tmp_path),
                                cpu_bytes=1 << 30, kvtier_json=None, sync_budget=None,
-                               store_every_steps=None, offload_prompt_only=False)
+                               store_every_steps=None, store_answers=False)
         args = vllm_serve.server_args(a, "/model", "kvtier", 8000)
         section = json.loads(args[args.index("--kv-transfer-config") + 1])[
             "kv_connector_extra_config"]["kvtier"]

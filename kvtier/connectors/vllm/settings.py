@@ -86,7 +86,7 @@ class ConnectorSettings:
     whole_tail_layer_bytes: int = DEFAULT_WHOLE_TAIL_LAYER_BYTES  # per layer of the hit
     same_thread_fast_path: bool = True  # TP 1: the scheduler starts copies early (fast_path)
     store_every_steps: int = DEFAULT_STORE_EVERY_STEPS  # running requests' stores: cadence
-    offload_prompt_only: bool = False  # store prompt blocks only, never decoded ones
+    offload_prompt_only: bool = True  # store prompt blocks only, never decoded ones
     vllm_kv_events: bool = True  # vLLM publishes KV events: take_events must describe blocks
     groups: tuple[GroupInfo, ...] = ()  # vLLM's KV cache groups (several: hybrid allocator)
     replicated_kv: bool = False  # MLA: every TP rank holds the same bytes (shared tier: once)
@@ -206,11 +206,12 @@ def same_thread_fast_path(extra: Mapping[str, Any] | None) -> bool:
 
 def offload_prompt_only(extra: Mapping[str, Any] | None) -> bool:
     """``kv_connector_extra_config.offload_prompt_only``: store only the blocks a prompt fills,
-    never those filled by generated tokens. Default false: a chat's next turn repeats the
-    answer, so its blocks are hits then. True saves the CPU tier's room and the decode
-    steps' store copies where answers are not repeated (reasoning models whose thinking is
-    stripped), and matches vLLM's native connector, whose default it is since 0.34."""
-    return _extra_bool(extra, "offload_prompt_only", False)
+    never those filled by generated tokens. Default true, as vLLM's native connector's since
+    0.34: a chat's next turn stores the answer with its own prompt anyway, and once the
+    working set outgrows the CPU tier the room an answer takes costs more hits than it adds
+    (``benchmarks/results/policy_vs_native_cpu.md``). False stores decoded blocks too: a few
+    more hits when everything fits in the tier."""
+    return _extra_bool(extra, "offload_prompt_only", True)
 
 
 def store_every_steps(extra: Mapping[str, Any] | None) -> int:

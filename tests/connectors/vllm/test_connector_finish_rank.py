@@ -22,10 +22,12 @@ from rig import BS, bad_checks, kvtier_config, make_rig  # noqa: E402
 from kvtier.manager.specs import Medium  # noqa: E402
 
 CPU_BLOCKS = 8
+# a chain of prompt and decoded blocks (decoded ones are stored only with prompt-only off)
+CONFIG = {**kvtier_config(cpu_blocks=CPU_BLOCKS), "offload_prompt_only": False}
 
 
 def test_a_full_tier_evicts_a_finished_chain_from_its_tail(model_dir):
-    rig = make_rig(model_dir, kvtier_config(cpu_blocks=CPU_BLOCKS), max_num_batched_tokens=256)
+    rig = make_rig(model_dir, CONFIG, max_num_batched_tokens=256)
     make = vh.RequestMaker(BS)
     a = make(vh.random_tokens(4 * BS, seed=31), max_tokens=2 * BS + 8)  # 4 prompt + 2 decoded
     rig.loop.add(a)
@@ -49,7 +51,7 @@ def test_a_full_tier_evicts_a_finished_chain_from_its_tail(model_dir):
 
 
 def test_a_chain_whose_last_store_is_due_at_finish_is_ranked_after_it(model_dir):
-    rig = make_rig(model_dir, kvtier_config(cpu_blocks=CPU_BLOCKS), max_num_batched_tokens=256)
+    rig = make_rig(model_dir, CONFIG, max_num_batched_tokens=256)
     side = rig.side
     due_at_finish = []
     finished = side.request_finished

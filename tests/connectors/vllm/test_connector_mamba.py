@@ -80,7 +80,8 @@ def test_states_are_stored_at_boundaries_and_a_hit_loads_the_state_at_its_end(mo
 def test_a_hit_is_cut_back_to_the_last_state_kvtier_holds(model_dir):
     """Attention blocks reach 96 tokens; with the state at 96 gone the hit ends at 80 (the
     state decode stored when it crossed 80), not at 96 from a wrong or missing state."""
-    rig = make_mamba_rig(model_dir, kvtier_config(cpu_blocks=64))
+    # the state decode stores as it crosses a block: decoded blocks are stored
+    rig = make_mamba_rig(model_dir, {**kvtier_config(cpu_blocks=64), "offload_prompt_only": False})
     make = vh.RequestMaker(BS)
     a = make(vh.random_tokens(70, seed=32), max_tokens=14)  # decodes past 80
     rig.loop.add(a)

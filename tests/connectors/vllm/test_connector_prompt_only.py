@@ -1,10 +1,11 @@
 """``offload_prompt_only``: only the blocks a prompt fills reach the CPU tier, never decoded ones.
 
-vLLM's native connector stores prompt blocks only by default since 0.34; kvtier stores decoded
-blocks too unless told otherwise, since a chat's next turn repeats the answer. Checked under
-vLLM's real scheduler: with the key on, every full prompt block (and no other) is stored with
-exactly its bytes, the next turn's hit ends where the earlier prompt did, and with it off the
-decoded blocks are stored as well.
+The default, as vLLM 0.34's native connector's: once the working set outgrows the CPU tier,
+an answer's blocks cost more room than the hits they add (the next turn stores them with its
+prompt anyway; ``benchmarks/results/policy_vs_native_cpu.md``). Checked under vLLM's real
+scheduler: by default every full prompt block (and no other) is stored with exactly its
+bytes, the next turn's hit ends where the earlier prompt did, and with the key off the decoded
+blocks are stored as well.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ PROMPTS = (40, 57, 64)  # 2, 3 and 4 full blocks
 DECODE_TOKENS = 70  # fills 4-5 more blocks per request
 
 
-def _serve(model_dir, prompt_only: bool):
+def _serve(model_dir, prompt_only: bool | None):
+    """``prompt_only`` None: the key is left out (the default)."""
     extra = kvtier_config(cpu_blocks=64)
-    extra["offload_prompt_only"] = prompt_only
+    if prompt_only is not None:
+        extra["offload_prompt_only"] = prompt_only
     rig = make_rig(model_dir, extra, max_num_batched_tokens=256)
     make = vh.RequestMaker(BS)
     reqs = [make(vh.random_tokens(n, seed=90 + i), max_tokens=DECODE_TOKENS)
@@ -36,8 +39,8 @@ def _serve(model_dir, prompt_only: bool):
     return rig, make, reqs, stored
 
 
-def test_only_prompt_blocks_are_stored_and_the_next_turn_hits_them(model_dir):
-    rig, make, reqs, stored = _serve(model_dir, prompt_only=True)
+def test_by_default_only_prompt_blocks_are_stored_and_the_next_turn_hits_them(model_dir):
+    rig, make, reqs, stored = _serve(model_dir, prompt_only=None)
     prompt_blocks = sum(n // BS for n in PROMPTS)
     assert stored == prompt_blocks
     assert assert_cpu_tier_exact(rig, reqs) == prompt_blocks
@@ -53,7 +56,7 @@ def test_only_prompt_blocks_are_stored_and_the_next_turn_hits_them(model_dir):
     rig.close()
 
 
-def test_by_default_decoded_blocks_are_stored_too(model_dir):
+def test_with_prompt_only_off_decoded_blocks_are_stored_too(model_dir):
     rig, _, reqs, stored = _serve(model_dir, prompt_only=False)
     every_full = sum((n + DECODE_TOKENS - 1) // BS for n in PROMPTS)
     assert stored == every_full > sum(n // BS for n in PROMPTS)
@@ -63,7 +66,8 @@ def test_by_default_decoded_blocks_are_stored_too(model_dir):
 
 
 def test_offload_prompt_only_is_checked():
-    assert offload_prompt_only(None) is False
+    assert offload_prompt_only(None) is True  # vLLM 0.34's native connector's default too
+    assert offload_prompt_only({"offload_prompt_only": False}) is False
     assert offload_prompt_only({"offload_prompt_only": True}) is True
     for bad in (1, "true", None, 0.0):
         with pytest.raises(ConnectorSetupError, match="offload_prompt_only must be true or false"):

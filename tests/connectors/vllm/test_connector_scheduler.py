@@ -292,8 +292,9 @@ def test_preemption_in_the_middle_of_stores_keeps_kv_exact(model_dir):
         if gate is not None:
             gate.open() if so.total_num_scheduled_tokens == 0 else gate.close()
 
-    rig = make_rig(model_dir, kvtier_config(cpu_blocks=64), num_blocks=10,
-                   max_num_batched_tokens=64, after_forward=release_when_blocked)
+    # decoded blocks stored too: their stores are the ones in flight at the preemption
+    rig = make_rig(model_dir, {**kvtier_config(cpu_blocks=64), "offload_prompt_only": False},
+                   num_blocks=10, max_num_batched_tokens=64, after_forward=release_when_blocked)
     gate = StoreGate(rig.workers[0])
     make = vh.RequestMaker(BS)
     reqs = [make(vh.random_tokens(40, seed=10 + i), max_tokens=60) for i in range(2)]

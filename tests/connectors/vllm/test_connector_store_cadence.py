@@ -27,6 +27,7 @@ DECODE_TOKENS = 90  # completes 5 more blocks while decoding
 def _run(model_dir, every: int, seed: int, requests: int = 3, stagger: int = 3):
     extra = kvtier_config(cpu_blocks=64)
     extra["store_every_steps"] = every
+    extra["offload_prompt_only"] = False  # decoded blocks are what goes on the cadence
     rig = make_rig(model_dir, extra, max_num_batched_tokens=256)
     make = vh.RequestMaker(BS)
     reqs = [make(vh.random_tokens(PROMPT_TOKENS + stagger * i, seed=seed + i),
