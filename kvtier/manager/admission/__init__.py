@@ -12,5 +12,5 @@ from kvtier.manager.admission.base import (
 )
 from kvtier.manager.admission import reuse_gate as _reuse_gate  # noqa: F401  (registers it)
 
-__all__ = ["AdmissionPolicy", "AdmitAll", "OffloadLimit", "SightingThreshold", "admission_names", "make_admission",
-           "register_admission"]
+__all__ = ["AdmissionPolicy", "AdmitAll", "OffloadLimit", "SightingThreshold", "admission_names",
+           "make_admission", "register_admission"]

@@ -26,12 +26,9 @@ CPU_BLOCKS = 8
 CONFIG = {**kvtier_config(cpu_blocks=CPU_BLOCKS), "offload_prompt_only": False}
 
 
-def test_a_full_tier_evicts_a_finished_chain_from_its_tail(model_dir):
-    rig = make_rig(model_dir, CONFIG, max_num_batched_tokens=256)
-    make = vh.RequestMaker(BS)
-    a = make(vh.random_tokens(4 * BS, seed=31), max_tokens=2 * BS + 8)  # 4 prompt + 2 decoded
-    rig.loop.add(a)
-    rig.loop.run_until_idle(max_steps=200)
+def assert_ranked_then_evicted_from_the_tail(rig, make, a, seed: int) -> None:
+    """``a``'s 6 blocks (4 prompt, 2 decoded) are all in the full tier, ranked head most
+    recent; another request's 4 blocks then evict the chain's last two, and only those."""
     chain = [bytes(h) for h in a.block_hashes][:6]
     tier = rig.side.manager.tier(Medium.CPU)
     assert all(tier.is_ready(k) for k in chain)
@@ -39,10 +36,19 @@ def test_a_full_tier_evicts_a_finished_chain_from_its_tail(model_dir):
     assert [order.index(k) for k in chain] == sorted((order.index(k) for k in chain),
                                                      reverse=True)  # head most recent
     # another request's 4 blocks need 2 of the 8 slots: the chain's last two go
-    b = make(vh.random_tokens(4 * BS, seed=32), max_tokens=2)
+    b = make(vh.random_tokens(4 * BS, seed=seed), max_tokens=2)
     rig.loop.add(b)
     rig.loop.run_until_idle(max_steps=200)
     assert [tier.is_ready(k) for k in chain] == [True] * 4 + [False] * 2
+
+
+def test_a_full_tier_evicts_a_finished_chain_from_its_tail(model_dir):
+    rig = make_rig(model_dir, CONFIG, max_num_batched_tokens=256)
+    make = vh.RequestMaker(BS)
+    a = make(vh.random_tokens(4 * BS, seed=31), max_tokens=2 * BS + 8)  # 4 prompt + 2 decoded
+    rig.loop.add(a)
+    rig.loop.run_until_idle(max_steps=200)
+    assert_ranked_then_evicted_from_the_tail(rig, make, a, seed=32)
     # the next turn of the first conversation still hits its first four blocks
     follow = make(list(a.all_token_ids) + vh.random_tokens(20, seed=33), max_tokens=2)
     assert rig.connector.get_num_new_matched_tokens(follow, 0) == (4 * BS, False)
@@ -70,16 +76,6 @@ def test_a_chain_whose_last_store_is_due_at_finish_is_ranked_after_it(model_dir)
     rig.loop.run_until_idle(max_steps=200)
     assert due_at_finish == [True]
     assert a.request_id not in side.tracks  # its stores settled
-    chain = [bytes(h) for h in a.block_hashes][:6]
-    tier = side.manager.tier(Medium.CPU)
-    assert all(tier.is_ready(k) for k in chain)
-    order = [bytes(k) for k in tier.policy.keys()]
-    assert [order.index(k) for k in chain] == sorted((order.index(k) for k in chain),
-                                                     reverse=True)  # head most recent
-    # another request's 4 blocks need 2 of the 8 slots: the chain's last two go
-    b = make(vh.random_tokens(4 * BS, seed=42), max_tokens=2)
-    rig.loop.add(b)
-    rig.loop.run_until_idle(max_steps=200)
-    assert [tier.is_ready(k) for k in chain] == [True] * 4 + [False] * 2
+    assert_ranked_then_evicted_from_the_tail(rig, make, a, seed=42)
     assert bad_checks(rig) == []
     rig.close()

@@ -136,12 +136,11 @@ class SchedulerSide:
         # Token ids and parents are only kept when some event stream publishes them
         self._describe = settings.vllm_kv_events or settings.config.events is not None
         self._stats = KVTierStats()
-        manager = self.manager
-        self.stores = StorePlanner(settings, self.keymap, manager, self.ledger, self._stats,
+        self.stores = StorePlanner(settings, self.keymap, self.manager, self.ledger, self._stats,
                                    self._remember if self._describe else None)
-        self.settler = JobSettler(manager, self.tracks, self.stores.released, self._stats)
+        self.settler = JobSettler(self.manager, self.tracks, self.stores.released, self._stats)
         self.observability = SchedulerObservability(
-            settings.config, manager, block_tokens=settings.block_tokens, block_bytes=bb,
+            settings.config, self.manager, block_tokens=settings.block_tokens, block_bytes=bb,
             metadata=self._events.metadata, wire_hash=self._events.wire_hash)
         log.info("kvtier: scheduler side ready: %d CPU blocks, %d disk blocks (%d restored), "
                  "%d B per block", settings.config.cpu_slots(bb),
