@@ -66,7 +66,9 @@ MEANINGS = {
                     "it must be a multiple of it (equal to it for hybrid models).",
     "gil_switch_interval_ms": "Python's GIL switch interval while kvtier runs in the process "
                               "(0 leaves Python's 5 ms); restored when kvtier closes. Short, so "
-                              "kvtier's threads get the GIL soon beside vLLM's busy engine loop.",
+                              "kvtier's threads get the GIL soon beside vLLM's busy engine loop. "
+                              "Without a disk or shared tier, Python's is put back while vLLM "
+                              "leaves requests waiting (a saturated engine).",
     "tiers.cpu.capacity": "Pool size per rank. Refused above the machine's physical memory.",
     "tiers.cpu.eviction": "Eviction policy.",
     "tiers.cpu.pin": "Pin the pool (page-locked) for fast GPU copies; null pins when CUDA is "

@@ -142,7 +142,9 @@ class WorkerRuntime:
             handlers += [CpuToRemoteHandler(pool, remote, write=rank == 0 or not replicated),
                          RemoteToCpuHandler(pool, remote)]
         rt = cls(geometry, pool, store, TransferEngine(handlers), remote, replica, host=host)
-        rt.switch = SwitchInterval(config.gil_switch_interval_ms)
+        # reads through this process's threads want the short interval even when saturated
+        rt.switch = SwitchInterval(config.gil_switch_interval_ms,
+                                   steady=config.disk is not None or config.remote is not None)
         return rt
 
     def disk_keys(self) -> list[bytes]:

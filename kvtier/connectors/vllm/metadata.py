@@ -97,6 +97,8 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     reports each in ``finished_sending`` once it has no store of it in flight.
     ``untaint``: requests a worker reported ``tainted`` that the scheduler has seen since
     (with vLLM's rewind of them): this step's stores of them were planned after it.
+    ``engine_saturated``: the scheduler left requests waiting in one of the last few steps;
+    the worker's runtime keeps Python's GIL switch interval meanwhile (runtime/gil.py).
     """
 
     loads: list[LoadJob] = field(default_factory=list)
@@ -106,6 +108,7 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     watch: tuple[str, ...] = ()
     step_tokens: int = 0  # tokens this step computes (workers time large forwards)
     untaint: tuple[str, ...] = ()
+    engine_saturated: bool = False
 
     def is_empty(self) -> bool:
         return not (self.loads or self.stores or self.background or self.flush or self.watch

@@ -95,6 +95,7 @@ class ConnectorSettings:
     # vLLM zeroes the new blocks of a synchronous hit in the worker after the connector's
     # load was enqueued (Mamba or mixed-precision caches): hits must load asynchronously
     zeroes_new_blocks: bool = False
+    max_num_seqs: int = 0  # vLLM's cap on running requests (0: not known)
 
     @property
     def fails_per_request(self) -> bool:
@@ -423,6 +424,8 @@ def derive_settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings
         state_layers=tuple(n for g in groups if is_state_spec(g.kv_cache_spec)
                            for n in g.layer_names),
         zeroes_new_blocks=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
+        max_num_seqs=int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs",
+                                 0) or 0),
     )
     config.check_block_bytes(settings.block_bytes)
     return settings

@@ -87,6 +87,8 @@ from kvtier.manager.specs import BlockKey, Medium
 
 log = logging.getLogger(__name__)
 
+SATURATION_HOLD_STEPS = 16  # steps a saturated engine counts as such after its last sign
+
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, handoff: WorkerHandoff) -> None:
@@ -124,6 +126,9 @@ class SchedulerSide:
         self._step_untaint: list[str] = []
         self._step_background: list[BackgroundJob] = []
         self._step_sync_bytes = 0  # CPU hits promised as synchronous loads this step
+        # requests looked up this step and not allocated (yet): at build_meta, left waiting
+        self._step_unadmitted: set[str] = set()
+        self._saturated_steps = 0  # steps the engine still counts as saturated
         self._recompute = RecomputeEstimate()
         # claim()'s bound on a hit whose last block is loaded whole
         self._whole_tail_max_bytes = settings.whole_tail_layer_bytes * max(1, settings.num_layers)
@@ -169,6 +174,12 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ loads
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        answer = self._lookup(request, num_computed_tokens)
+        if answer[0] is not None and not answer[1]:  # vLLM may allocate it in this step
+            self._step_unadmitted.add(request.request_id)
+        return answer
+
+    def _lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         began = time.perf_counter() if self._tl.enabled else 0.0  # the marks' "ms"
         self.fast.drop()  # one lookup -> plan pass at a time (fast_path)
         t = self.track(request)
@@ -231,6 +242,7 @@ class SchedulerSide:
         return claimed, not t.sync_load
 
     def plan_load(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._step_unadmitted.discard(request.request_id)  # allocated: vLLM admitted it
         if num_external_tokens <= 0:
             return
         t = self.track(request)
@@ -366,6 +378,7 @@ class SchedulerSide:
                 t.store_due = True
                 self._store_due.append(req_id)
         self._take_background()
+        saturated = self._saturated(len(so.num_scheduled_tokens))
         background, self._step_background = self._step_background, []
         self._step_sync_bytes = 0
         if self._tl.enabled and (self._step_loads or stores or background):
@@ -376,10 +389,24 @@ class SchedulerSide:
             watch=tuple(self._step_watch),
             step_tokens=int(getattr(so, "total_num_scheduled_tokens", 0) or 0),
             untaint=tuple(self._step_untaint),
+            engine_saturated=saturated,
         )
         self._step_loads, self._step_watch = [], []
         self._step_untaint = []
         return meta
+
+    def _saturated(self, running: int) -> bool:
+        """Whether the engine is saturated: in this step or one of the last
+        ``SATURATION_HOLD_STEPS`` vLLM left a request it looked up waiting (no room for it),
+        or ran as many requests as it may. Between such steps a saturated engine spends its
+        token budget on running requests and looks nothing up, hence the hold."""
+        cap = self.settings.max_num_seqs
+        if self._step_unadmitted or (cap and running >= cap):
+            self._step_unadmitted.clear()
+            self._saturated_steps = SATURATION_HOLD_STEPS
+        elif self._saturated_steps:
+            self._saturated_steps -= 1
+        return self._saturated_steps > 0
 
     def _take_due(self) -> list[str]:
         """The requests whose completed blocks are planned in this step: every due one each

@@ -242,6 +242,8 @@ class WorkerSide:
         self.start_up_over("first step")
         self._meta = meta
         self._loads_taken = self._saves_taken = False
+        if self.runtime is not None and self.runtime.switch is not None:
+            self.runtime.switch.engine_saturated(meta.engine_saturated)
         self._fences.begin_step()
         if self._forward is not None and not any(j.sync for j in meta.loads):
             self._forward.begin(meta.step_tokens)  # a fenced load would inflate the time
