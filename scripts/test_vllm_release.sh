@@ -51,6 +51,7 @@ SUITE=(
   tests/connectors/vllm/test_connector_hybrid_load_failure.py
   tests/connectors/vllm/test_connector_layer_fences.py
   tests/connectors/vllm/test_connector_contract.py
+  tests/connectors/vllm/test_connector_saturation.py
 )
 if [ "$VERSION" = 0.34.0 ]; then  # the native offloading manager it replays is 0.34's
   SUITE+=(tests/benchmarks/vllm034_policy_vs_native.py)
