@@ -5,7 +5,8 @@ after a blocking call (a disk read, an fsync, a socket) gets it only when the ho
 when the interpreter's switch interval (5 ms by default) runs out, and a disk read or write is
 a chain of such hand-offs, so beside a busy engine loop it takes many times as long as alone
 (figures: docs/design-measurements.md). The same holds for vLLM's own input and output threads
-under ``vllm serve``, so the runtime applies it with every tier configuration.
+under ``vllm serve``, so the runtime applies it with every tier configuration (with
+no disk or shared tier, only while the engine keeps up: below).
 
 A shorter interval only matters while some thread waits for the GIL (a lone thread is never
 interrupted), so it costs nothing while kvtier is idle. It is process-wide state: the runtime
