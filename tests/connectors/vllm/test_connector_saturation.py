@@ -32,7 +32,8 @@ def python_default():
 
 
 def _serve(model_dir, prompts: list[int], *, num_blocks: int, max_tokens: int, extra=None):
-    """Every step's (saturated flag, requests left waiting, interval in ms during its forward)."""
+    """Every step's (saturated flag, requests left waiting, interval in ms during its forward);
+    checks that vLLM's stats logger got one ``saturated_steps`` per saturated step."""
     seen: list[tuple[bool, int, float]] = []
 
     def during_forward(i, w, so):
@@ -44,7 +45,9 @@ def _serve(model_dir, prompts: list[int], *, num_blocks: int, max_tokens: int, e
     make = vh.RequestMaker(BS)
     rig.loop.add(*[make(vh.random_tokens(n, seed=300 + i), max_tokens=max_tokens)
                    for i, n in enumerate(prompts)])
-    rig.loop.run_until_idle(max_steps=600)
+    records = rig.loop.run_until_idle(max_steps=600)
+    logged = sum(d.get("saturated_steps", 0) for r in records for d in r.kv_connector_stats)
+    assert logged == sum(sat for sat, _, _ in seen)
     assert bad_checks(rig) == []
     vh.assert_no_leaks(rig.sched)
     return rig, seen

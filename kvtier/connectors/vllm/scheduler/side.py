@@ -406,6 +406,8 @@ class SchedulerSide:
             self._saturated_steps = SATURATION_HOLD_STEPS
         elif self._saturated_steps:
             self._saturated_steps -= 1
+        if self._saturated_steps:
+            self._stats.add("saturated_steps", 1)  # vLLM's "KV Transfer metrics" line
         return self._saturated_steps > 0
 
     def _take_due(self) -> list[str]:
